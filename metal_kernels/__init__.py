@@ -1,0 +1,46 @@
+"""The shared Metal kernel module of Comfy Metal.
+
+Every kernel has MSL entry points in a .metal file of this folder, a pure-torch reference with the
+public signature, and a registry entry (registry.py) tying them together. The public functions
+below run Metal on MPS tensors (after a one-time self-check) and the reference everywhere else;
+see dispatch.py for the backends and environment variables.
+
+Importing this package compiles nothing and touches no GPU.
+"""
+from __future__ import annotations
+
+from . import dispatch, probe
+from .registry import REGISTRY, KernelSpec, register
+
+# Domain modules register their kernels on import. Each adds its public functions to __all__.
+from .softmax import softmax  # noqa: E402
+
+__all__ = ["softmax", "status", "capabilities", "REGISTRY", "KernelSpec", "register"]
+
+
+def _domain(module_name: str) -> None:
+    """Import a domain module and re-export its public kernel functions."""
+    import importlib
+
+    module = importlib.import_module(f".{module_name}", __name__)
+    for name in getattr(module, "__all__", ()):
+        globals()[name] = getattr(module, name)
+        __all__.append(name)
+
+
+for _name in ("fp8", "linear", "sampling", "vae", "moe"):
+    import importlib.util as _ilu
+
+    if _ilu.find_spec(f".{_name}", __name__) is not None:
+        _domain(_name)
+
+capabilities = probe.capabilities
+
+
+def status(device=None) -> dict:
+    """Capability probe plus each kernel's backend and the reason for it (runs pending self-checks)."""
+    return {
+        "capabilities": probe.capabilities(),
+        "backend_setting": dispatch._env_backend(),
+        "kernels": dispatch.kernel_status(device),
+    }

@@ -1,0 +1,268 @@
+"""Pick Metal or the pure-torch reference for each call, compile the one shared library lazily,
+and self-check each kernel once against its reference before trusting it.
+
+Backends (COMFY_METAL_BACKEND):
+  auto (default)  Metal for MPS tensors once the library compiled and the kernel passed its
+                  self-check; the reference everywhere else (CPU, CUDA).
+  reference       the reference for every kernel.
+  emulator        CPU tensors run the real Metal kernels and launch code through the project's
+                  MSL emulator (clang-19); MPS tensors still use Metal.
+COMFY_METAL_REFERENCE=name,name (or "all") forces the reference for the named kernels.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import threading
+from typing import Any
+
+import torch
+
+from .registry import REGISTRY, KernelSpec
+
+log = logging.getLogger("comfy_metal")
+
+KERNEL_DIR = pathlib.Path(__file__).resolve().parent
+COMMON_SOURCE = "common.metal"
+
+_lock = threading.RLock()
+_libraries: dict[str, Any] = {}          # backend -> compiled library (or the exception that stopped it)
+_decisions: dict[tuple, tuple[str, str]] = {}
+_logged: set[tuple] = set()
+
+
+class MetalUnavailable(RuntimeError):
+    pass
+
+
+def metal_sources() -> list[pathlib.Path]:
+    """The .metal files of the shared library, in compile order (common.metal first)."""
+    files = sorted(KERNEL_DIR.glob("*.metal"))
+    files.sort(key=lambda p: (p.name != COMMON_SOURCE, p.name))
+    return files
+
+
+def library_source(only: str | None = None) -> str:
+    """The one MSL source string compiled for the shared library (or common + one file)."""
+    parts = []
+    for path in metal_sources():
+        if only is not None and path.name not in (COMMON_SOURCE, only):
+            continue
+        parts.append(f"// ---- {path.name} ----\n{path.read_text()}\n")
+    return "\n".join(parts)
+
+
+def _env_backend() -> str:
+    value = os.environ.get("COMFY_METAL_BACKEND", "auto").strip().lower() or "auto"
+    if value not in ("auto", "metal", "reference", "emulator"):
+        _log_once(("bad-backend", value), logging.WARNING,
+                  f"COMFY_METAL_BACKEND={value!r} is not one of auto, metal, reference, emulator; using auto")
+        return "auto"
+    return value
+
+
+def _forced_reference() -> set[str]:
+    raw = os.environ.get("COMFY_METAL_REFERENCE", "")
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+def _log_once(key, level, message):
+    if key not in _logged:
+        _logged.add(key)
+        log.log(level, message)
+
+
+def compile_library(backend: str, only: str | None = None):
+    """Compile (once per process and backend) the shared library. Raises MetalUnavailable."""
+    key = backend if only is None else f"{backend}:{only}"
+    with _lock:
+        if key in _libraries:
+            lib = _libraries[key]
+            if isinstance(lib, Exception):
+                raise lib
+            return lib
+        try:
+            src = library_source(only)
+            if backend == "metal":
+                if not (hasattr(torch, "mps") and hasattr(torch.mps, "compile_shader")):
+                    raise MetalUnavailable(f"torch {torch.__version__} has no torch.mps.compile_shader (needs 2.7+)")
+                try:
+                    lib = torch.mps.compile_shader(src)
+                except Exception as e:  # SyntaxError on compile errors, RuntimeError without a device
+                    raise MetalUnavailable(f"the Metal library failed to compile: {e}") from e
+            elif backend == "emulator":
+                from . import emulator
+
+                if not emulator.available():
+                    raise MetalUnavailable("the MSL emulator needs clang-19, which was not found")
+                try:
+                    lib = emulator.compile_library(src)
+                except Exception as e:
+                    raise MetalUnavailable(f"the Metal library failed to compile in the emulator: {e}") from e
+            else:
+                raise ValueError(backend)
+        except MetalUnavailable as e:
+            _libraries[key] = e
+            raise
+        _libraries[key] = lib
+        return lib
+
+
+def _library_for(spec: KernelSpec, backend: str):
+    """The whole library; if it does not compile, common + this kernel's own file, so one
+    broken file does not take every kernel down."""
+    try:
+        return compile_library(backend)
+    except MetalUnavailable as whole:
+        try:
+            return compile_library(backend, only=spec.source)
+        except MetalUnavailable:
+            raise whole from None
+
+
+def _as_float(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", torch.float32)
+    return x
+
+
+# (atol, rtol) floors for outputs stored in a low-precision dtype: one or two units in the last place.
+LOW_PRECISION_TOLERANCE = {torch.float16: (1e-3, 2e-3), torch.bfloat16: (8e-3, 1.6e-2)}
+
+
+def default_compare(spec: KernelSpec, got, want) -> str | None:
+    if isinstance(want, (tuple, list)):
+        if not isinstance(got, (tuple, list)) or len(got) != len(want):
+            return f"returned {type(got).__name__} of length {len(got) if hasattr(got, '__len__') else '?'}, expected {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            problem = default_compare(spec, g, w)
+            if problem:
+                return f"output {i}: {problem}"
+        return None
+    if not isinstance(want, torch.Tensor):
+        return None if got == want else f"got {got!r}, expected {want!r}"
+    if not isinstance(got, torch.Tensor):
+        return f"got {type(got).__name__}, expected a tensor"
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    if not want.is_floating_point():
+        bad = (got.cpu() != want.cpu())
+        return None if not bad.any() else f"{int(bad.sum())} of {bad.numel()} values differ"
+    g, w = _as_float(got), _as_float(want)
+    same_nan = torch.isnan(g) == torch.isnan(w)
+    if not bool(same_nan.all()):
+        return "NaN in different places"
+    atol, rtol = spec.atol, spec.rtol
+    if want.dtype in LOW_PRECISION_TOLERANCE:  # the output's own rounding bounds the agreement
+        atol, rtol = (max(t, floor) for t, floor in zip((atol, rtol), LOW_PRECISION_TOLERANCE[want.dtype]))
+    ok = torch.isclose(g, w, atol=atol, rtol=rtol, equal_nan=True)
+    if bool(ok.all()):
+        return None
+    err = (g - w).abs().nan_to_num(0).max().item()
+    return f"max abs error {err:.3g} exceeds atol={atol} rtol={rtol}"
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+def self_check(spec: KernelSpec, backend: str, device: torch.device) -> str | None:
+    """Run the kernel against its reference on small inputs. None if it agrees, else why not."""
+    lib = _library_for(spec, backend)
+    for i, (args, kwargs) in enumerate(spec.self_check_cases(device)):
+        want = spec.reference(*_to_cpu(args), **_to_cpu(kwargs))
+        got = _to_cpu(spec.metal(lib, *args, **kwargs))
+        problem = (spec.compare or (lambda g, w: default_compare(spec, g, w)))(got, want)
+        if problem:
+            return f"self-check case {i} failed: {problem}"
+    return None
+
+
+def _first_device(args, kwargs) -> torch.device:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    return b.device
+    return torch.device("cpu")
+
+
+def choose(spec: KernelSpec, device: torch.device) -> tuple[str, str]:
+    """(backend, reason) for `spec` on `device`: backend is metal, emulator or reference."""
+    env_backend = _env_backend()
+    forced = _forced_reference()
+    key = (spec.name, device.type, env_backend, frozenset(forced))
+    with _lock:
+        if key in _decisions:
+            return _decisions[key]
+        if env_backend == "reference" or "all" in forced or spec.name in forced:
+            decision = ("reference", "forced by COMFY_METAL_BACKEND/COMFY_METAL_REFERENCE")
+            level = logging.INFO
+        elif device.type == "mps" or (device.type == "cpu" and env_backend == "emulator"):
+            backend = "metal" if device.type == "mps" else "emulator"
+            try:
+                problem = self_check(spec, backend, device)
+            except MetalUnavailable as e:
+                problem = str(e)
+            except Exception as e:  # a launch that raises is a failed self-check, not a crash
+                problem = f"self-check raised {type(e).__name__}: {e}"
+            if problem is None:
+                decision = (backend, "passed its self-check")
+                level = logging.INFO
+            else:
+                decision = ("reference", problem)
+                level = logging.WARNING
+        else:
+            decision = ("reference", f"Metal runs only on MPS tensors (this call is on {device.type})")
+            level = logging.DEBUG
+        _decisions[key] = decision
+    backend, reason = decision
+    _log_once(key, level, f"comfy_metal: {spec.name} on {device.type} uses {backend}: {reason}")
+    return decision
+
+
+def call(spec: KernelSpec, args, kwargs):
+    device = _first_device(args, kwargs)
+    backend, _ = choose(spec, device)
+    last_backend[spec.name] = backend
+    if backend == "reference":
+        return spec.reference(*args, **kwargs)
+    return spec.metal(_library_for(spec, backend), *args, **kwargs)
+
+
+# The backend each kernel used on its last call (for node badges and run summaries).
+last_backend: dict[str, str] = {}
+
+
+def kernel_status(device: torch.device | str | None = None) -> dict[str, dict]:
+    """Each kernel's backend and reason on `device` (default: MPS if present, else CPU).
+    Runs the self-checks that have not run yet."""
+    from .probe import mps_available
+
+    if device is None:
+        device = "mps" if mps_available() else "cpu"
+    device = torch.device(device)
+    out = {}
+    for name, spec in sorted(REGISTRY.items()):
+        backend, reason = choose(spec, device)
+        out[name] = {"backend": backend, "reason": reason, "device": device.type,
+                     "entry_points": sorted(spec.entry_points), "source": spec.source}
+    return out
+
+
+def reset():
+    """Forget compiled libraries and decisions (tests)."""
+    with _lock:
+        _libraries.clear()
+        _decisions.clear()
+        _logged.clear()
+        last_backend.clear()

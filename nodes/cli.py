@@ -1,0 +1,103 @@
+"""Command line: `python -m comfy_metal doctor | bench | run`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import sys
+import time
+
+from .report import Table
+
+# Modules (in nodes/) that contribute bench tables: each has `bench(quick: bool) -> list[Table]`.
+BENCH_MODULES = ("bench_kernels", "bench_fp8", "bench_samplers", "bench_vae", "bench_moe")
+# Modules that contribute doctor stages: each has `doctor_stages() -> list[(name, callable)]`.
+DOCTOR_MODULES = ("doctor_pipeline",)
+
+
+def _modules(names):
+    for name in names:
+        if importlib.util.find_spec(f".{name}", __package__) is not None:
+            yield importlib.import_module(f".{name}", __package__)
+
+
+def doctor(args) -> int:
+    from .. import metal_kernels
+
+    status = metal_kernels.status()
+    report = {"status": status, "stages": []}
+    failed = False
+    for module in _modules(DOCTOR_MODULES):
+        for name, stage in module.doctor_stages(args):
+            t0 = time.perf_counter()
+            try:
+                detail = stage()
+                ok = True
+            except Exception as e:  # the report names the stage and the error; doctor never tracebacks
+                detail, ok = f"{type(e).__name__}: {e}", False
+            failed |= not ok
+            report["stages"].append({"stage": name, "ok": ok, "seconds": round(time.perf_counter() - t0, 3),
+                                     "detail": detail})
+    for name, k in status["kernels"].items():
+        if k["backend"] == "reference" and k["device"] == "mps":
+            failed = True
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, default=str)
+        print()
+        return 1 if failed else 0
+    caps = Table("Capabilities", ["probe", "value"])
+    for key, value in status["capabilities"].items():
+        caps.add(key, value)
+    print(caps.render() + "\n")
+    kt = Table(f"Kernels (COMFY_METAL_BACKEND={status['backend_setting']})", ["kernel", "device", "backend", "reason"])
+    for name, k in status["kernels"].items():
+        kt.add(name, k["device"], k["backend"], k["reason"])
+    print(kt.render() + "\n")
+    if report["stages"]:
+        st = Table("End-to-end pipeline on synthetic weights", ["stage", "ok", "seconds", "detail"])
+        for s in report["stages"]:
+            st.add(s["stage"], "yes" if s["ok"] else "NO", s["seconds"], s["detail"])
+        print(st.render())
+    return 1 if failed else 0
+
+
+def bench(args) -> int:
+    tables: list[Table] = []
+    for module in _modules(BENCH_MODULES):
+        if args.only and not any(o in module.__name__ for o in args.only):
+            continue
+        for table in module.bench(quick=args.quick):
+            print(table.render() + "\n", flush=True)
+            tables.append(table)
+    if args.json:
+        import platform
+
+        import torch
+
+        with open(args.json, "w") as f:
+            json.dump({"machine": platform.platform(), "torch": torch.__version__,
+                       "tables": [t.to_json() for t in tables]}, f, indent=2, default=str)
+        print(f"saved {len(tables)} tables to {args.json}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m comfy_metal")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("doctor", help="capability report, kernel self-checks and a tiny end-to-end pipeline")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--out", default="comfy-metal-doctor", help="folder for the pipeline's PNG")
+    p.set_defaults(fn=doctor)
+    p = sub.add_parser("bench", help="print benchmark tables")
+    p.add_argument("--quick", action="store_true", help="small sizes only")
+    p.add_argument("--only", nargs="*", help="only bench modules whose name contains one of these")
+    p.add_argument("--json", metavar="FILE", help="also save the tables as JSON")
+    p.set_defaults(fn=bench)
+    for module in _modules(("run_workflow",)):
+        module.add_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.command != "doctor" or not args.json else logging.WARNING,
+                        format="%(message)s", stream=sys.stderr)
+    return args.fn(args)

@@ -1,0 +1,37 @@
+"""Test setup: import the repository root as the package `comfy_metal` (installed or not).
+
+tests/ is deliberately not a package: pytest puts this folder on sys.path, so shared test helpers
+are plain modules (`import sync_count`, `import comfyui_env`), and the repo root's __init__.py
+is only ever imported under the name `comfy_metal`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _map_repo_to_package() -> None:
+    existing = sys.modules.get("comfy_metal")
+    if existing is not None:
+        return
+    found = importlib.util.find_spec("comfy_metal")
+    if found is not None and found.submodule_search_locations and \
+            pathlib.Path(list(found.submodule_search_locations)[0]).resolve() == ROOT:
+        return  # installed (editable) from this checkout
+    spec = importlib.util.spec_from_file_location(
+        "comfy_metal", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["comfy_metal"] = module
+    spec.loader.exec_module(module)
+
+
+_map_repo_to_package()
+
+try:
+    from comfyui_fixtures import *  # noqa: F401,F403  (fixtures `comfyui`, `comfyui_path`)
+except ImportError as e:  # only while that module does not exist yet
+    if "comfyui_fixtures" not in str(e):
+        raise

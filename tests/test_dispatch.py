@@ -1,0 +1,102 @@
+"""The dispatch layer: backend choice, forced reference, self-check and its log line."""
+import logging
+
+import pytest
+import torch
+
+from comfy_metal import metal_kernels
+from comfy_metal.metal_kernels import dispatch, registry
+
+
+@pytest.fixture(autouse=True)
+def fresh_dispatch(monkeypatch):
+    monkeypatch.delenv("COMFY_METAL_BACKEND", raising=False)
+    monkeypatch.delenv("COMFY_METAL_REFERENCE", raising=False)
+    dispatch.reset()
+    yield
+    dispatch.reset()
+
+
+def test_cpu_takes_the_reference_and_says_why():
+    x = torch.randn(3, 7)
+    y = metal_kernels.softmax(x)
+    assert torch.allclose(y, torch.softmax(x, -1), atol=1e-6)
+    backend, reason = dispatch.choose(registry.REGISTRY["softmax"], torch.device("cpu"))
+    assert backend == "reference" and "only on MPS" in reason
+
+
+def test_forced_reference_is_reported(monkeypatch, caplog):
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+    monkeypatch.setenv("COMFY_METAL_REFERENCE", "softmax")
+    with caplog.at_level(logging.INFO, logger="comfy_metal"):
+        metal_kernels.softmax(torch.randn(2, 5))
+        metal_kernels.softmax(torch.randn(2, 5))
+    assert dispatch.last_backend["softmax"] == "reference"
+    lines = [r.getMessage() for r in caplog.records if "softmax" in r.getMessage()]
+    assert len(lines) == 1 and "forced" in lines[0]
+
+
+def _broken_spec(name, metal):
+    return registry.KernelSpec(
+        name=name, source="softmax.metal", entry_points={"softmax_rows_float": ("tensor", "tensor", "int", "float")},
+        reference=lambda x: x * 2, metal=metal, self_check_cases=lambda d: [((torch.ones(3, device=d),), {})])
+
+
+def test_failed_self_check_falls_back_with_one_warning(monkeypatch, caplog):
+    """A kernel whose Metal result disagrees with its reference is never used."""
+    monkeypatch.setattr(dispatch, "_library_for", lambda spec, backend: object())
+    spec = _broken_spec("broken_double", lambda lib, x: x * 3)
+    monkeypatch.setitem(registry.REGISTRY, spec.name, spec)
+    with caplog.at_level(logging.WARNING, logger="comfy_metal"):
+        monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+        out = dispatch.call(spec, (torch.ones(4),), {})
+        dispatch.call(spec, (torch.ones(4),), {})
+    assert torch.equal(out, torch.full((4,), 2.0))
+    warnings = [r.getMessage() for r in caplog.records if "broken_double" in r.getMessage()]
+    assert len(warnings) == 1 and "self-check case 0 failed" in warnings[0]
+
+
+def test_compile_failure_falls_back(monkeypatch):
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+
+    def no_library(backend, only=None):
+        raise dispatch.MetalUnavailable("the Metal library failed to compile: line 3: expected ';'")
+
+    monkeypatch.setattr(dispatch, "compile_library", no_library)
+    x = torch.randn(2, 9)
+    assert torch.allclose(metal_kernels.softmax(x), torch.softmax(x, -1), atol=1e-6)
+    backend, reason = dispatch.choose(registry.REGISTRY["softmax"], torch.device("cpu"))
+    assert backend == "reference" and "failed to compile" in reason
+
+
+def test_raising_launch_is_a_failed_self_check(monkeypatch):
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+    monkeypatch.setattr(dispatch, "_library_for", lambda spec, backend: object())
+
+    def explode(lib, x):
+        raise RuntimeError("threads must be positive")
+
+    spec = _broken_spec("exploding", explode)
+    monkeypatch.setitem(registry.REGISTRY, spec.name, spec)
+    backend, reason = dispatch.choose(spec, torch.device("cpu"))
+    assert backend == "reference" and "RuntimeError" in reason
+
+
+def test_status_lists_every_kernel_with_backend_and_reason():
+    st = metal_kernels.status("cpu")
+    assert set(st["kernels"]) == set(registry.REGISTRY)
+    for k in st["kernels"].values():
+        assert k["backend"] in ("metal", "emulator", "reference") and k["reason"]
+    caps = st["capabilities"]
+    for key in ("torch", "mps_available", "native_fp8_e4m3fn_on_mps", "F.scaled_mm", "torch.mps.compile_shader"):
+        assert key in caps
+
+
+def test_library_source_puts_common_first_and_includes_every_file():
+    names = [p.name for p in dispatch.metal_sources()]
+    assert "softmax.metal" in names
+    if "common.metal" in names:
+        assert names[0] == "common.metal"
+    src = dispatch.library_source()
+    for n in names:
+        assert f"---- {n} ----" in src
