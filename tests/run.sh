@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Set up a fresh machine and run the test suite: `bash tests/run.sh [pytest args]`.
+# Debian/Ubuntu (as root or with sudo): installs clang-19 for the MSL emulator and torch 2.13 CPU.
+# macOS: uses the torch you have (MPS build from PyPI) and clang-19 from Homebrew's llvm@19 if present.
+# ComfyUI integration tests run when COMFYUI_PATH names a ComfyUI checkout; otherwise they are skipped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if ! command -v clang-19 >/dev/null 2>&1; then
+  if [ "$(uname -s)" = "Linux" ] && command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq clang-19 >/dev/null
+  elif [ "$(uname -s)" = "Darwin" ] && command -v brew >/dev/null 2>&1; then
+    brew list llvm@19 >/dev/null 2>&1 || brew install llvm@19
+    export PATH="$(brew --prefix llvm@19)/bin:$PATH"
+    [ -e "$(brew --prefix llvm@19)/bin/clang-19" ] || export COMFY_METAL_CLANG="$(brew --prefix llvm@19)/bin/clang"
+  fi
+fi
+
+PIN=$(mktemp)
+if [ "$(uname -s)" = "Linux" ]; then
+  # A CPU torch: an unpinned torch would pull a multi-GB CUDA build.
+  echo "torch==2.13.0" > "$PIN"
+  $PY -m pip install -q "torch==2.13.0"
+fi
+$PY -m pip install -q -c "$PIN" -e ".[test]"
+rm -f "$PIN"
+
+set +e
+$PY -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" = 5 ]; then
+  echo "pytest collected no tests: that is a failure here" >&2
+  exit 1
+fi
+exit "$rc"
