@@ -13,7 +13,8 @@ Three pieces, all calling ComfyUI's own code (nothing of ComfyUI is copied here)
   temporary too).
 
 torchvision/torchaudio are not installed on the test machine: the import-only stubs in
-tests/comfy_stubs/ are put on sys.path / PYTHONPATH here, and only here.
+tests/comfy_stubs/ are put on sys.path / PYTHONPATH here, and only here, and only for a package
+that is not really installed (a real torchvision/torchaudio is never shadowed).
 
 Plain module (tests/ is on sys.path, not a package): `import comfyui_env`.
 """
@@ -23,6 +24,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -95,12 +97,41 @@ def make_pack_link(parent: pathlib.Path, name: str = PACK_LINK_NAME) -> pathlib.
     return link
 
 
+STUBBED_PACKAGES = ("torchvision", "torchaudio")
+
+
+def _really_installed(name: str) -> bool:
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return False
+    locations = list(spec.submodule_search_locations or []) + [spec.origin or ""]
+    return not any(loc and pathlib.Path(loc).resolve().is_relative_to(STUBS_DIR) for loc in locations)
+
+
+def stubs_path() -> pathlib.Path | None:
+    """A directory holding the stubs of those STUBBED_PACKAGES that are not really installed.
+
+    None when all are installed (then no stub may shadow them); STUBS_DIR when none is (this
+    machine); else a temp dir of symlinks to just the missing ones.
+    """
+    missing = [n for n in STUBBED_PACKAGES if not _really_installed(n)]
+    if not missing:
+        return None
+    if len(missing) == len(STUBBED_PACKAGES):
+        return STUBS_DIR
+    d = pathlib.Path(tempfile.mkdtemp(prefix="comfy-stubs-"))
+    for name in (*missing, "_comfy_stub_util.py"):
+        (d / name).symlink_to(STUBS_DIR / name)
+    return d
+
+
 def comfy_subprocess_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """os.environ plus the stubs on PYTHONPATH (after anything already there)."""
+    """os.environ plus the needed stubs (see stubs_path) on PYTHONPATH, after anything already there."""
     env = dict(os.environ)
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(STUBS_DIR) not in parts:
-        parts.append(str(STUBS_DIR))
+    stubs = stubs_path()
+    if stubs is not None and str(stubs) not in parts:
+        parts.append(str(stubs))
     env["PYTHONPATH"] = os.pathsep.join(parts)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub from a test
@@ -351,9 +382,11 @@ class ComfyUIHarness:
         t0 = time.monotonic()
         for d in ("models", "input", "output", "temp", "user", "custom_nodes"):
             (self.base_dir / d).mkdir(parents=True, exist_ok=True)
-        for p in (str(STUBS_DIR), str(self.comfyui_path)):
-            if p not in sys.path:
-                sys.path.insert(0, p)
+        if str(self.comfyui_path) not in sys.path:
+            sys.path.insert(0, str(self.comfyui_path))  # ComfyUI's top-level modules: nodes, server, ...
+        # Last on sys.path: a really installed torchvision/torchaudio always wins over a stub.
+        if str(STUBS_DIR) not in sys.path:
+            sys.path.append(str(STUBS_DIR))
 
         self._parse_args()
 
