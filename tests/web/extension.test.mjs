@@ -1,0 +1,113 @@
+// The extension entry (web/comfy_metal.js) against fake ComfyUI `app`/`api` modules: it is copied
+// into a temporary tree shaped like ComfyUI's served paths (/extensions/<pack>/, /scripts/).
+import assert from "node:assert/strict";
+import { cp, mkdir, mkdtemp, writeFile } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import path from "node:path";
+import { test } from "node:test";
+import { fileURLToPath, pathToFileURL } from "node:url";
+
+const WEB = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "../../web");
+
+const FAKE_APP = `
+export const app = {
+  extensions: [],
+  dirty: 0,
+  graph: { setDirtyCanvas() { app.dirty += 1; } },
+  sidebarTabs: [],
+  extensionManager: { registerSidebarTab(tab) { app.sidebarTabs.push(tab); } },
+  registerExtension(ext) { this.extensions.push(ext); },
+};
+`;
+const FAKE_API = `
+export const api = new EventTarget();
+api.requests = [];
+api.responses = {};
+api.fetchApi = async (route, options = {}) => {
+  api.requests.push({ route, options });
+  const body = api.responses[route] ?? { error: "no fake response" };
+  return { ok: !body.error, status: body.error ? 500 : 200, json: async () => body };
+};
+api.emit = (type, detail) => api.dispatchEvent(new CustomEvent(type, { detail }));
+`;
+
+async function loadExtension() {
+  const root = await mkdtemp(path.join(tmpdir(), "comfy-metal-web-"));
+  await mkdir(path.join(root, "scripts"), { recursive: true });
+  await writeFile(path.join(root, "scripts", "app.js"), FAKE_APP);
+  await writeFile(path.join(root, "scripts", "api.js"), FAKE_API);
+  await writeFile(path.join(root, "package.json"), JSON.stringify({ type: "module" }));
+  const ext = path.join(root, "extensions", "comfy-metal");
+  await cp(WEB, ext, { recursive: true });
+  const { app } = await import(pathToFileURL(path.join(root, "scripts", "app.js")).href);
+  const { api } = await import(pathToFileURL(path.join(root, "scripts", "api.js")).href);
+  api.responses["/comfy_metal/status"] = {
+    capabilities: { mps_available: false }, backend_setting: "auto", force_reference: false,
+    kernels: { softmax: { backend: "reference", reason: "cpu", device: "cpu" } }, last_backend: {},
+    node_backends: { MetalLoader: { node_id: null, node_class: "MetalLoader", backend: "metal", kernels: {}, time: 1 } },
+    memory: { device: "cpu", in_use: 1, recommended_max: 2 },
+  };
+  api.responses["/comfy_metal/settings"] = { force_reference: true, backend_setting: "reference" };
+  await import(pathToFileURL(path.join(ext, "comfy_metal.js")).href);
+  return { app, api };
+}
+
+const tick = () => new Promise((r) => setImmediate(r));
+
+test("extension registers, badges pack nodes from events, and posts the setting", async () => {
+  const { app, api } = await loadExtension();
+  assert.equal(app.extensions.length, 1);
+  const ext = app.extensions[0];
+  assert.equal(ext.name, "comfy_metal.status");
+  const setting = ext.settings.find((s) => s.id === "ComfyMetal.ForceReference");
+  assert.equal(setting.name, "Comfy Metal: force reference kernels");
+  assert.equal(setting.type, "boolean");
+
+  await ext.setup();
+  await tick();
+  assert.equal(app.sidebarTabs.length, 1);
+  assert.equal(app.sidebarTabs[0].type, "custom");
+  assert.equal(typeof app.sidebarTabs[0].render, "function");
+  assert.ok(api.requests.some((r) => r.route === "/comfy_metal/status"));
+
+  // Only pack nodes get a badge; it is empty until the node ran.
+  const sampler = { id: 7, comfyClass: "MetalKSampler", badges: [] };
+  const core = { id: 8, comfyClass: "KSampler", badges: [] };
+  const loader = { id: 9, comfyClass: "MetalLoader", badges: [] };
+  ext.nodeCreated(sampler);
+  ext.nodeCreated(core);
+  ext.nodeCreated(loader);
+  assert.equal(core.badges.length, 0);
+  assert.equal(sampler.badges.length, 1);
+  assert.equal(sampler.badges[0]().visible, false);
+  // seeded from the status route's class-only record
+  assert.equal(loader.badges[0]().text, "Metal");
+
+  const dirty = app.dirty;
+  api.emit("comfy_metal.backend", { node_id: "7", node_class: "MetalKSampler", backend: "reference",
+    reason: "forced by COMFY_METAL_BACKEND/COMFY_METAL_REFERENCE", kernels: {}, time: 2 });
+  const badge = sampler.badges[0]();
+  assert.equal(badge.text, "Reference");
+  assert.match(badge.tooltip, /forced by COMFY_METAL_BACKEND/);
+  assert.ok(app.dirty > dirty);
+
+  // Memory is polled while a prompt runs, and not after it finished.
+  api.responses["/comfy_metal/memory"] = { device: "cpu", in_use: 5, recommended_max: 10 };
+  const before = api.requests.filter((r) => r.route === "/comfy_metal/memory").length;
+  api.emit("execution_start", { prompt_id: "p" });
+  await tick();
+  assert.equal(api.requests.filter((r) => r.route === "/comfy_metal/memory").length, before + 1);
+  api.emit("execution_success", { prompt_id: "p" });
+  assert.equal(globalThis.comfyMetal.poller.running, false);
+
+  // The stored "off" at page load is not sent; switching on is.
+  setting.onChange(false, undefined);
+  await tick();
+  assert.equal(api.requests.filter((r) => r.route === "/comfy_metal/settings").length, 0);
+  setting.onChange(true, false);
+  await tick();
+  const posts = api.requests.filter((r) => r.route === "/comfy_metal/settings");
+  assert.equal(posts.length, 1);
+  assert.equal(posts[0].options.method, "POST");
+  assert.deepEqual(JSON.parse(posts[0].options.body), { force_reference: true });
+});

@@ -1,0 +1,200 @@
+// node --test tests/web   (node >= 20; run from pytest by tests/test_web_logic.py)
+import assert from "node:assert/strict";
+import { test } from "node:test";
+
+import {
+  BACKEND_STYLES, TextBadge, applyBackendRecord, applyStatusNodes, badgeFor, badgeForNode,
+  capabilityRows, createBackendState, createPoller, escapeHtml, formatBytes, isPackNode,
+  kernelRows, memoryBar, memoryBarHTML, recordForNode, renderStatusHTML, statusSummary,
+} from "../../web/lib/status_model.js";
+
+// Shaped like nodes/status.py's record_node_backend() output.
+const refRecord = {
+  node_id: "7", node_class: "MetalKSampler", backend: "reference",
+  reason: "Metal runs only on MPS tensors (this call is on cpu)",
+  kernels: { sampler_step: { backend: "reference", reason: "Metal runs only on MPS tensors (this call is on cpu)", device: "cpu" } },
+  time: 10,
+};
+const metalRecord = {
+  node_id: "3", node_class: "MetalVAEDecodeTiled", backend: "metal", reason: "every kernel passed its self-check",
+  kernels: { vae_conv: { backend: "metal", reason: "passed its self-check", device: "mps" } }, time: 11,
+};
+
+test("pack nodes are recognised by the Metal prefix only", () => {
+  assert.equal(isPackNode("MetalKSampler"), true);
+  assert.equal(isPackNode("KSampler"), false);
+  assert.equal(isPackNode("metalish"), false);
+  assert.equal(isPackNode(undefined), false);
+});
+
+test("badge text, colour and tooltip follow the record", () => {
+  const m = badgeFor(metalRecord);
+  assert.equal(m.text, "Metal");
+  assert.equal(m.bgColor, BACKEND_STYLES.metal.bgColor);
+  const r = badgeFor(refRecord);
+  assert.equal(r.text, "Reference");
+  assert.notEqual(r.bgColor, m.bgColor);
+  assert.match(r.tooltip, /Last run: Reference/);
+  assert.match(r.tooltip, /sampler_step: reference on cpu \(Metal runs only on MPS/);
+  assert.equal(badgeFor(null), null);
+  assert.equal(badgeFor({ node_class: "MetalX" }), null);
+  assert.equal(badgeFor({ backend: "mixed", reason: "reference for a: x" }).text, "Mixed");
+  assert.equal(badgeFor({ backend: "weird" }).text, "weird");
+});
+
+test("records are found by node id, class-only records by class", () => {
+  const s = createBackendState();
+  assert.equal(applyBackendRecord(s, refRecord), true);
+  assert.equal(applyBackendRecord(s, { nonsense: 1 }), false);
+  assert.equal(recordForNode(s, 7, "MetalKSampler"), refRecord);
+  assert.equal(recordForNode(s, "7", "MetalKSampler"), refRecord);
+  // another node of the same class that has not run has no badge (the record names node 7)
+  assert.equal(recordForNode(s, 8, "MetalKSampler"), null);
+  // a stale id now holding another class does not borrow the record
+  assert.equal(recordForNode(s, 7, "MetalOther"), null);
+  const classOnly = { node_id: null, node_class: "MetalLoader", backend: "metal", kernels: {} };
+  applyBackendRecord(s, classOnly);
+  assert.equal(recordForNode(s, 99, "MetalLoader"), classOnly);
+  const badge = badgeForNode(s, 99, "MetalLoader");
+  assert.ok(badge instanceof TextBadge);
+  assert.equal(badge.text, "Metal");
+  assert.equal(badgeForNode(s, 1, "MetalNothing").visible, false);
+});
+
+test("status node_backends seed the state oldest first", () => {
+  const s = createBackendState();
+  const older = { ...refRecord, backend: "metal", time: 1 };
+  const n = applyStatusNodes(s, { node_backends: { a: refRecord, b: older } });
+  assert.equal(n, 2);
+  assert.equal(recordForNode(s, "7", "MetalKSampler").backend, "reference");
+  assert.equal(applyStatusNodes(s, {}), 0);
+});
+
+test("bytes format like nodes/report.py human_bytes", () => {
+  assert.equal(formatBytes(512), "512 B");
+  assert.equal(formatBytes(1536), "1.5 KiB");
+  assert.equal(formatBytes(21.5 * 1024 ** 3), "21.5 GiB");
+  assert.equal(formatBytes(null), "n/a");
+  assert.equal(formatBytes("x"), "n/a");
+});
+
+test("memory bar fraction, level and label", () => {
+  const gib = 1024 ** 3;
+  const ok = memoryBar({ device: "mps", in_use: 4 * gib, recommended_max: 16 * gib, driver_allocated: 5 * gib });
+  assert.equal(ok.fraction, 0.25);
+  assert.equal(ok.level, "ok");
+  assert.equal(ok.label, "mps: 4.0 GiB of 16.0 GiB recommended max (25%), driver 5.0 GiB");
+  assert.equal(memoryBar({ device: "mps", in_use: 12 * gib, recommended_max: 16 * gib }).level, "warn");
+  assert.equal(memoryBar({ device: "mps", in_use: 15 * gib, recommended_max: 16 * gib }).level, "high");
+  const over = memoryBar({ device: "cuda", in_use: 20 * gib, recommended_max: 16 * gib });
+  assert.equal(over.fraction, 1);
+  assert.match(over.label, /\(125%\)/);
+  assert.deepEqual(memoryBar({ device: "cpu", in_use: null }), { fraction: null, label: "cpu: memory unknown", level: "unknown" });
+  assert.equal(memoryBar({ device: "cpu", in_use: 1024, recommended_max: null }).label, "cpu: 1.0 KiB in use");
+  assert.match(memoryBarHTML({ device: "mps", in_use: 1, recommended_max: 4 }), /width:25%/);
+});
+
+test("capability and kernel rows", () => {
+  assert.deepEqual(capabilityRows({ mps_available: false, torch: "2.13.0", mps_recommended_max_memory: null }),
+    [["mps_available", "no"], ["torch", "2.13.0"], ["mps_recommended_max_memory", "n/a"]]);
+  const rows = kernelRows({ softmax: { backend: "metal", device: "mps", reason: "passed" }, a: { backend: "reference" } });
+  assert.deepEqual(rows.map((r) => r.name), ["a", "softmax"]);
+  assert.equal(rows[1].label, "Metal");
+  assert.equal(rows[0].reason, "");
+});
+
+test("status summary counts Metal kernels", () => {
+  assert.equal(statusSummary({ kernels: {} }), "No kernels registered");
+  assert.equal(statusSummary({ kernels: { a: { backend: "metal" }, b: { backend: "metal" } } }), "All 2 kernels on Metal");
+  assert.equal(statusSummary({ kernels: { a: { backend: "metal" }, b: { backend: "reference" } } }), "1 of 2 kernels on Metal");
+  assert.equal(statusSummary({ kernels: { a: { backend: "reference" } }, force_reference: true }),
+    "All 1 kernels on the reference (reference forced)");
+  assert.equal(statusSummary({ kernels: { a: { backend: "emulator" } } }), "All 1 kernels on Metal/emulator");
+});
+
+test("panel HTML shows kernels, nodes, capabilities and escapes text", () => {
+  const html = renderStatusHTML({
+    capabilities: { mps_available: false, "<b>": "<script>" },
+    backend_setting: "auto",
+    kernels: { softmax: { backend: "reference", device: "cpu", reason: "Metal runs only on MPS tensors (<cpu>)" } },
+    node_backends: { 7: refRecord },
+    memory: { device: "cpu", in_use: 1024, recommended_max: 4096 },
+  });
+  assert.match(html, /All 1 kernels on the reference/);
+  assert.match(html, /softmax/);
+  assert.match(html, /MetalKSampler/);
+  assert.match(html, /\(&lt;cpu&gt;\)/);
+  assert.match(html, /&lt;script&gt;/);
+  assert.doesNotMatch(html, /<script>/);
+  assert.match(html, /width:25%/);
+  assert.match(renderStatusHTML({ error: "boom <x>" }), /Status unavailable: boom &lt;x&gt;/);
+  assert.match(renderStatusHTML(null), /Loading/);
+  assert.equal(escapeHtml(`a&"'`), "a&amp;&quot;&#39;");
+});
+
+function fakeCtx() {
+  const calls = [];
+  return {
+    calls, font: "10px serif", fillStyle: "#000", textBaseline: "alphabetic", textAlign: "start",
+    measureText(t) { return { width: t.length * 6 }; },
+    beginPath() { calls.push(["beginPath"]); },
+    roundRect(...a) { calls.push(["roundRect", ...a]); },
+    rect(...a) { calls.push(["rect", ...a]); },
+    fill() { calls.push(["fill", this.fillStyle]); },
+    fillText(t, x, y) { calls.push(["fillText", t, x, y, this.fillStyle]); },
+  };
+}
+
+test("TextBadge draws like an LGraphBadge and restores the context", () => {
+  const ctx = fakeCtx();
+  const b = new TextBadge({ text: "Metal", fgColor: "#fff", bgColor: "#2e7d32", padding: 5, height: 18 });
+  assert.equal(b.visible, true);
+  assert.equal(b.getWidth(ctx), 5 * 6 + 10);
+  b.draw(ctx, 100, -25);
+  assert.deepEqual(ctx.calls.find((c) => c[0] === "roundRect"), ["roundRect", 100, -25, 40, 18, 4]);
+  assert.deepEqual(ctx.calls.find((c) => c[0] === "fill"), ["fill", "#2e7d32"]);
+  assert.deepEqual(ctx.calls.find((c) => c[0] === "fillText"), ["fillText", "Metal", 105, -15, "#fff"]);
+  assert.equal(ctx.font, "10px serif");
+  assert.equal(ctx.fillStyle, "#000");
+  assert.deepEqual(b.boundingRect, [100, -25, 40, 18]);
+  const empty = new TextBadge({ text: "" });
+  assert.equal(empty.visible, false);
+  assert.equal(empty.getWidth(ctx), 0);
+  const before = ctx.calls.length;
+  empty.draw(ctx, 0, 0);
+  assert.equal(ctx.calls.length, before);
+});
+
+test("poller fetches while running, stops cleanly and reports errors", async () => {
+  const timers = [];
+  const setTimer = (fn) => { timers.push(fn); return timers.length; };
+  const cleared = [];
+  const clearTimer = (id) => cleared.push(id);
+  const seen = [];
+  const errors = [];
+  let n = 0;
+  const poller = createPoller({
+    fetchMemory: async () => { n += 1; if (n === 2) throw new Error("down"); return { in_use: n }; },
+    onUpdate: (m) => seen.push(m.in_use), onError: (e) => errors.push(e.message), setTimer, clearTimer,
+  });
+  assert.equal(poller.start(), true);
+  assert.equal(poller.start(), false);
+  await new Promise((r) => setImmediate(r));
+  assert.deepEqual(seen, [1]);
+  timers.shift()();
+  await new Promise((r) => setImmediate(r));
+  assert.deepEqual(errors, ["down"]);
+  timers.shift()();
+  await new Promise((r) => setImmediate(r));
+  assert.deepEqual(seen, [1, 3]);
+  assert.equal(poller.stop(), true);
+  assert.equal(poller.running, false);
+  assert.equal(cleared.length, 1);
+  assert.equal(poller.stop(), false);
+  // a tick scheduled before stop() does nothing afterwards
+  const pending = timers.shift();
+  pending?.();
+  await new Promise((r) => setImmediate(r));
+  assert.deepEqual(seen, [1, 3]);
+  assert.equal(n, 3);
+});

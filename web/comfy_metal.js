@@ -1,0 +1,245 @@
+// Comfy Metal in the ComfyUI frontend:
+//  * a badge on each of the pack's nodes (class names starting with "Metal") with the backend its
+//    kernels used on the last run: Metal, Emulator, Reference (click it for the reason), Mixed;
+//  * a "Metal" sidebar tab (or a floating panel on frontends without sidebar tabs) with the
+//    capability probe, each kernel's backend and why, the last node runs, and device memory in use
+//    against the recommended maximum (polled while a prompt runs);
+//  * the setting "Comfy Metal: force reference kernels" (POST /comfy_metal/settings, this server
+//    process only).
+// Data: GET /comfy_metal/status, GET /comfy_metal/memory, websocket event "comfy_metal.backend".
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+import {
+  BACKEND_EVENT, ROUTES, applyBackendRecord, applyStatusNodes, badgeFor, badgeForNode,
+  createBackendState, createPoller, isPackNode, memoryBarHTML, recordForNode, renderStatusHTML,
+} from "./lib/status_model.js";
+
+const SETTING_ID = "ComfyMetal.ForceReference";
+const state = createBackendState();
+let lastStatus = null;
+let lastMemory = null;
+const panels = new Set();
+
+async function getJSON(route, options) {
+  const res = await api.fetchApi(route, options);
+  let body = null;
+  try {
+    body = await res.json();
+  } catch {
+    body = null;
+  }
+  if (!res.ok) throw new Error(body?.error ?? `${route}: HTTP ${res.status}`);
+  return body;
+}
+
+function redrawCanvas() {
+  app.graph?.setDirtyCanvas?.(true, false);
+  app.canvas?.setDirty?.(true, false);
+}
+
+function renderPanels() {
+  for (const el of [...panels]) {
+    if (!el.isConnected) {
+      panels.delete(el);
+      continue;
+    }
+    const status = lastStatus && lastMemory && !lastStatus.error ? { ...lastStatus, memory: lastMemory } : lastStatus;
+    el.querySelector(".comfy-metal-body").innerHTML = renderStatusHTML(status);
+  }
+}
+
+function renderMemory() {
+  for (const el of panels) {
+    const mem = el.querySelector(".comfy-metal-memory");
+    if (mem && lastMemory) mem.outerHTML = memoryBarHTML(lastMemory);
+  }
+}
+
+async function refreshStatus() {
+  try {
+    lastStatus = await getJSON(ROUTES.status);
+    lastMemory = lastStatus.memory ?? lastMemory;
+    applyStatusNodes(state, lastStatus);
+    redrawCanvas();
+  } catch (err) {
+    lastStatus = { error: String(err?.message ?? err) };
+  }
+  renderPanels();
+  return lastStatus;
+}
+
+const poller = createPoller({
+  fetchMemory: () => getJSON(ROUTES.memory),
+  onUpdate: (memory) => {
+    lastMemory = memory;
+    renderMemory();
+  },
+  onError: (err) => console.warn("[comfy_metal] memory poll failed:", err),
+  intervalMs: 1000,
+});
+
+function stopPolling() {
+  if (poller.stop()) refreshStatus();
+}
+
+function injectStyle() {
+  if (document.getElementById("comfy-metal-style")) return;
+  const style = document.createElement("style");
+  style.id = "comfy-metal-style";
+  style.textContent = `
+    .comfy-metal-panel { padding: 8px 10px; font-size: 12px; overflow: auto; height: 100%; box-sizing: border-box; }
+    .comfy-metal-panel h4 { margin: 10px 0 4px; font-size: 12px; }
+    .comfy-metal-table { border-collapse: collapse; width: 100%; }
+    .comfy-metal-table td, .comfy-metal-table th { border-bottom: 1px solid rgba(127,127,127,.25); padding: 2px 4px; text-align: left; vertical-align: top; }
+    .comfy-metal-chip { border-radius: 4px; padding: 0 5px; white-space: nowrap; }
+    .comfy-metal-muted { opacity: .7; margin: 2px 0; }
+    .comfy-metal-error { color: #e57373; }
+    .comfy-metal-memory-track { height: 8px; border-radius: 4px; background: rgba(127,127,127,.3); overflow: hidden; }
+    .comfy-metal-memory-fill { height: 100%; background: #2e7d32; }
+    .comfy-metal-memory[data-level=warn] .comfy-metal-memory-fill { background: #f2b233; }
+    .comfy-metal-memory[data-level=high] .comfy-metal-memory-fill { background: #c62828; }
+    .comfy-metal-float { position: fixed; right: 12px; bottom: 12px; width: 420px; max-height: 60vh; z-index: 1000;
+      background: var(--comfy-menu-bg, #222); color: var(--fg-color, #ddd); border: 1px solid #555; border-radius: 6px; }
+    .comfy-metal-toggle { position: fixed; right: 12px; bottom: 12px; z-index: 1001; }
+  `;
+  document.head.appendChild(style);
+}
+
+function buildPanel(container) {
+  injectStyle();
+  const el = document.createElement("div");
+  el.className = "comfy-metal-panel";
+  el.innerHTML = `<div style="display:flex;gap:6px;align-items:center">
+      <strong style="flex:1">Comfy Metal</strong><button class="comfy-metal-refresh">Refresh</button></div>
+    <div class="comfy-metal-body"></div>`;
+  el.querySelector(".comfy-metal-refresh").addEventListener("click", () => refreshStatus());
+  container.appendChild(el);
+  panels.add(el);
+  renderPanels();
+  refreshStatus();
+  return el;
+}
+
+function showReason(record) {
+  const badge = badgeFor(record);
+  if (!badge) return;
+  const toast = app.extensionManager?.toast;
+  if (toast?.add) toast.add({ severity: record.backend === "metal" ? "info" : "warn", summary: `Comfy Metal: ${badge.text}`, detail: badge.tooltip, life: 8000 });
+  else console.info(`[comfy_metal] ${badge.tooltip}`);
+}
+
+function attachBadge(node) {
+  const nodeClass = () => node.comfyClass ?? node.type;
+  const getBadge = () => badgeForNode(state, node.id, nodeClass(), {
+    onClick: () => showReason(recordForNode(state, node.id, nodeClass())),
+  });
+  if (Array.isArray(node.badges)) {
+    node.badges.push(getBadge);
+    return;
+  }
+  // Older frontends without node badges: draw it in the title bar ourselves.
+  const onDrawForeground = node.onDrawForeground;
+  node.onDrawForeground = function (ctx, ...rest) {
+    const r = onDrawForeground?.apply(this, [ctx, ...rest]);
+    const badge = getBadge();
+    if (badge.visible) {
+      const titleHeight = globalThis.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
+      badge.draw(ctx, this.size[0] - badge.getWidth(ctx) - 6, -titleHeight + (titleHeight - badge.height) / 2);
+    }
+    return r;
+  };
+}
+
+async function postForceReference(value) {
+  try {
+    const body = await getJSON(ROUTES.settings, {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ force_reference: !!value }),
+    });
+    if (lastStatus && !lastStatus.error) lastStatus.force_reference = body.force_reference;
+    refreshStatus();
+  } catch (err) {
+    console.warn("[comfy_metal] could not change the kernel setting:", err);
+  }
+}
+
+app.registerExtension({
+  name: "comfy_metal.status",
+  settings: [
+    {
+      id: SETTING_ID,
+      category: ["Comfy Metal", "Kernels", "Force reference"],
+      name: "Comfy Metal: force reference kernels",
+      tooltip: "Run every Comfy Metal kernel with its pure-PyTorch reference (COMFY_METAL_BACKEND=reference) in this ComfyUI server process. For troubleshooting; slower on Macs.",
+      type: "boolean",
+      defaultValue: false,
+      onChange: (value, oldValue) => {
+        // On page load onChange reports the stored value: only a stored "on" is sent, so a server
+        // started with COMFY_METAL_BACKEND=reference is not switched back by a default "off".
+        if (oldValue === undefined && !value) return;
+        if (value === oldValue) return;
+        postForceReference(value);
+      },
+    },
+  ],
+
+  async setup() {
+    api.addEventListener(BACKEND_EVENT, (event) => {
+      if (applyBackendRecord(state, event.detail)) {
+        redrawCanvas();
+        if (lastStatus && !lastStatus.error) {
+          const key = event.detail.node_id ?? event.detail.node_class;
+          lastStatus.node_backends = { ...(lastStatus.node_backends ?? {}), [key]: event.detail };
+          renderPanels();
+        }
+      }
+    });
+    api.addEventListener("execution_start", () => poller.start());
+    api.addEventListener("executing", (event) => {
+      if (event.detail === null || event.detail?.node === null) stopPolling();
+      else poller.start();
+    });
+    for (const name of ["execution_success", "execution_error", "execution_interrupted"]) {
+      api.addEventListener(name, stopPolling);
+    }
+
+    const sidebar = app.extensionManager;
+    if (typeof sidebar?.registerSidebarTab === "function") {
+      sidebar.registerSidebarTab({
+        id: "comfy-metal",
+        icon: "pi pi-bolt",
+        title: "Metal",
+        tooltip: "Comfy Metal: kernels, capabilities, memory",
+        type: "custom",
+        render: (container) => buildPanel(container),
+      });
+    } else {
+      injectStyle();
+      const button = document.createElement("button");
+      button.className = "comfy-metal-toggle";
+      button.textContent = "Metal";
+      let floating = null;
+      button.addEventListener("click", () => {
+        if (floating) {
+          floating.remove();
+          floating = null;
+          return;
+        }
+        floating = document.createElement("div");
+        floating.className = "comfy-metal-float";
+        document.body.appendChild(floating);
+        buildPanel(floating);
+      });
+      document.body.appendChild(button);
+    }
+    refreshStatus();
+  },
+
+  nodeCreated(node) {
+    if (isPackNode(node.comfyClass ?? node.type)) attachBadge(node);
+  },
+});
+
+// For the headless browser test and for debugging from the console.
+globalThis.comfyMetal = { state, refreshStatus, get lastStatus() { return lastStatus; }, poller };
