@@ -1,0 +1,597 @@
+// Comfy Metal MSL emulator -- runtime (coroutine scheduler, barriers, SIMD exchange).
+//
+// Included by shim.h *before* the MSL keyword macros are defined, so system
+// headers can be used here.  Everything has internal linkage / hidden
+// visibility: every compiled kernel library carries its own copy.
+//
+// Model:
+//   * threadgroups run one after another (order: forward, reverse or shuffled);
+//   * inside a threadgroup every GPU thread is a stackful coroutine with its
+//     own stack (hand-written context switch, x86-64 / aarch64 SysV);
+//   * a thread runs until it finishes, reaches threadgroup_barrier() or a
+//     simd_* collective.  When no thread can run any more, pending SIMD
+//     collectives are resolved (one call site per simdgroup at a time, the
+//     lowest code address first, which approximates SIMT reconvergence),
+//     then the barrier is released -- or a divergence is reported;
+//   * threads that never suspend only pay for one start and one finish switch
+//     and reuse a single stack.
+#pragma once
+#include <stdint.h>
+#include <stddef.h>
+#include <string.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <stdarg.h>
+#include <signal.h>
+#include <setjmp.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+extern "C" void __emu_ctx_switch(void** save_sp, void* new_sp);
+
+#if defined(__x86_64__)
+__asm__(
+    ".text\n"
+    ".p2align 4\n"
+    ".globl __emu_ctx_switch\n"
+    ".hidden __emu_ctx_switch\n"
+    ".type __emu_ctx_switch,@function\n"
+    "__emu_ctx_switch:\n"
+    "  pushq %rbp\n"
+    "  pushq %rbx\n"
+    "  pushq %r12\n"
+    "  pushq %r13\n"
+    "  pushq %r14\n"
+    "  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n"
+    "  movq %rsi, %rsp\n"
+    "  popq %r15\n"
+    "  popq %r14\n"
+    "  popq %r13\n"
+    "  popq %r12\n"
+    "  popq %rbx\n"
+    "  popq %rbp\n"
+    "  ret\n"
+    ".size __emu_ctx_switch, .-__emu_ctx_switch\n");
+#define __EMU_FRAME_WORDS 7   /* 6 callee-saved + return address */
+#define __EMU_RET_SLOT 6
+#elif defined(__aarch64__)
+__asm__(
+    ".text\n"
+    ".p2align 4\n"
+    ".globl __emu_ctx_switch\n"
+    ".hidden __emu_ctx_switch\n"
+    ".type __emu_ctx_switch,%function\n"
+    "__emu_ctx_switch:\n"
+    "  sub sp, sp, #176\n"
+    "  stp x19, x20, [sp, #0]\n"
+    "  stp x21, x22, [sp, #16]\n"
+    "  stp x23, x24, [sp, #32]\n"
+    "  stp x25, x26, [sp, #48]\n"
+    "  stp x27, x28, [sp, #64]\n"
+    "  stp x29, x30, [sp, #80]\n"
+    "  stp d8, d9, [sp, #96]\n"
+    "  stp d10, d11, [sp, #112]\n"
+    "  stp d12, d13, [sp, #128]\n"
+    "  stp d14, d15, [sp, #144]\n"
+    "  mov x9, sp\n"
+    "  str x9, [x0]\n"
+    "  mov sp, x1\n"
+    "  ldp x19, x20, [sp, #0]\n"
+    "  ldp x21, x22, [sp, #16]\n"
+    "  ldp x23, x24, [sp, #32]\n"
+    "  ldp x25, x26, [sp, #48]\n"
+    "  ldp x27, x28, [sp, #64]\n"
+    "  ldp x29, x30, [sp, #80]\n"
+    "  ldp d8, d9, [sp, #96]\n"
+    "  ldp d10, d11, [sp, #112]\n"
+    "  ldp d12, d13, [sp, #128]\n"
+    "  ldp d14, d15, [sp, #144]\n"
+    "  add sp, sp, #176\n"
+    "  ret\n"
+    ".size __emu_ctx_switch, .-__emu_ctx_switch\n");
+#define __EMU_FRAME_WORDS 22
+#define __EMU_RET_SLOT 11
+#else
+#error "comfy_metal emulator: only x86-64 and aarch64 (Linux/ELF) are supported"
+#endif
+
+namespace __emu {
+
+enum : uint32_t { ST_NEW = 0, ST_RUNNABLE = 1, ST_BARRIER = 2, ST_SIMD = 3, ST_DONE = 4 };
+enum : int { RC_OK = 0, RC_DIVERGENCE = 1, RC_CRASH = 2, RC_ERROR = 3 };
+enum : uint32_t { SCHED_FORWARD = 0, SCHED_REVERSE = 1, SCHED_SHUFFLE = 2 };
+
+static constexpr uint32_t kSimdWidth = 32;
+static constexpr uint32_t kMaxThreads = 1024;
+static constexpr uint32_t kSlotBytes = 32;        // largest value a lane can exchange
+static constexpr size_t kTgArenaBytes = 64 * 1024; // emulator limit (Metal: 32 KiB, checked)
+static constexpr size_t kTgMetalLimit = 32 * 1024;
+static constexpr uint32_t kMaxTgSlots = 512;
+
+struct SimdGroup;
+typedef void (*Resolver)(SimdGroup& g, uint32_t mask, uint32_t width);
+
+struct SimdGroup {
+  alignas(32) unsigned char in[kSimdWidth][kSlotBytes];
+  alignas(32) unsigned char out[kSimdWidth][kSlotBytes];
+  uint32_t arg[kSimdWidth];
+};
+
+struct Thread {
+  void* sp;
+  char* stack;  // top of stack (highest address), 16-byte aligned
+  uint32_t state;
+  uint32_t lin;
+  uintptr_t site;
+  Resolver resolver;
+  uint32_t lpos[3];
+  uint32_t gpos[3];
+};
+
+struct Launch {
+  const char* kernel_name;
+  void (*entry)(void** bufs);
+  void** bufs;
+  uint32_t grid[3];
+  uint32_t req_tpg[3];
+  uint32_t ngroups[3];
+  uint32_t group[3];
+  uint32_t tpg[3];  // actual size of the current threadgroup
+  uint32_t nthreads;
+  uint32_t req_total;
+  uint32_t sched;
+  uint64_t seed;
+  void* sched_sp;
+  char* err;
+  size_t errlen;
+  // threadgroup memory
+  unsigned char* arena;
+  size_t arena_used;
+  int32_t slot_off[kMaxTgSlots];
+  int tg_error;
+};
+
+static thread_local Launch* g_launch = nullptr;
+static thread_local Thread* g_cur = nullptr;
+static thread_local Thread* g_threads = nullptr;  // [kMaxThreads]
+static thread_local SimdGroup* g_simd = nullptr;  // [kMaxThreads / 32]
+static thread_local unsigned char* g_arena = nullptr;
+static thread_local uint32_t* g_order = nullptr;
+
+// ---------------------------------------------------------------- stacks
+static size_t stack_bytes() {
+  static size_t sz = 0;
+  if (!sz) {
+    const char* e = getenv("COMFY_METAL_EMU_STACK_KB");
+    long kb = e ? atol(e) : 256;
+    if (kb < 32) kb = 32;
+    sz = (size_t)kb * 1024;
+  }
+  return sz;
+}
+
+struct StackPool {
+  char* free_[kMaxThreads];
+  uint32_t nfree = 0;
+  uint32_t total = 0;
+};
+static thread_local StackPool* g_pool = nullptr;
+
+static char* stack_get() {
+  if (g_pool->nfree) return g_pool->free_[--g_pool->nfree];
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  size_t sz = stack_bytes();
+  char* base = (char*)mmap(nullptr, sz + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == (char*)MAP_FAILED) return nullptr;
+  mprotect(base, page, PROT_NONE);  // guard page: overflow -> SIGSEGV -> reported
+  g_pool->total++;
+  return base + page + sz;  // top
+}
+static inline void stack_put(char* top) { g_pool->free_[g_pool->nfree++] = top; }
+
+// ---------------------------------------------------------------- errors
+static void set_err(const char* fmt, ...) {
+  Launch* L = g_launch;
+  if (!L || !L->err || !L->errlen) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(L->err, L->errlen, fmt, ap);
+  va_end(ap);
+}
+
+// ---------------------------------------------------------------- switching
+[[noreturn]] static void trampoline() {
+  Launch* L = g_launch;
+  L->entry(L->bufs);
+  Thread* t = g_cur;
+  t->state = ST_DONE;
+  __emu_ctx_switch(&t->sp, L->sched_sp);
+  __builtin_unreachable();
+}
+
+static inline void yield_to_scheduler() {
+  Thread* t = g_cur;
+  __emu_ctx_switch(&t->sp, g_launch->sched_sp);
+}
+
+static inline void start_thread(Thread* t) {
+  void** frame = (void**)(t->stack) - 8;  // 16-byte aligned, with room
+  frame = (void**)((uintptr_t)frame & ~(uintptr_t)15);
+  frame -= __EMU_FRAME_WORDS + (__EMU_FRAME_WORDS & 1);
+  for (int i = 0; i < __EMU_FRAME_WORDS; i++) frame[i] = nullptr;
+  frame[__EMU_RET_SLOT] = (void*)&trampoline;
+  t->sp = frame;
+  t->state = ST_RUNNABLE;
+  g_cur = t;
+  __emu_ctx_switch(&g_launch->sched_sp, t->sp);
+}
+
+static inline void resume_thread(Thread* t) {
+  g_cur = t;
+  __emu_ctx_switch(&g_launch->sched_sp, t->sp);
+}
+
+// ---------------------------------------------------------------- RNG / schedule
+static inline uint64_t splitmix(uint64_t& s) {
+  uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static void make_order(uint32_t* order, uint32_t n, uint32_t sched, uint64_t seed) {
+  if (sched == SCHED_REVERSE) {
+    for (uint32_t i = 0; i < n; i++) order[i] = n - 1 - i;
+    return;
+  }
+  for (uint32_t i = 0; i < n; i++) order[i] = i;
+  if (sched == SCHED_SHUFFLE) {
+    uint64_t s = seed;
+    for (uint32_t i = n; i > 1; i--) {
+      uint32_t j = (uint32_t)(splitmix(s) % i);
+      uint32_t tmp = order[i - 1];
+      order[i - 1] = order[j];
+      order[j] = tmp;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- threadgroup memory
+static void* tg_alloc(uint32_t slot, size_t size, size_t align) {
+  Launch* L = g_launch;
+  if (slot >= kMaxTgSlots) {
+    L->tg_error = 1;
+    return L->arena;
+  }
+  int32_t off = L->slot_off[slot];
+  if (off < 0) {
+    size_t o = (L->arena_used + align - 1) & ~(align - 1);
+    if (o + size > kTgArenaBytes) {
+      L->tg_error = 2;
+      return L->arena;  // keep running; launch reports the error
+    }
+    L->slot_off[slot] = (int32_t)o;
+    L->arena_used = o + size;
+    if (L->arena_used > kTgMetalLimit) L->tg_error = 2;
+    off = (int32_t)o;
+  }
+  return L->arena + off;
+}
+
+// ---------------------------------------------------------------- barrier
+static void barrier(uintptr_t site) {
+  Thread* t = g_cur;
+  t->site = site;
+  t->state = ST_BARRIER;
+  yield_to_scheduler();
+}
+
+// ---------------------------------------------------------------- SIMD exchange
+template <class T>
+static inline T simd_exchange(T v, uint32_t arg, uintptr_t site, Resolver r) {
+  static_assert(sizeof(T) <= kSlotBytes, "simd value too large");
+  Thread* t = g_cur;
+  uint32_t lane = t->lin % kSimdWidth;
+  SimdGroup& g = g_simd[t->lin / kSimdWidth];
+  memcpy(g.in[lane], &v, sizeof(T));
+  g.arg[lane] = arg;
+  t->site = site;
+  t->resolver = r;
+  t->state = ST_SIMD;
+  yield_to_scheduler();
+  T out;
+  memcpy(&out, g.out[lane], sizeof(T));
+  return out;
+}
+
+// ---------------------------------------------------------------- group execution
+static const char* state_name(uint32_t s) {
+  switch (s) {
+    case ST_DONE: return "returned";
+    case ST_BARRIER: return "waiting at threadgroup_barrier";
+    case ST_SIMD: return "waiting at a simd collective";
+    default: return "running";
+  }
+}
+
+static void describe_threads(char* buf, size_t len, uint32_t state, uintptr_t site, bool match_site) {
+  Launch* L = g_launch;
+  size_t pos = 0;
+  uint32_t shown = 0, count = 0;
+  buf[0] = 0;
+  for (uint32_t i = 0; i < L->nthreads; i++) {
+    Thread& t = g_threads[i];
+    if (t.state != state) continue;
+    if (match_site && t.site != site) continue;
+    count++;
+    if (shown < 6 && pos < len) {
+      int n = snprintf(buf + pos, len - pos, "%s%u(%u,%u,%u)", shown ? ", " : "", t.lin, t.lpos[0], t.lpos[1], t.lpos[2]);
+      if (n > 0) pos += (size_t)n;
+      shown++;
+    }
+  }
+  if (count > shown && pos < len) snprintf(buf + pos, len - pos, ", ... (%u threads)", count);
+}
+
+static int run_group() {
+  Launch* L = g_launch;
+  const uint32_t n = L->nthreads;
+  const uint32_t tx = L->tpg[0], ty = L->tpg[1];
+  for (uint32_t i = 0; i < n; i++) {
+    Thread& t = g_threads[i];
+    t.state = ST_NEW;
+    t.lin = i;
+    t.stack = nullptr;
+    t.lpos[0] = i % tx;
+    t.lpos[1] = (i / tx) % ty;
+    t.lpos[2] = i / (tx * ty);
+    for (int d = 0; d < 3; d++) t.gpos[d] = L->group[d] * L->req_tpg[d] + t.lpos[d];
+  }
+  if (L->arena_used) memset(L->arena, 0xFF, L->arena_used);
+  uint64_t gseed = L->seed ^ (0x51ED27ull * (1 + L->group[0] + 65537ull * L->group[1] + 4294967311ull * L->group[2]));
+  uint32_t phase = 0;
+  make_order(g_order, n, L->sched, gseed);
+  const uint32_t nsg = (n + kSimdWidth - 1) / kSimdWidth;
+  for (;;) {
+    for (uint32_t k = 0; k < n; k++) {
+      Thread* t = &g_threads[g_order[k]];
+      if (t->state == ST_NEW) {
+        t->stack = stack_get();
+        if (!t->stack) {
+          set_err("kernel %s: could not allocate a coroutine stack", L->kernel_name);
+          return RC_ERROR;
+        }
+        start_thread(t);
+      } else if (t->state == ST_RUNNABLE) {
+        resume_thread(t);
+      } else {
+        continue;
+      }
+      if (t->state == ST_DONE) {
+        stack_put(t->stack);
+        t->stack = nullptr;
+      }
+    }
+    // Resolve SIMD collectives: per simdgroup, the waiting call site with the
+    // lowest address goes first; lanes elsewhere are inactive for it.
+    bool any = false;
+    for (uint32_t s = 0; s < nsg; s++) {
+      uint32_t lo = s * kSimdWidth, hi = lo + kSimdWidth;
+      if (hi > n) hi = n;
+      uintptr_t best = 0;
+      bool found = false;
+      for (uint32_t i = lo; i < hi; i++) {
+        Thread& t = g_threads[i];
+        if (t.state == ST_SIMD && (!found || t.site < best)) {
+          best = t.site;
+          found = true;
+        }
+      }
+      if (!found) continue;
+      uint32_t mask = 0;
+      Resolver r = nullptr;
+      for (uint32_t i = lo; i < hi; i++) {
+        Thread& t = g_threads[i];
+        if (t.state == ST_SIMD && t.site == best) {
+          mask |= 1u << (i - lo);
+          r = t.resolver;
+        }
+      }
+      r(g_simd[s], mask, hi - lo);
+      for (uint32_t i = lo; i < hi; i++)
+        if (mask & (1u << (i - lo))) g_threads[i].state = ST_RUNNABLE;
+      any = true;
+    }
+    if (any) continue;
+    uint32_t waiting = 0, done = 0;
+    uintptr_t site0 = 0;
+    bool multi = false;
+    for (uint32_t i = 0; i < n; i++) {
+      Thread& t = g_threads[i];
+      if (t.state == ST_BARRIER) {
+        if (!waiting) site0 = t.site;
+        else if (t.site != site0) multi = true;
+        waiting++;
+      } else if (t.state == ST_DONE) {
+        done++;
+      }
+    }
+    if (!waiting) break;
+    if (done || multi) {
+      char a[256], b[256];
+      if (done) {
+        describe_threads(a, sizeof a, ST_DONE, 0, false);
+        describe_threads(b, sizeof b, ST_BARRIER, 0, false);
+        set_err("barrier in divergent control flow / deadlock: kernel %s, threadgroup (%u,%u,%u): "
+                "threads [%s] returned while threads [%s] wait at threadgroup_barrier",
+                L->kernel_name, L->group[0], L->group[1], L->group[2], a, b);
+      } else {
+        uintptr_t other = 0;
+        for (uint32_t i = 0; i < n; i++)
+          if (g_threads[i].state == ST_BARRIER && g_threads[i].site != site0) { other = g_threads[i].site; break; }
+        describe_threads(a, sizeof a, ST_BARRIER, site0, true);
+        describe_threads(b, sizeof b, ST_BARRIER, other, true);
+        set_err("barrier in divergent control flow / deadlock: kernel %s, threadgroup (%u,%u,%u): "
+                "threads wait at different threadgroup_barrier call sites: [%s] at one, [%s] at another",
+                L->kernel_name, L->group[0], L->group[1], L->group[2], a, b);
+      }
+      // free the stacks of the abandoned coroutines
+      for (uint32_t i = 0; i < n; i++)
+        if (g_threads[i].stack) { stack_put(g_threads[i].stack); g_threads[i].stack = nullptr; }
+      return RC_DIVERGENCE;
+    }
+    for (uint32_t i = 0; i < n; i++)
+      if (g_threads[i].state == ST_BARRIER) g_threads[i].state = ST_RUNNABLE;
+    phase++;
+    make_order(g_order, n, L->sched, gseed + 0x1234567ull * phase);
+  }
+  return RC_OK;
+}
+
+// ---------------------------------------------------------------- crash handling
+static thread_local sigjmp_buf* g_jmp = nullptr;
+static thread_local volatile int g_sig = 0;
+
+static void on_signal(int sig, siginfo_t*, void*) {
+  if (g_jmp) {
+    g_sig = sig;
+    siglongjmp(*g_jmp, sig);
+  }
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+static int launch(const char* name, void (*entry)(void**), void** bufs, const uint32_t* dims, uint32_t sched,
+                  uint64_t seed, char* err, size_t errlen) {
+  static thread_local Launch L;
+  if (!g_threads) {
+    g_threads = (Thread*)calloc(kMaxThreads, sizeof(Thread));
+    g_simd = (SimdGroup*)aligned_alloc(64, sizeof(SimdGroup) * (kMaxThreads / kSimdWidth));
+    g_arena = (unsigned char*)aligned_alloc(64, kTgArenaBytes);
+    g_order = (uint32_t*)calloc(kMaxThreads, sizeof(uint32_t));
+    g_pool = (StackPool*)calloc(1, sizeof(StackPool));
+    if (!g_threads || !g_simd || !g_arena || !g_order || !g_pool) {
+      snprintf(err, errlen, "emulator: out of memory");
+      return RC_ERROR;
+    }
+  }
+  memset(&L, 0, sizeof L);
+  L.kernel_name = name;
+  L.entry = entry;
+  L.bufs = bufs;
+  L.sched = sched;
+  L.seed = seed;
+  L.err = err;
+  L.errlen = errlen;
+  L.arena = g_arena;
+  L.arena_used = 0;
+  for (uint32_t i = 0; i < kMaxTgSlots; i++) L.slot_off[i] = -1;
+  memset(g_arena, 0xFF, kTgArenaBytes);
+  uint64_t total_groups = 1;
+  L.req_total = 1;
+  for (int d = 0; d < 3; d++) {
+    L.grid[d] = dims[d];
+    L.req_tpg[d] = dims[3 + d];
+    if (!L.grid[d]) return RC_OK;
+    if (!L.req_tpg[d]) {
+      snprintf(err, errlen, "group_size must be positive");
+      return RC_ERROR;
+    }
+    L.ngroups[d] = (L.grid[d] + L.req_tpg[d] - 1) / L.req_tpg[d];
+    total_groups *= L.ngroups[d];
+    L.req_total *= L.req_tpg[d];
+  }
+  if (L.req_total > kMaxThreads) {
+    snprintf(err, errlen, "Threadgroup size exceeds %u limit", kMaxThreads);
+    return RC_ERROR;
+  }
+  g_launch = &L;
+
+  // install crash handlers (restored afterwards)
+  struct sigaction sa, old[4];
+  const int sigs[4] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
+  static thread_local char* altstack_mem = nullptr;
+  stack_t ss, old_ss;
+  if (!altstack_mem) altstack_mem = (char*)malloc(1 << 16);
+  ss.ss_sp = altstack_mem;
+  ss.ss_size = 1 << 16;
+  ss.ss_flags = 0;
+  sigaltstack(&ss, &old_ss);
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_signal;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+  sigemptyset(&sa.sa_mask);
+  for (int i = 0; i < 4; i++) sigaction(sigs[i], &sa, &old[i]);
+
+  int rc = RC_OK;
+  sigjmp_buf jb;
+  uint64_t gi = 0;
+  if (sigsetjmp(jb, 1) == 0) {
+    g_jmp = &jb;
+    // group order
+    for (; gi < total_groups; gi++) {
+      uint64_t g = gi;
+      if (sched == SCHED_REVERSE) {
+        g = total_groups - 1 - gi;
+      } else if (sched == SCHED_SHUFFLE && total_groups > 1) {
+        // bijective affine permutation of [0, total_groups)
+        uint64_t s = seed ^ 0xC0FFEEull;
+        uint64_t a = (splitmix(s) % total_groups) | 1;
+        while (true) {  // make a coprime with total_groups
+          uint64_t x = a, y = total_groups;
+          while (y) { uint64_t tmp = x % y; x = y; y = tmp; }
+          if (x == 1) break;
+          a += 2;
+          if (a >= total_groups) a = 1;
+        }
+        uint64_t b = splitmix(s) % total_groups;
+        g = (uint64_t)(((unsigned __int128)a * gi + b) % total_groups);
+      }
+      L.group[0] = (uint32_t)(g % L.ngroups[0]);
+      L.group[1] = (uint32_t)((g / L.ngroups[0]) % L.ngroups[1]);
+      L.group[2] = (uint32_t)(g / ((uint64_t)L.ngroups[0] * L.ngroups[1]));
+      L.nthreads = 1;
+      for (int d = 0; d < 3; d++) {
+        uint32_t rem = L.grid[d] - L.group[d] * L.req_tpg[d];
+        L.tpg[d] = rem < L.req_tpg[d] ? rem : L.req_tpg[d];
+        L.nthreads *= L.tpg[d];
+      }
+      rc = run_group();
+      if (rc != RC_OK) break;
+      if (L.tg_error) {
+        if (L.tg_error == 1)
+          set_err("kernel %s: too many threadgroup variables", name);
+        else
+          set_err("kernel %s: threadgroup memory exceeds the 32 KiB limit (needs at least %zu bytes)", name,
+                  L.arena_used);
+        rc = RC_ERROR;
+        break;
+      }
+    }
+  } else {
+    const char* what = g_sig == SIGFPE ? "SIGFPE (integer division by zero?)"
+                       : g_sig == SIGSEGV ? "SIGSEGV (invalid memory access or coroutine stack overflow)"
+                       : g_sig == SIGBUS ? "SIGBUS (misaligned/invalid memory access)"
+                                         : "SIGILL (trap)";
+    Thread* t = g_cur;
+    snprintf(err, errlen, "kernel %s crashed with %s in threadgroup (%u,%u,%u), thread (%u,%u,%u)", name, what,
+             L.group[0], L.group[1], L.group[2], t ? t->lpos[0] : 0, t ? t->lpos[1] : 0, t ? t->lpos[2] : 0);
+    rc = RC_CRASH;
+    // coroutine stacks are abandoned; drop the whole pool's bookkeeping of busy stacks
+    for (uint32_t i = 0; i < kMaxThreads; i++) {
+      if (g_threads[i].stack) { stack_put(g_threads[i].stack); g_threads[i].stack = nullptr; }
+    }
+  }
+  g_jmp = nullptr;
+  for (int i = 0; i < 4; i++) sigaction(sigs[i], &old[i], nullptr);
+  sigaltstack(&old_ss, nullptr);
+  g_launch = nullptr;
+  g_cur = nullptr;
+  return rc;
+}
+
+static inline Thread& cur() { return *g_cur; }
+static inline Launch& launch_info() { return *g_launch; }
+
+}  // namespace __emu
