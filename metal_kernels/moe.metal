@@ -1,0 +1,158 @@
+// Mixture-of-experts kernels.
+//
+// moe_route_<T>: router softmax + top-k over the experts of each token. One simdgroup (32 threads)
+//   per token row: the row max and softmax denominator by simd reductions, then K rounds of a
+//   simd argmax over the experts not taken yet (ties go to the lower expert index, like a stable
+//   descending sort). Writes fp32 weights and int64 expert ids, each row in descending order.
+//   norm != 0 renormalises the K weights to sum to 1 (Qwen3 norm_topk_prob; equals GPT-OSS's
+//   softmax over the top-k logits).
+//
+// moe_experts_gemm_<W>_<X>: out[p, n] = scale[e, n] * sum_h W[e, n, h] * x[p / x_div, h] + bias[e, n]
+//   with e = row_expert[p]. One dispatch runs every (token, expert) pair: at decode time the K
+//   experts of one token (x_div = K shares the token's row between its K pairs); in prefill the
+//   pairs sorted by expert, so consecutive rows read the same expert's weight rows from cache.
+//   W is fp32/fp16/bf16 or FP8 bytes (e4m3fn / e5m2, decoded in-register). One simdgroup per output
+//   column and block of MOE_ROWS rows; the scale is global, per expert or per expert row (strides); lanes stride the reduction dimension (coalesced weight
+//   reads); all indices are 64-bit.
+#include <metal_stdlib>
+using namespace metal;
+
+#define MOE_MAX_EXPERTS 1024
+#define MOE_ROWS 8
+
+inline float moe_fp8_e4m3_to_float(uchar b) {
+    const uint sign = b >> 7;
+    const uint exp = (b >> 3) & 0xF;
+    const uint man = b & 0x7;
+    float v;
+    if (exp == 0xF && man == 0x7) {
+        v = NAN;
+    } else if (exp == 0) {
+        v = float(man) * 0.001953125f;            // man / 8 * 2^-6
+    } else {
+        v = (1.0f + float(man) * 0.125f) * exp2(float(int(exp) - 7));
+    }
+    return sign ? -v : v;
+}
+
+inline float moe_fp8_e5m2_to_float(uchar b) {
+    const uint sign = b >> 7;
+    const uint exp = (b >> 2) & 0x1F;
+    const uint man = b & 0x3;
+    float v;
+    if (exp == 0x1F) {
+        v = man == 0 ? INFINITY : NAN;
+    } else if (exp == 0) {
+        v = float(man) * 0.0000152587890625f;     // man / 4 * 2^-14
+    } else {
+        v = (1.0f + float(man) * 0.25f) * exp2(float(int(exp) - 15));
+    }
+    return sign ? -v : v;
+}
+
+#define MOE_LOAD_PLAIN(w, i) float(w[i])
+#define MOE_LOAD_E4M3(w, i) moe_fp8_e4m3_to_float(w[i])
+#define MOE_LOAD_E5M2(w, i) moe_fp8_e5m2_to_float(w[i])
+
+#define MOE_ROUTE_KERNEL(NAME, T)                                                               \
+kernel void NAME(device const T* logits [[buffer(0)]],                                          \
+                 device float* weights [[buffer(1)]],                                           \
+                 device long* experts [[buffer(2)]],                                            \
+                 constant long& num_experts [[buffer(3)]],                                      \
+                 constant long& top_k [[buffer(4)]],                                            \
+                 constant long& norm [[buffer(5)]],                                             \
+                 uint lane [[thread_index_in_threadgroup]],                                     \
+                 uint row [[threadgroup_position_in_grid]]) {                                   \
+    threadgroup uchar taken[MOE_MAX_EXPERTS];                                                   \
+    const long E = num_experts;                                                                 \
+    const long base = long(row) * E;                                                            \
+    float m = -INFINITY;                                                                        \
+    for (long c = lane; c < E; c += 32) {                                                       \
+        taken[c] = 0;                                                                           \
+        m = max(m, float(logits[base + c]));                                                    \
+    }                                                                                           \
+    m = simd_max(m);                                                                            \
+    float s = 0.0f;                                                                             \
+    for (long c = lane; c < E; c += 32) s += exp(float(logits[base + c]) - m);                  \
+    s = simd_sum(s);                                                                            \
+    threadgroup_barrier(mem_flags::mem_threadgroup);                                            \
+    float picked_sum = 0.0f;                                                                    \
+    for (long k = 0; k < top_k; ++k) {                                                          \
+        float best = -INFINITY;                                                                 \
+        long best_c = E;                                                                        \
+        for (long c = lane; c < E; c += 32) {                                                   \
+            const float v = float(logits[base + c]);                                            \
+            if (!taken[c] && (v > best || best_c == E)) { best = v; best_c = c; }               \
+        }                                                                                       \
+        const float top = simd_max(best_c < E ? best : -INFINITY);                              \
+        const bool mine = best_c < E && best == top;                                            \
+        const uint c_min = simd_min(mine ? uint(best_c) : uint(0xFFFFFFFF));                    \
+        threadgroup_barrier(mem_flags::mem_threadgroup);                                        \
+        if (lane == 0) {                                                                        \
+            const float p = exp(top - m) / s;                                                   \
+            weights[long(row) * top_k + k] = p;                                                 \
+            experts[long(row) * top_k + k] = long(c_min);                                       \
+            taken[c_min] = 1;                                                                   \
+            picked_sum += p;                                                                    \
+        }                                                                                       \
+        threadgroup_barrier(mem_flags::mem_threadgroup);                                        \
+    }                                                                                           \
+    if (norm != 0 && lane == 0) {                                                               \
+        const float inv = 1.0f / picked_sum;                                                    \
+        for (long k = 0; k < top_k; ++k) weights[long(row) * top_k + k] *= inv;                 \
+    }                                                                                           \
+}
+
+MOE_ROUTE_KERNEL(moe_route_float, float)
+MOE_ROUTE_KERNEL(moe_route_half, half)
+MOE_ROUTE_KERNEL(moe_route_bfloat, bfloat)
+
+#define MOE_GEMM_KERNEL(NAME, WT, XT, LOAD)                                                           \
+kernel void NAME(device const XT* x [[buffer(0)]],                                              \
+                 device const long* row_expert [[buffer(1)]],                                   \
+                 device const WT* w [[buffer(2)]],                                              \
+                 device const float* scale [[buffer(3)]],                                       \
+                 device const float* bias [[buffer(4)]],                                        \
+                 device float* out [[buffer(5)]],                                               \
+                 constant long& rows [[buffer(6)]],                                             \
+                 constant long& ncols [[buffer(7)]],                                            \
+                 constant long& kdim [[buffer(8)]],                                             \
+                 constant long& x_div [[buffer(9)]],                                            \
+                 constant long& scale_stride_e [[buffer(10)]],                                  \
+                 constant long& scale_stride_n [[buffer(11)]],                                  \
+                 constant long& has_bias [[buffer(12)]],                                        \
+                 uint lane [[thread_index_in_simdgroup]],                                       \
+                 uint simd_id [[simdgroup_index_in_threadgroup]],                               \
+                 uint group_size [[threads_per_threadgroup]],                                   \
+                 uint group [[threadgroup_position_in_grid]]) {                                 \
+    const long simds = long(group_size) / 32;                                                   \
+    const long col_blocks = (ncols + simds - 1) / simds;                                        \
+    const long n = (long(group) % col_blocks) * simds + simd_id;                                \
+    const long r0 = (long(group) / col_blocks) * MOE_ROWS;                                      \
+    if (n >= ncols) return;                                                                     \
+    const long r1 = min(rows, r0 + MOE_ROWS);                                                   \
+    for (long r = r0; r < r1; ++r) {                                                            \
+        const long e = row_expert[r];                                                           \
+        const long wbase = (e * ncols + n) * kdim;                                              \
+        const long xbase = (r / x_div) * kdim;                                                  \
+        float acc = 0.0f;                                                                       \
+        for (long h = lane; h < kdim; h += 32) acc += LOAD(w, wbase + h) * float(x[xbase + h]); \
+        acc = simd_sum(acc);                                                                    \
+        if (lane == 0) {                                                                        \
+            float v = acc * scale[e * scale_stride_e + n * scale_stride_n];                                            \
+            if (has_bias != 0) v += bias[e * ncols + n];                                        \
+            out[r * ncols + n] = v;                                                             \
+        }                                                                                       \
+    }                                                                                           \
+}
+
+#define MOE_GEMM_FOR_X(WNAME, WT, LOAD)                                                         \
+MOE_GEMM_KERNEL(moe_experts_gemm_##WNAME##_float, WT, float, LOAD)                              \
+MOE_GEMM_KERNEL(moe_experts_gemm_##WNAME##_half, WT, half, LOAD)                                \
+MOE_GEMM_KERNEL(moe_experts_gemm_##WNAME##_bfloat, WT, bfloat, LOAD)
+
+MOE_GEMM_FOR_X(float, float, MOE_LOAD_PLAIN)
+MOE_GEMM_FOR_X(half, half, MOE_LOAD_PLAIN)
+MOE_GEMM_FOR_X(bfloat, bfloat, MOE_LOAD_PLAIN)
+MOE_GEMM_FOR_X(e4m3, uchar, MOE_LOAD_E4M3)
+MOE_GEMM_FOR_X(e5m2, uchar, MOE_LOAD_E5M2)

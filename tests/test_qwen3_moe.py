@@ -1,0 +1,202 @@
+"""The pack's Qwen3-MoE model against transformers' Qwen3MoeForCausalLM with the same random weights."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+import moe_testutil  # noqa: E402
+import sync_count  # noqa: E402
+from comfy_metal.nodes import qwen3_moe  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen3moe")
+    hf = moe_testutil.make_qwen3_moe(folder)
+    loaded = qwen3_moe.load(folder, device="cpu", dtype=torch.float32)
+    return folder, hf, loaded
+
+
+def _hf_layer_outputs(hf, ids):
+    outs = []
+    hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
+             for layer in hf.model.layers]
+    try:
+        with torch.no_grad():
+            res = hf(ids, output_hidden_states=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return res, outs
+
+
+def test_hidden_states_match_transformers_every_layer(tiny):
+    _, hf, loaded = tiny
+    ids = torch.tensor([[5, 9, 17, 3, 40, 41, 7, 8, 22, 63, 1, 2, 30]])
+    res, layer_outs = _hf_layer_outputs(hf, ids)
+    with torch.no_grad():
+        ours = loaded.model(ids, capture="all", logits="all")
+    assert len(layer_outs) == loaded.config.num_hidden_layers
+    torch.testing.assert_close(ours["hidden_states"]["embed"], res.hidden_states[0], atol=1e-4, rtol=0)
+    for i, want in enumerate(layer_outs):
+        err = (ours["hidden_states"][i] - want).abs().max().item()
+        assert err < 1e-4, f"layer {i}: max abs error {err}"
+    assert (ours["last_hidden_state"] - res.hidden_states[-1]).abs().max().item() < 1e-4
+    assert (ours["logits"] - res.logits).abs().max().item() < 1e-4
+    # the config really has both a dense and sparse layers, and routing spreads over many experts
+    assert isinstance(loaded.model.layers[1].mlp, qwen3_moe.DenseMLP)
+    assert isinstance(loaded.model.layers[0].mlp, qwen3_moe.SparseMoE)
+
+
+def test_batch_with_padding_matches_unpadded(tiny):
+    _, hf, loaded = tiny
+    a = torch.tensor([[5, 9, 17, 3, 40, 41, 7, 8]])
+    b = torch.tensor([[11, 12, 13, 14, 15]])
+    batch = torch.zeros(2, 8, dtype=torch.long)
+    batch[0] = a
+    batch[1, :5] = b
+    mask = torch.zeros(2, 8, dtype=torch.long)
+    mask[0] = 1
+    mask[1, :5] = 1
+    with torch.no_grad():
+        both = loaded.model(batch, attention_mask=mask)["last_hidden_state"]
+        res_b = hf(b, output_hidden_states=True).hidden_states[-1]
+    assert (both[1, :5] - res_b[0]).abs().max().item() < 1e-4
+
+
+def test_greedy_generation_matches_transformers_32_tokens(tiny):
+    _, hf, loaded = tiny
+    ids = torch.tensor([[1, 4, 23, 24, 5, 6]])
+    with torch.no_grad():
+        want = hf.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0,
+                           min_new_tokens=32)[0, ids.shape[1]:].tolist()
+    got = loaded.model.generate(ids, max_new_tokens=32, temperature=0.0)
+    assert len(want) == 32
+    assert got == want
+    assert len(set(got)) > 3  # a real sequence, not one repeated token
+
+
+def test_generation_at_most_one_sync_per_token(tiny):
+    _, _, loaded = tiny
+    ids = torch.tensor([[1, 4, 23, 24, 5, 6]])
+    for temperature, top_p in ((0.0, 1.0), (0.8, 0.9)):
+        with sync_count.SyncCounter() as c:
+            got = loaded.model.generate(ids, max_new_tokens=12, temperature=temperature, top_p=top_p, seed=3)
+        assert len(got) == 12
+        assert c.total <= 12, c.counts
+
+
+def test_sampling_is_seeded(tiny):
+    _, _, loaded = tiny
+    ids = torch.tensor([[1, 4, 23, 24, 5, 6]])
+    a = loaded.model.generate(ids, max_new_tokens=10, temperature=1.0, top_p=0.9, seed=7)
+    b = loaded.model.generate(ids, max_new_tokens=10, temperature=1.0, top_p=0.9, seed=7)
+    c = loaded.model.generate(ids, max_new_tokens=10, temperature=1.0, top_p=0.9, seed=8)
+    assert a == b
+    assert a != c
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    seen = {int(qwen3_moe.sample_next(logits, 1.0, 0.7, gen)) for _ in range(200)}
+    assert seen == {0, 1}
+
+
+def test_moe_layer_forward_has_no_host_syncs(tiny):
+    _, _, loaded = tiny
+    mlp = loaded.model.layers[0].mlp
+    for T in (1, 40):  # decode path and sorted grouped path
+        x = torch.randn(1, T, loaded.config.hidden_size)
+        with sync_count.SyncCounter() as c:
+            mlp(x)
+        assert c.total == 0, c.counts
+
+
+def test_single_safetensors_file_with_embedded_tokenizer(tiny, tmp_path):
+    folder, hf, loaded = tiny
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(folder / "model.safetensors"))
+    tok = (folder / "tokenizer.json").read_bytes()
+    sd["tokenizer_json"] = torch.tensor(list(tok), dtype=torch.uint8)
+    cfg = json.loads((folder / "config.json").read_text())
+    path = tmp_path / "qwen3moe_single.safetensors"
+    save_file(sd, str(path), metadata={"config": json.dumps(cfg)})
+    single = qwen3_moe.load(path, dtype=torch.float32)
+    ids = torch.tensor([[5, 9, 17, 3]])
+    with torch.no_grad():
+        a = single.model(ids)["last_hidden_state"]
+        b = loaded.model(ids)["last_hidden_state"]
+    assert torch.equal(a, b)
+    assert single.tokenizer.encode("a cat") == loaded.tokenizer.encode("a cat")
+
+
+def test_fp8_experts_match_dequantized_model(tiny, tmp_path):
+    """FP8 (e4m3fn, per-tensor scale) expert weights stay FP8 and agree with the model whose weights
+    are the same FP8 values decoded to fp32."""
+    folder, _, _ = tiny
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(folder / "model.safetensors"))
+    deq = {}
+    for k, v in list(sd.items()):
+        if ".experts." in k:
+            scale = v.abs().max() / 448.0
+            q = (v / scale).to(torch.float8_e4m3fn)
+            sd[k] = q
+            sd[k.replace(".weight", ".weight_scale")] = scale.reshape(())
+            deq[k] = q.float() * scale
+    f8 = tmp_path / "fp8"
+    f8.mkdir()
+    save_file(sd, str(f8 / "model.safetensors"))
+    for name in ("config.json", "tokenizer.json"):
+        (f8 / name).write_text((folder / name).read_text())
+    ref_sd = {k: (deq.get(k, v)) for k, v in sd.items() if not k.endswith("weight_scale")}
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    save_file(ref_sd, str(ref / "model.safetensors"))
+    for name in ("config.json", "tokenizer.json"):
+        (ref / name).write_text((folder / name).read_text())
+    m8 = qwen3_moe.load(f8, dtype=torch.float32)
+    mr = qwen3_moe.load(ref, dtype=torch.float32)
+    assert m8.model.layers[0].mlp.fmt == "e4m3fn" and m8.model.layers[0].mlp.gate_up.dtype == torch.uint8
+    ids = torch.tensor([[5, 9, 17, 3, 40, 41, 7, 8, 22, 63, 1, 2, 30] * 3])
+    with torch.no_grad():
+        for n in (ids[:, :2], ids):  # decode path and prefill path
+            a = m8.model(n)["last_hidden_state"]
+            b = mr.model(n)["last_hidden_state"]
+            assert (a - b).abs().max().item() < 1e-4
+
+
+def test_bad_inputs_give_clear_errors(tiny, tmp_path):
+    folder, _, _ = tiny
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(qwen3_moe.ModelLoadError, match="no config.json"):
+        qwen3_moe.load(empty)
+    no_tok = tmp_path / "no_tok"
+    no_tok.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (no_tok / name).write_bytes((folder / name).read_bytes())
+    with pytest.raises(qwen3_moe.ModelLoadError, match="no tokenizer.json"):
+        qwen3_moe.load(no_tok)
+    other = tmp_path / "other"
+    other.mkdir()
+    for name in ("model.safetensors", "tokenizer.json"):
+        (other / name).write_bytes((folder / name).read_bytes())
+    cfg = json.loads((folder / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(cfg, model_type="llama", architectures=["LlamaForCausalLM"])))
+    with pytest.raises(qwen3_moe.ModelLoadError, match="model_type 'llama'.*not supported"):
+        qwen3_moe.load(other)
+    (other / "config.json").write_text(json.dumps(dict(cfg, moe_intermediate_size=32)))
+    with pytest.raises(qwen3_moe.ModelLoadError, match=r"experts\.0\.gate_proj\.weight has shape \[24, 32\], expected \[32, 32\]"):
+        qwen3_moe.load(other)
+    (other / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=2)))
+    with pytest.raises(qwen3_moe.ModelLoadError, match="do not belong to the configured model"):
+        qwen3_moe.load(other)
