@@ -1,0 +1,217 @@
+"""GEMV (linear.metal / linear.py): the reference against a float64 matmul of the decoded weight (the
+oracle), then the Metal kernel in the MSL emulator, through the real launch glue, on odd shapes."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from comfy_metal.metal_kernels import dispatch, linear
+from comfy_metal.metal_kernels.linear import gemv_metal, gemv_reference
+
+NATIVE = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+WEIGHT_TYPES = (torch.float32, torch.float16, torch.bfloat16, "e4m3fn", "e5m2")
+EPS32 = 2.0 ** -24
+
+
+def make_weight(kind, N, K, gen):
+    """(weight as passed to gemv, kwargs, its exact float64 value)."""
+    if isinstance(kind, str):
+        raw = torch.randint(0, 256, (N, K), generator=gen, dtype=torch.uint8)
+        raw = raw & 0xBF            # |w| < 2, no inf/NaN codes
+        exact = raw.view(NATIVE[kind]).to(torch.float64)       # torch's own float8 cast, not ours
+        return raw, {"fmt": kind}, exact
+    w = torch.randn(N, K, generator=gen).to(kind)
+    return w, {}, w.to(torch.float64)
+
+
+def make_scale(mode, N, gen):
+    if mode is None:
+        return None
+    if mode == "tensor":
+        return torch.tensor([0.731])
+    s = torch.rand(N, generator=gen) + 0.05
+    return s if mode == "row" else s[:, None]
+
+
+def oracle(x, w_exact, scale, bias):
+    """float64 matmul of the decoded, scaled weight; also sum |x| |w s| (bounds fp32 rounding)."""
+    w = w_exact
+    if scale is not None:
+        s = scale.double()
+        w = w * (s.reshape(()) if s.numel() == 1 else s.reshape(-1, 1))
+    x2 = x.reshape(-1, x.shape[-1]).double()
+    y = x2 @ w.T
+    mag = x2.abs() @ w.abs().T
+    if bias is not None:
+        y = y + bias.double()
+        mag = mag + bias.double().abs()
+    lead = tuple(x.shape[:-1])
+    return y.reshape(lead + (w.shape[0],)), mag.reshape(lead + (w.shape[0],))
+
+
+def assert_close_to_oracle(got, want, mag, K, out_dtype=torch.float32):
+    """fp32 accumulation in any order: |err| <= (K + 3) * eps32 * sum|terms|, plus one rounding of the
+    output dtype."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert got.dtype == out_dtype
+    out_eps = {torch.float32: EPS32, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[out_dtype]
+    bound = (K + 3) * EPS32 * mag + out_eps * want.abs() * 1.01 + 1e-30
+    if out_dtype == torch.float16:
+        bound = bound + 2.0 ** -24          # fp16 subnormal spacing
+    err = (got.double() - want).abs()
+    bad = err > bound
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outputs off: max err {float(err.max()):.3g}, "
+                           f"bound there {float(bound.flatten()[err.argmax()]):.3g}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference against the float64 oracle
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", WEIGHT_TYPES)
+def test_reference_matches_float64_oracle(kind):
+    gen = torch.Generator().manual_seed(1)
+    for M, K, N in [(1, 1, 1), (3, 33, 5), (8, 257, 67), (5, 36, 4)]:
+        for smode, with_bias in itertools.product((None, "tensor", "row", "row1"), (False, True)):
+            x = torch.randn(M, K, generator=gen)
+            w, kw, w_exact = make_weight(kind, N, K, gen)
+            scale = make_scale(smode, N, gen)
+            bias = torch.randn(N, generator=gen) if with_bias else None
+            want, mag = oracle(x, w_exact, scale, bias)
+            assert_close_to_oracle(gemv_reference(x, w, bias, scale=scale, **kw), want, mag, K)
+            if isinstance(kind, str):   # native float8 weight, fmt inferred
+                got = gemv_reference(x, w.view(NATIVE[kind]), bias, scale=scale)
+                assert_close_to_oracle(got, want, mag, K)
+
+
+def test_reference_shapes_dtypes_and_errors():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 10, generator=gen).to(torch.bfloat16)
+    w = torch.randn(7, 10, generator=gen).to(torch.float16)
+    y = gemv_reference(x, w)
+    assert y.shape == (2, 3, 7) and y.dtype == torch.bfloat16
+    assert gemv_reference(x, w, out_dtype=torch.float32).dtype == torch.float32
+    with pytest.raises(ValueError, match=r"expected \(N, 10\)"):
+        gemv_reference(x, torch.zeros(7, 9))
+    with pytest.raises(ValueError, match="need fmt"):
+        gemv_reference(x, torch.zeros(7, 10, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="fmt"):
+        gemv_reference(x, w, fmt="e4m3fn")
+    with pytest.raises(ValueError, match=r"\(7,\) or \(7, 1\)"):
+        gemv_reference(x, w, scale=torch.ones(10))
+    with pytest.raises(ValueError, match="bias"):
+        gemv_reference(x, w, torch.ones(6))
+    with pytest.raises(TypeError, match="x must be"):
+        gemv_reference(x.to(torch.int32), w)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel in the emulator
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lib():
+    try:
+        from comfy_metal.metal_kernels import emulator
+    except ImportError as e:
+        pytest.skip(f"the MSL emulator package is not importable yet: {e}")
+    if not emulator.available():
+        pytest.skip("the MSL emulator needs clang-19, which is not installed")
+    # common.metal + linear.metal (the whole library is compiled and linted in test_msl_library.py)
+    return emulator.compile_library(dispatch.library_source(only="linear.metal"))
+
+
+@pytest.mark.parametrize("kind", WEIGHT_TYPES)
+def test_emulated_gemv_all_small_shapes(lib, kind):
+    """M 1..8 x K {1, 7, 33, 257} x N {1, 5, 67}; scale mode and bias rotate through the shapes so
+    each shape meets one and every (scale, bias) pair meets many shapes."""
+    gen = torch.Generator().manual_seed(3)
+    pairs = list(itertools.product((None, "tensor", "row", "row1"), (False, True)))
+    for i, (M, K, N) in enumerate(itertools.product(range(1, 9), (1, 7, 33, 257), (1, 5, 67))):
+        smode, with_bias = pairs[i % len(pairs)]
+        x = torch.randn(M, K, generator=gen)
+        w, kw, w_exact = make_weight(kind, N, K, gen)
+        scale = make_scale(smode, N, gen)
+        bias = torch.randn(N, generator=gen) if with_bias else None
+        want, mag = oracle(x, w_exact, scale, bias)
+        got = gemv_metal(lib, x, w, bias, scale=scale, **kw)
+        assert_close_to_oracle(got, want, mag, K)
+
+
+@pytest.mark.parametrize("kind", WEIGHT_TYPES)
+def test_emulated_gemv_vectorised_path_every_scale_and_bias(lib, kind):
+    """K % 4 == 0 takes the _k4 kernels (4 weights per lane load)."""
+    gen = torch.Generator().manual_seed(4)
+    for (M, K, N), smode, with_bias in itertools.product([(1, 4, 3), (8, 36, 5), (3, 132, 9), (2, 260, 1)],
+                                                         (None, "tensor", "row", "row1"), (False, True)):
+        x = torch.randn(M, K, generator=gen)
+        w, kw, w_exact = make_weight(kind, N, K, gen)
+        scale = make_scale(smode, N, gen)
+        bias = torch.randn(N, generator=gen) if with_bias else None
+        want, mag = oracle(x, w_exact, scale, bias)
+        assert_close_to_oracle(gemv_metal(lib, x, w, bias, scale=scale, **kw), want, mag, K)
+
+
+@pytest.mark.parametrize("x_dtype,out_dtype", [(torch.float16, None), (torch.bfloat16, None),
+                                               (torch.bfloat16, torch.float32), (torch.float32, torch.float16)])
+def test_emulated_gemv_input_and_output_dtypes(lib, x_dtype, out_dtype):
+    gen = torch.Generator().manual_seed(5)
+    for kind in ("e4m3fn", torch.bfloat16):
+        x = torch.randn(2, 3, 37, generator=gen).to(x_dtype)           # leading dims, M = 6
+        w, kw, w_exact = make_weight(kind, 11, 37, gen)
+        bias = torch.randn(11, generator=gen).to(torch.bfloat16)
+        scale = torch.rand(11, 1, generator=gen) + 0.5
+        want, mag = oracle(x, w_exact, scale, bias)
+        got = gemv_metal(lib, x, w, bias, scale=scale, out_dtype=out_dtype, **kw)
+        assert_close_to_oracle(got, want, mag, 37, out_dtype or x_dtype)
+
+
+def test_emulated_gemv_launch_glue_edge_cases(lib):
+    gen = torch.Generator().manual_seed(6)
+    K, N = 12, 7
+    # native float8 weight; a non-contiguous weight; a weight at an odd storage offset (scalar kernel)
+    raw = torch.randint(0, 256, (N, K), generator=gen, dtype=torch.uint8) & 0xBF
+    exact = raw.view(torch.float8_e5m2).double()
+    x = torch.randn(3, K, generator=gen)
+    want, mag = oracle(x, exact, None, None)
+    assert_close_to_oracle(gemv_metal(lib, x, raw.view(torch.float8_e5m2)), want, mag, K)
+    w_t = torch.randn(K, N, generator=gen).t()
+    want, mag = oracle(x, w_t.double(), None, None)
+    assert_close_to_oracle(gemv_metal(lib, x, w_t), want, mag, K)
+    flat = torch.randint(0, 256, (N * K + 1,), generator=gen, dtype=torch.uint8) & 0xBF
+    w_off = flat[1:].view(N, K)
+    assert w_off.storage_offset() == 1
+    want, mag = oracle(x, w_off.view(torch.float8_e4m3fn).double(), None, None)
+    assert_close_to_oracle(gemv_metal(lib, x, w_off, fmt="e4m3fn"), want, mag, K)
+    # non-contiguous x; M > 8 runs in chunks of 8
+    xt = torch.randn(K, 11, generator=gen).t()
+    w = torch.randn(N, K, generator=gen)
+    b = torch.randn(N, generator=gen)
+    want, mag = oracle(xt, w.double(), None, b)
+    assert_close_to_oracle(gemv_metal(lib, xt, w, b), want, mag, K)
+    # 0-size: no rows, no columns, K = 0 (y = bias)
+    assert gemv_metal(lib, torch.zeros(0, K), w).shape == (0, N)
+    assert gemv_metal(lib, x, torch.zeros(0, K)).shape == (3, 0)
+    y = gemv_metal(lib, torch.zeros(2, 0), torch.zeros(N, 0), b)
+    assert torch.equal(y, b.expand(2, N))
+
+
+def test_gemv_node_path_runs_the_emulated_kernel(monkeypatch):
+    """Through the public function: dispatch self-checks the kernel in the emulator, then uses it."""
+    pytest.importorskip("comfy_metal.metal_kernels.emulator")
+    from comfy_metal import metal_kernels
+
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+    monkeypatch.delenv("COMFY_METAL_REFERENCE", raising=False)
+    dispatch.reset()
+    try:
+        gen = torch.Generator().manual_seed(7)
+        x = torch.randn(1, 2, 40, generator=gen).to(torch.bfloat16)
+        raw = torch.randint(0, 256, (9, 40), generator=gen, dtype=torch.uint8) & 0xBF
+        scale = torch.rand(9, generator=gen) + 0.1
+        y = metal_kernels.gemv(x, raw, fmt="e4m3fn", scale=scale)
+        assert dispatch.last_backend["gemv"] == "emulator", dispatch.choose(linear.gemv.spec, torch.device("cpu"))[1]
+        want, mag = oracle(x, raw.view(torch.float8_e4m3fn).double(), scale, None)
+        assert_close_to_oracle(y, want, mag, 40, torch.bfloat16)
+    finally:
+        dispatch.reset()
