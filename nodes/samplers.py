@@ -1,0 +1,542 @@
+"""Metal-accelerated k-diffusion samplers: ComfyUI's euler, euler_ancestral, heun, dpmpp_2m,
+dpmpp_2m_sde, dpmpp_3m_sde, lcm and res_multistep, each step one fused kernel
+(`metal_kernels.sampling`), no host sync inside the step loop.
+
+* `sample_<name>_metal(model, x, sigmas, extra_args, callback, disable, ...)`: the k-diffusion
+  signature and options of ComfyUI's `sample_<name>`, plus `noise_mode` ("fast" | "exact").
+  The schedule is read to the host once before the loop (`sigmas.tolist()`), every per-step
+  coefficient is computed on the host from that list, and NaN/inf is recorded on the device per
+  step and checked once after the loop.
+* Noise: "exact" draws from ComfyUI's own noise sampler (BrownianTreeNoiseSampler for the SDE
+  samplers, default_noise_sampler for the ancestral ones, the same seed), so results equal
+  ComfyUI's. "fast" (the default; env COMFY_METAL_SAMPLER_NOISE overrides it) generates the noise
+  inside the step kernel from a counter-based hash: a Brownian bridge (virtual Brownian tree,
+  `sampling.BrownianBridge`) for the SDE samplers, one i.i.d. normal per step for the ancestral
+  ones. A `noise_sampler` passed by the caller is always used as given.
+* `MetalSamplerSelect` returns a SAMPLER for SamplerCustom / SamplerCustomAdvanced;
+  `register_ksampler_entries()` (run at pack load inside ComfyUI) adds `<name>_metal` to the
+  stock KSampler sampler list.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import os
+import sys
+
+import torch
+
+from ..metal_kernels import sampling as K
+
+log = logging.getLogger("comfy_metal")
+
+SAMPLER_NAMES = ("euler", "euler_ancestral", "heun", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_3m_sde", "lcm",
+                 "res_multistep")
+NOISE_MODES = ("fast", "exact")
+NOISE_ENV = "COMFY_METAL_SAMPLER_NOISE"
+
+
+class SamplingError(ValueError):
+    """Bad input to a Metal sampler, or a NaN/inf produced while sampling."""
+
+
+def default_noise_mode() -> str:
+    value = os.environ.get(NOISE_ENV, "fast").strip().lower() or "fast"
+    if value not in NOISE_MODES:
+        raise SamplingError(f"{NOISE_ENV}={value!r} is not one of {', '.join(NOISE_MODES)}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Model sampling (epsilon vs flow) as ComfyUI's samplers find it
+# --------------------------------------------------------------------------------------------
+
+def _patcher_model_sampling(model):
+    inner = getattr(model, "inner_model", None)
+    patcher = getattr(inner, "model_patcher", None)
+    if patcher is not None and hasattr(patcher, "get_model_object"):
+        try:
+            return patcher.get_model_object("model_sampling")
+        except Exception:  # older/odd wrappers: fall back to the model's own attribute
+            pass
+    return getattr(getattr(inner, "inner_model", None), "model_sampling", None)
+
+
+def _inner_model_sampling(model):
+    inner = getattr(model, "inner_model", None)
+    ms = getattr(getattr(inner, "inner_model", None), "model_sampling", None)
+    return ms if ms is not None else _patcher_model_sampling(model)
+
+
+def is_flow(model_sampling) -> bool:
+    """True for rectified-flow (CONST) model sampling: Flux, SD3, Wan, Qwen-Image, ..."""
+    if model_sampling is None:
+        return False
+    try:
+        import comfy.model_sampling as cms
+
+        return isinstance(model_sampling, cms.CONST)
+    except ImportError:
+        return any(c.__name__ == "CONST" for c in type(model_sampling).__mro__)
+
+
+def _noise_scale(model_sampling) -> float:
+    return float(getattr(model_sampling, "noise_scale", 1.0))
+
+
+# --------------------------------------------------------------------------------------------
+# One sampler run: validation, schedule on the host, noise, NaN record
+# --------------------------------------------------------------------------------------------
+
+def _trange(n, disable):
+    try:
+        from comfy.utils import model_trange
+
+        return model_trange(n, disable=disable)
+    except Exception:
+        return range(n)
+
+
+class _Run:
+    def __init__(self, name, model, x, sigmas, extra_args, noise_mode):
+        self.name = f"{name}_metal"
+        self.extra_args = {} if extra_args is None else extra_args
+        self.noise_mode = default_noise_mode() if noise_mode is None else str(noise_mode).lower()
+        if self.noise_mode not in NOISE_MODES:
+            raise SamplingError(f"{self.name}: noise_mode {noise_mode!r} is not one of {', '.join(NOISE_MODES)}")
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise SamplingError(f"{self.name}: the latent must be a floating-point tensor, got "
+                                f"{type(x).__name__} {getattr(x, 'dtype', '')}")
+        if x.dtype not in K.MSL_TYPE:
+            raise SamplingError(f"{self.name}: latent dtype {x.dtype} is not supported (float32, float16, bfloat16)")
+        if not isinstance(sigmas, torch.Tensor) or sigmas.dim() != 1:
+            raise SamplingError(f"{self.name}: sigmas must be a 1-D tensor, got "
+                                f"{tuple(getattr(sigmas, 'shape', ()))}")
+        # The one read of the schedule to the host, and the one check of the input latent.
+        self.sig = [float(s) for s in sigmas.tolist()]
+        bad = [i for i, s in enumerate(self.sig) if not math.isfinite(s) or s < 0]
+        if bad:
+            raise SamplingError(f"{self.name}: sigma schedule has NaN/inf/negative values at index {bad[0]} "
+                                f"(sigmas = {self.sig})")
+        for i in range(len(self.sig) - 1):
+            if not self.sig[i + 1] < self.sig[i]:
+                raise SamplingError(f"{self.name}: sigma schedule must be strictly decreasing, but sigma[{i + 1}] = "
+                                    f"{self.sig[i + 1]:g} >= sigma[{i}] = {self.sig[i]:g} (sigmas = {self.sig}); "
+                                    "use a built-in sampler for increasing (unsampling) schedules")
+        if x.numel() and not bool(torch.isfinite(x).all()):
+            raise SamplingError(f"{self.name}: the input latent (shape {tuple(x.shape)}) contains NaN or inf")
+        self.steps = max(len(self.sig) - 1, 0)
+        self.flags = torch.zeros(max(self.steps, 1), dtype=torch.int32, device=x.device)
+        self.x = x
+
+    # noise -------------------------------------------------------------------------------
+    def noise_source(self, kind, sigmas, noise_sampler, original_sigmas=None):
+        """Return noise(i) for the step i (tensor or DeviceNoise). kind: "brownian" | "iid"."""
+        x = self.x
+        seed = self.extra_args.get("seed", None)
+        if noise_sampler is not None:
+            return lambda i: noise_sampler(sigmas[i], sigmas[i + 1])
+        if self.noise_mode == "exact":
+            try:
+                import comfy.k_diffusion.sampling as kds
+            except ImportError as e:
+                raise SamplingError(f"{self.name}: noise_mode='exact' uses ComfyUI's noise sampler, and ComfyUI "
+                                    f"is not importable ({e})") from e
+            if kind == "brownian":
+                src = sigmas if original_sigmas is None else original_sigmas
+                sigma_min, sigma_max = src[src > 0].min(), src.max()
+                ns = kds.BrownianTreeNoiseSampler(x, sigma_min, sigma_max, seed=seed, cpu=True)
+            else:
+                ns = kds.default_noise_sampler(x, seed=seed)
+            return lambda i: ns(sigmas[i], sigmas[i + 1])
+        if isinstance(seed, (list, tuple)):
+            seed = hash(tuple(int(s) for s in seed)) & ((1 << 63) - 1)
+        if seed is None:
+            seed = int(torch.randint(0, 2 ** 62, (), device="cpu"))
+        seed = int(seed)
+        if kind == "brownian":
+            bridge = K.BrownianBridge(seed)
+            if self.sig and max(self.sig) > bridge.length:
+                raise SamplingError(f"{self.name}: sigma_max {max(self.sig):g} exceeds the fast Brownian noise "
+                                    f"range [0, {bridge.length:g}]; use noise_mode='exact'")
+            return lambda i: bridge.increment(self.sig[i], self.sig[i + 1])
+        return lambda i: K.iid_noise(seed, i)
+
+    # end ---------------------------------------------------------------------------------
+    def finish(self, x):
+        """The one read after the loop: which steps produced NaN/inf (device-side record)."""
+        if self.steps:
+            flagged = self.flags.tolist()
+            for i, f in enumerate(flagged[:self.steps]):
+                if f:
+                    raise SamplingError(
+                        f"{self.name}: the latent became NaN/inf at step {i} of {self.steps} (sigma "
+                        f"{self.sig[i]:g} -> {self.sig[i + 1]:g}); the model output or the step diverged")
+        return x
+
+
+def _callback(callback, x, i, sigma, sigma_hat, denoised):
+    if callback is not None:
+        callback({"x": x, "i": i, "sigma": sigma, "sigma_hat": sigma_hat, "denoised": denoised})
+
+
+def _churn(s_churn, s_tmin, s_tmax, steps, sigma):
+    if s_churn > 0:
+        return min(s_churn / steps, 2 ** 0.5 - 1) if s_tmin <= sigma <= s_tmax else 0.0
+    return 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# The samplers (ComfyUI signatures + noise_mode)
+# --------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def sample_euler_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, s_churn=0., s_tmin=0.,
+                       s_tmax=float("inf"), s_noise=1., noise_mode=None):
+    run = _Run("euler", model, x, sigmas, extra_args, noise_mode)
+    sig, extra_args = run.sig, run.extra_args
+    s_in = x.new_ones([x.shape[0]])
+    for i in _trange(run.steps, disable):
+        gamma = _churn(s_churn, s_tmin, s_tmax, run.steps, sig[i])
+        sigma_hat = sigmas[i] * (gamma + 1) if s_churn > 0 else sigmas[i]
+        sigma_hat_f = sig[i] * (gamma + 1)
+        if gamma > 0:
+            x = K.sampler_churn_step(x, torch.randn_like(x), sig[i], sigma_hat_f, s_noise, flags=run.flags, step=i)
+        denoised = model(x, sigma_hat * s_in, **extra_args)
+        _callback(callback, x, i, sigmas[i], sigma_hat, denoised)
+        x = K.sampler_euler_step(x, denoised, sigma_hat_f, sig[i + 1], flags=run.flags, step=i)
+    return run.finish(x)
+
+
+@torch.no_grad()
+def sample_euler_ancestral_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, eta=1., s_noise=1.,
+                                 noise_sampler=None, noise_mode=None):
+    run = _Run("euler_ancestral", model, x, sigmas, extra_args, noise_mode)
+    sig, extra_args = run.sig, run.extra_args
+    flow = is_flow(_inner_model_sampling(model))
+    if flow:
+        s_noise = s_noise * _noise_scale(_patcher_model_sampling(model))
+    noise = run.noise_source("iid", sigmas, noise_sampler) if run.steps else None
+    s_in = x.new_ones([x.shape[0]])
+    for i in _trange(run.steps, disable):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        _callback(callback, x, i, sigmas[i], sigmas[i], denoised)
+        if flow:
+            draws = sig[i + 1] != 0 and eta > 0
+        else:
+            draws = K.ancestral_step(sig[i], sig[i + 1], eta)[0] != 0  # ComfyUI draws even when sigma_up == 0
+        n = noise(i) if draws else None
+        x = K.sampler_euler_ancestral_step(x, denoised, sig[i], sig[i + 1], n, eta=eta, s_noise=s_noise, flow=flow,
+                                           flags=run.flags, step=i)
+    return run.finish(x)
+
+
+@torch.no_grad()
+def sample_heun_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, s_churn=0., s_tmin=0.,
+                      s_tmax=float("inf"), s_noise=1., noise_mode=None):
+    run = _Run("heun", model, x, sigmas, extra_args, noise_mode)
+    sig, extra_args = run.sig, run.extra_args
+    s_in = x.new_ones([x.shape[0]])
+    for i in _trange(run.steps, disable):
+        gamma = _churn(s_churn, s_tmin, s_tmax, run.steps, sig[i])
+        sigma_hat = sigmas[i] * (gamma + 1)
+        sigma_hat_f = sig[i] * (gamma + 1)
+        if gamma > 0:
+            x = K.sampler_churn_step(x, torch.randn_like(x), sig[i], sigma_hat_f, s_noise, flags=run.flags, step=i)
+        denoised = model(x, sigma_hat * s_in, **extra_args)
+        _callback(callback, x, i, sigmas[i], sigma_hat, denoised)
+        if sig[i + 1] == 0:
+            x = K.sampler_euler_step(x, denoised, sigma_hat_f, 0.0, flags=run.flags, step=i)
+        else:
+            x_2 = K.sampler_euler_step(x, denoised, sigma_hat_f, sig[i + 1], flags=run.flags, step=i)
+            denoised_2 = model(x_2, sigmas[i + 1] * s_in, **extra_args)
+            x = K.sampler_heun_step(x, denoised, denoised_2, sigma_hat_f, sig[i + 1], flags=run.flags, step=i)
+    return run.finish(x)
+
+
+@torch.no_grad()
+def sample_dpmpp_2m_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, noise_mode=None):
+    run = _Run("dpmpp_2m", model, x, sigmas, extra_args, noise_mode)
+    sig, extra_args = run.sig, run.extra_args
+    s_in = x.new_ones([x.shape[0]])
+    old_denoised = None
+    for i in _trange(run.steps, disable):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        _callback(callback, x, i, sigmas[i], sigmas[i], denoised)
+        x = K.sampler_dpmpp_2m_step(x, denoised, old_denoised, sig[i], sig[i + 1], sig[i - 1] if i else None,
+                                    flags=run.flags, step=i)
+        old_denoised = denoised
+    return run.finish(x)
+
+
+def _offset_first_sigma(run, sigmas, model_sampling, flow, percent_offset=1e-4):
+    """ComfyUI's offset_first_sigma_for_snr: a flow schedule starting at sigma >= 1 starts just below 1."""
+    if len(run.sig) <= 1 or not flow or run.sig[0] < 1:
+        return sigmas
+    value = model_sampling.percent_to_sigma(percent_offset)
+    sigmas = sigmas.clone()
+    sigmas[0] = value
+    run.sig = list(run.sig)
+    run.sig[0] = float(torch.tensor(float(value), dtype=sigmas.dtype))
+    return sigmas
+
+
+@torch.no_grad()
+def sample_dpmpp_2m_sde_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, eta=1., s_noise=1.,
+                              noise_sampler=None, solver_type="midpoint", noise_mode=None):
+    if len(sigmas) <= 1:
+        return x
+    if solver_type not in {"heun", "midpoint"}:
+        raise SamplingError("dpmpp_2m_sde_metal: solver_type must be 'heun' or 'midpoint'")
+    run = _Run("dpmpp_2m_sde", model, x, sigmas, extra_args, noise_mode)
+    extra_args = run.extra_args
+    model_sampling = _patcher_model_sampling(model)
+    flow = is_flow(model_sampling)
+    original = sigmas
+    sigmas = _offset_first_sigma(run, sigmas, model_sampling, flow)
+    # ComfyUI sizes its Brownian tree on the original schedule and queries it with the offset one.
+    noise = run.noise_source("brownian", sigmas, noise_sampler, original_sigmas=original)
+    sig = run.sig
+    s_noise = s_noise * _noise_scale(model_sampling)
+    s_in = x.new_ones([x.shape[0]])
+    old_denoised, h, h_last = None, None, None
+    for i in _trange(run.steps, disable):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        _callback(callback, x, i, sigmas[i], sigmas[i], denoised)
+        if sig[i + 1] == 0:
+            x = K.sampler_dpmpp_2m_sde_step(x, denoised, None, sig[i], 0.0, flags=run.flags, step=i)
+        else:
+            h = K.dpmpp_sde_h(sig[i], sig[i + 1], flow)
+            n = noise(i) if (eta > 0 and s_noise > 0) else None
+            x = K.sampler_dpmpp_2m_sde_step(x, denoised, old_denoised, sig[i], sig[i + 1], h_last, n, eta=eta,
+                                            s_noise=s_noise, solver_type=solver_type, flow=flow,
+                                            flags=run.flags, step=i)
+        old_denoised = denoised
+        h_last = h
+    return run.finish(x)
+
+
+@torch.no_grad()
+def sample_dpmpp_3m_sde_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, eta=1., s_noise=1.,
+                              noise_sampler=None, noise_mode=None):
+    if len(sigmas) <= 1:
+        return x
+    run = _Run("dpmpp_3m_sde", model, x, sigmas, extra_args, noise_mode)
+    extra_args = run.extra_args
+    model_sampling = _patcher_model_sampling(model)
+    flow = is_flow(model_sampling)
+    original = sigmas
+    sigmas = _offset_first_sigma(run, sigmas, model_sampling, flow)
+    noise = run.noise_source("brownian", sigmas, noise_sampler, original_sigmas=original)
+    sig = run.sig
+    s_noise = s_noise * _noise_scale(model_sampling)
+    s_in = x.new_ones([x.shape[0]])
+    denoised_1, denoised_2 = None, None
+    h, h_1, h_2 = None, None, None
+    for i in _trange(run.steps, disable):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        _callback(callback, x, i, sigmas[i], sigmas[i], denoised)
+        if sig[i + 1] == 0:
+            x = K.sampler_dpmpp_3m_sde_step(x, denoised, None, None, sig[i], 0.0, flags=run.flags, step=i)
+        else:
+            h = K.dpmpp_sde_h(sig[i], sig[i + 1], flow)
+            n = noise(i) if (eta > 0 and s_noise > 0) else None
+            x = K.sampler_dpmpp_3m_sde_step(x, denoised, denoised_1 if h_1 is not None else None,
+                                            denoised_2 if h_2 is not None else None, sig[i], sig[i + 1], h_1, h_2, n,
+                                            eta=eta, s_noise=s_noise, flow=flow, flags=run.flags, step=i)
+        denoised_1, denoised_2 = denoised, denoised_1
+        h_1, h_2 = h, h_1
+    return run.finish(x)
+
+
+def _noise_scaling_coefficients(model_sampling, sigma: float, ndim: int, dtype):
+    """(a, b) with model_sampling.noise_scaling(sigma, noise, latent) == a*noise + b*latent, probed on
+    the host before the loop; None if it is not linear (then it is called directly)."""
+    if model_sampling is None:
+        return sigma, 1.0
+    s = torch.tensor([sigma], dtype=dtype)
+    shape = (1,) * ndim
+
+    def f(n, lat):
+        out = model_sampling.noise_scaling(s, torch.full(shape, float(n), dtype=dtype),
+                                           torch.full(shape, float(lat), dtype=dtype))
+        return float(torch.as_tensor(out).reshape(-1)[0])
+
+    try:
+        a, b, c = f(1, 0), f(0, 1), f(2, 3)
+    except Exception:
+        return None
+    if not math.isclose(c, 2 * a + 3 * b, rel_tol=1e-5, abs_tol=1e-6):
+        return None
+    return a, b
+
+
+@torch.no_grad()
+def sample_lcm_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, noise_sampler=None, s_noise=1.0,
+                     s_noise_end=None, noise_clip_std=0.0, noise_mode=None):
+    run = _Run("lcm", model, x, sigmas, extra_args, noise_mode)
+    sig, extra_args = run.sig, run.extra_args
+    if run.steps == 0:
+        return x
+    noise = run.noise_source("iid", sigmas, noise_sampler)
+    model_sampling = _patcher_model_sampling(model)
+    n_steps = run.steps
+    s_start = float(s_noise)
+    s_end = s_start if s_noise_end is None else float(s_noise_end)
+    coeffs = [(_noise_scaling_coefficients(model_sampling, sig[i + 1], x.ndim, torch.float32)
+               if sig[i + 1] > 0 else (0.0, 1.0)) for i in range(n_steps)]
+    s_in = x.new_ones([x.shape[0]])
+    for i in _trange(n_steps, disable):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        _callback(callback, x, i, sigmas[i], sigmas[i], denoised)
+        if sig[i + 1] > 0:
+            n = noise(i)
+            t = (i / (n_steps - 1)) if n_steps > 1 else 0.0
+            s_noise_i = s_start + (s_end - s_start) * t
+            if noise_clip_std > 0:
+                if isinstance(n, K.DeviceNoise):
+                    n = K.sampler_device_noise(x, n)
+                clip_val = noise_clip_std * n.std()
+                n = n.clamp(min=-clip_val, max=clip_val)
+            if coeffs[i] is None:  # non-linear noise_scaling: ComfyUI's own call (unfused)
+                if isinstance(n, K.DeviceNoise):
+                    n = K.sampler_device_noise(x, n)
+                if s_noise_i != 1.0:
+                    n = n * s_noise_i
+                x = model_sampling.noise_scaling(sigmas[i + 1], n, denoised)
+            else:
+                a, b = coeffs[i]
+                x = K.sampler_lcm_step(denoised, n, a * s_noise_i, b, flags=run.flags, step=i)
+        else:
+            x = K.sampler_lcm_step(denoised, None, 0.0, 1.0, flags=run.flags, step=i)
+    return run.finish(x)
+
+
+@torch.no_grad()
+def sample_res_multistep_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, s_noise=1.,
+                               noise_sampler=None, noise_mode=None, eta=0.):
+    """ComfyUI's res_multistep (eta=0). eta > 0 gives its res_multistep_ancestral."""
+    run = _Run("res_multistep", model, x, sigmas, extra_args, noise_mode)
+    sig, extra_args = run.sig, run.extra_args
+    s_noise = s_noise * _noise_scale(_patcher_model_sampling(model))
+    noise = run.noise_source("iid", sigmas, noise_sampler) if (run.steps and eta > 0) else None
+    s_in = x.new_ones([x.shape[0]])
+    old_denoised, old_sigma_down = None, None
+    for i in _trange(run.steps, disable):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        sigma_down, sigma_up = K.ancestral_step(sig[i], sig[i + 1], eta)
+        _callback(callback, x, i, sigmas[i], sigmas[i], denoised)
+        n = noise(i) if sigma_up > 0 else None
+        x = K.sampler_res_multistep_step(x, denoised, old_denoised, sig[i], sig[i + 1], sig[i - 1] if i else None,
+                                         old_sigma_down, n, eta=eta, s_noise=s_noise, flags=run.flags, step=i)
+        old_denoised = denoised
+        old_sigma_down = sigma_down
+    return run.finish(x)
+
+
+SAMPLER_FUNCTIONS = {
+    "euler": sample_euler_metal,
+    "euler_ancestral": sample_euler_ancestral_metal,
+    "heun": sample_heun_metal,
+    "dpmpp_2m": sample_dpmpp_2m_metal,
+    "dpmpp_2m_sde": sample_dpmpp_2m_sde_metal,
+    "dpmpp_3m_sde": sample_dpmpp_3m_sde_metal,
+    "lcm": sample_lcm_metal,
+    "res_multistep": sample_res_multistep_metal,
+}
+
+
+def get_sampler_function(name: str):
+    """The sampler function for "euler" or "euler_metal" etc.; a clear error for anything else."""
+    key = name[:-len("_metal")] if isinstance(name, str) and name.endswith("_metal") else name
+    fn = SAMPLER_FUNCTIONS.get(key)
+    if fn is None:
+        raise SamplingError(f"unknown Metal sampler {name!r}; available: "
+                            f"{', '.join(SAMPLER_NAMES)} (or the same with _metal)")
+    return fn
+
+
+def sampler_options(name: str, noise_mode: str = "fast", eta: float = 1.0, s_noise: float = 1.0) -> dict:
+    """The KSAMPLER extra_options for a sampler: noise_mode, and eta / s_noise where it takes them."""
+    fn = get_sampler_function(name)
+    if noise_mode not in NOISE_MODES:
+        raise SamplingError(f"noise_mode {noise_mode!r} is not one of {', '.join(NOISE_MODES)}")
+    params = inspect.signature(fn).parameters
+    options = {"noise_mode": noise_mode}
+    if "eta" in params and name.replace("_metal", "") != "res_multistep":
+        options["eta"] = float(eta)
+    if "s_noise" in params:
+        options["s_noise"] = float(s_noise)
+    return options
+
+
+# --------------------------------------------------------------------------------------------
+# ComfyUI exposure
+# --------------------------------------------------------------------------------------------
+
+def register_ksampler_entries() -> list[str]:
+    """Add `<name>_metal` to ComfyUI's KSampler sampler lists and `sample_<name>_metal` to
+    comfy.k_diffusion.sampling (where KSampler looks samplers up). Idempotent; built-ins untouched.
+    Does nothing unless ComfyUI's modules are already loaded (never imports ComfyUI itself)."""
+    samplers = sys.modules.get("comfy.samplers")
+    kds = sys.modules.get("comfy.k_diffusion.sampling")
+    if samplers is None or kds is None:
+        return []
+    added = []
+    try:
+        lists = []
+        for attr in ("KSAMPLER_NAMES", "SAMPLER_NAMES"):
+            lst = getattr(samplers, attr, None)
+            if isinstance(lst, list) and all(lst is not other for other in lists):
+                lists.append(lst)
+        ks_list = getattr(getattr(samplers, "KSampler", None), "SAMPLERS", None)
+        if isinstance(ks_list, list) and all(ks_list is not other for other in lists):
+            lists.append(ks_list)
+        for name in SAMPLER_NAMES:
+            full = f"{name}_metal"
+            fn = SAMPLER_FUNCTIONS[name]
+            if getattr(kds, f"sample_{full}", None) is not fn:
+                setattr(kds, f"sample_{full}", fn)
+            for lst in lists:
+                if full not in lst:
+                    lst.append(full)
+                    added.append(full)
+    except Exception as e:  # never break ComfyUI's start over a dropdown entry
+        log.warning("comfy_metal: could not add the Metal samplers to KSampler: %s: %s", type(e).__name__, e)
+    return added
+
+
+class MetalSamplerSelect:
+    """A SAMPLER (for SamplerCustom / SamplerCustomAdvanced) running the pack's fused samplers."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "sampler_name": (list(SAMPLER_NAMES), {"tooltip": "ComfyUI's sampler of the same name, fused kernels"}),
+            "noise_mode": (list(NOISE_MODES), {"default": "fast", "tooltip":
+                           "fast: device-side Brownian/i.i.d. noise, no host syncs; exact: ComfyUI's own noise "
+                           "sampler (results identical to ComfyUI's sampler)"}),
+            "eta": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.01,
+                              "tooltip": "ancestral / SDE noise amount (samplers that take eta)"}),
+            "s_noise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.01}),
+        }}
+
+    RETURN_TYPES = ("SAMPLER",)
+    FUNCTION = "get_sampler"
+    CATEGORY = "sampling/custom_sampling/samplers"
+    DESCRIPTION = "ComfyUI's samplers with one fused Metal kernel per step and no host sync in the loop."
+
+    def get_sampler(self, sampler_name, noise_mode="fast", eta=1.0, s_noise=1.0):
+        import comfy.samplers
+
+        register_ksampler_entries()
+        fn = get_sampler_function(sampler_name)
+        return (comfy.samplers.KSAMPLER(fn, sampler_options(sampler_name, noise_mode, eta, s_noise), {}),)
+
+
+NODE_CLASS_MAPPINGS = {"MetalSamplerSelect": MetalSamplerSelect}
+NODE_DISPLAY_NAME_MAPPINGS = {"MetalSamplerSelect": "Metal Sampler Select"}
+
+# Pack load inside ComfyUI: the sampler list gains the <name>_metal entries.
+register_ksampler_entries()
