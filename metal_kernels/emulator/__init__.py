@@ -308,7 +308,7 @@ class KernelDecl:
 
 _KERNEL_RE = re.compile(r"(?:\bkernel\b|\[\[\s*kernel\s*\]\])\s*(?:\[\[[^\]]*\]\]\s*)*void\s+([A-Za-z_]\w*)\s*")
 _DECLTYPE_INST_RE = re.compile(
-    r'\btemplate\s*\[\[\s*host_name\s*\(\s*"([^"]*)"\s*\)\s*\]\]\s*(?:\[\[[^\]]*\]\]\s*)*(?:kernel\s+)?'
+    r'\btemplate\s*\[\[\s*host_name\s*\(((?:\s*"[^"]*")+)\s*\)\s*\]\]\s*(?:\[\[[^\]]*\]\]\s*)*(?:kernel\s+)?'
     r'decltype\s*\(\s*([A-Za-z_]\w*)\s*<')
 
 
@@ -354,9 +354,9 @@ def parse_kernels(pp: str) -> tuple[list[KernelDecl], list[tuple[int, int]]]:
         attrs, before = _leading_attrs(_strip_markers(text[:m.start()]))
         host_attr = None
         for a in attrs:
-            hm = re.match(r'host_name\s*\(\s*"([^"]*)"\s*\)', a)
+            hm = re.match(r'host_name\s*\(((?:\s*"[^"]*")+)\s*\)', a)
             if hm:
-                host_attr = hm.group(1)
+                host_attr = "".join(re.findall(r'"([^"]*)"', hm.group(1)))
         if before.endswith("template") and not re.search(r"\w", before[-9:-8] or " "):
             # explicit instantiation `template [[host_name("x")]] kernel void foo<T>(...);`
             start = text.rfind("template", 0, m.start())
@@ -385,7 +385,7 @@ def parse_kernels(pp: str) -> tuple[list[KernelDecl], list[tuple[int, int]]]:
         kernels.append(KernelDecl(host_attr or name, name, params, attrs=attrs, kind="plain"))
     # decltype-form instantiations: template [[host_name("x")]] kernel decltype(foo<T>) foo<T>;
     for m in _DECLTYPE_INST_RE.finditer(text):
-        host, name = m.group(1), m.group(2)
+        host, name = "".join(re.findall(r'"([^"]*)"', m.group(1))), m.group(2)
         lt = m.end() - 1
         close = _match_close(text, lt, "<", ">")
         end = text.find(";", close)

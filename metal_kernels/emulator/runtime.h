@@ -96,6 +96,20 @@ __asm__(
 #error "comfy_metal emulator: only x86-64 and aarch64 (Linux/ELF) are supported"
 #endif
 
+// bfloat16 conversion helpers (clang emits calls to these; Debian's libgcc 12 lacks them)
+extern "C" __attribute__((visibility("hidden"), used)) __bf16 __truncsfbf2(float f) {
+  uint32_t u = __builtin_bit_cast(uint32_t, f);
+  uint16_t r;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    r = (uint16_t)((u >> 16) | 0x40u);  // quiet NaN
+  } else {
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    r = (uint16_t)(u >> 16);
+  }
+  return __builtin_bit_cast(__bf16, r);
+}
+extern "C" __attribute__((visibility("hidden"), used)) __bf16 __truncdfbf2(double d) { return __truncsfbf2((float)d); }
+
 namespace __emu {
 
 enum : uint32_t { ST_NEW = 0, ST_RUNNABLE = 1, ST_BARRIER = 2, ST_SIMD = 3, ST_DONE = 4 };

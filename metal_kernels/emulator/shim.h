@@ -730,10 +730,18 @@ struct simd_vote {
   bool any() const { return __v != 0; }
 };
 
+// Every collective / barrier has a call-site id: the generated macros below pass
+// __COUNTER__ (unique per source location, increasing in source order) so that the
+// optimiser merging identical calls cannot merge sites; a direct call such as
+// simd_sum<float>(x) falls back to the return address.
 #define __EMU_SIMD1(NAME, OP)                                                                        \
   template <class T>                                                                                 \
+  inline T __emu_##NAME(uintptr_t site, T v) {                                                       \
+    return __emu::simd_exchange<T>(v, 0, site, &__emu::resolve<T, __emu::OP>);                       \
+  }                                                                                                  \
+  template <class T>                                                                                 \
   __attribute__((noinline)) T NAME(T v) {                                                            \
-    return __emu::simd_exchange<T>(v, 0, __EMU_RA, &__emu::resolve<T, __emu::OP>);                    \
+    return __emu_##NAME(__EMU_RA, v);                                                                \
   }
 __EMU_SIMD1(simd_sum, OP_SUM)
 __EMU_SIMD1(simd_product, OP_PROD)
@@ -750,8 +758,12 @@ __EMU_SIMD1(simd_prefix_inclusive_product, OP_PREFIX_INCL_PROD)
 #undef __EMU_SIMD1
 #define __EMU_SIMD2(NAME, OP)                                                                        \
   template <class T, class I>                                                                        \
+  inline T __emu_##NAME(uintptr_t site, T v, I a) {                                                  \
+    return __emu::simd_exchange<T>(v, (uint32_t)a, site, &__emu::resolve<T, __emu::OP>);            \
+  }                                                                                                  \
+  template <class T, class I>                                                                        \
   __attribute__((noinline)) T NAME(T v, I a) {                                                       \
-    return __emu::simd_exchange<T>(v, (uint32_t)a, __EMU_RA, &__emu::resolve<T, __emu::OP>);          \
+    return __emu_##NAME(__EMU_RA, v, a);                                                             \
   }
 __EMU_SIMD2(simd_shuffle, OP_SHUFFLE)
 __EMU_SIMD2(simd_broadcast, OP_SHUFFLE)
@@ -761,27 +773,24 @@ __EMU_SIMD2(simd_shuffle_up, OP_SHUFFLE_UP)
 __EMU_SIMD2(simd_shuffle_rotate_down, OP_ROT_DOWN)
 __EMU_SIMD2(simd_shuffle_rotate_up, OP_ROT_UP)
 #undef __EMU_SIMD2
-template <class T>
-T simd_prod(T v) = delete;  // not an MSL function (it is simd_product)
 
-__attribute__((noinline)) inline bool simd_all(bool b) {
-  return (bool)__emu::simd_exchange<uint64_t>(b, 0, __EMU_RA, &__emu::resolve<uint64_t, __emu::OP_ALL>);
+#define __EMU_VOTE(OP, V, SITE) __emu::simd_exchange<uint64_t>((V), 0, (SITE), &__emu::resolve<uint64_t, __emu::OP>)
+inline bool __emu_simd_all(uintptr_t site, bool b) { return (bool)__EMU_VOTE(OP_ALL, b, site); }
+inline bool __emu_simd_any(uintptr_t site, bool b) { return (bool)__EMU_VOTE(OP_ANY, b, site); }
+inline simd_vote __emu_simd_ballot(uintptr_t site, bool b) { return simd_vote{__EMU_VOTE(OP_BALLOT, b, site)}; }
+inline bool __emu_simd_is_first(uintptr_t site) { return (bool)__EMU_VOTE(OP_IS_FIRST, 1, site); }
+inline simd_vote __emu_simd_active_threads_mask(uintptr_t site) { return simd_vote{__EMU_VOTE(OP_BARRIER, 1, site)}; }
+__attribute__((noinline)) inline bool simd_all(bool b) { return __emu_simd_all(__EMU_RA, b); }
+__attribute__((noinline)) inline bool simd_any(bool b) { return __emu_simd_any(__EMU_RA, b); }
+__attribute__((noinline)) inline simd_vote simd_ballot(bool b) { return __emu_simd_ballot(__EMU_RA, b); }
+__attribute__((noinline)) inline bool simd_is_first() { return __emu_simd_is_first(__EMU_RA); }
+__attribute__((noinline)) inline simd_vote simd_active_threads_mask() { return __emu_simd_active_threads_mask(__EMU_RA); }
+#undef __EMU_VOTE
+inline void __emu_simdgroup_barrier(uintptr_t site, mem_flags) {
+  (void)__emu::simd_exchange<uint64_t>(1, 0, site, &__emu::resolve<uint64_t, __emu::OP_BARRIER>);
 }
-__attribute__((noinline)) inline bool simd_any(bool b) {
-  return (bool)__emu::simd_exchange<uint64_t>(b, 0, __EMU_RA, &__emu::resolve<uint64_t, __emu::OP_ANY>);
-}
-__attribute__((noinline)) inline simd_vote simd_ballot(bool b) {
-  return simd_vote{__emu::simd_exchange<uint64_t>(b, 0, __EMU_RA, &__emu::resolve<uint64_t, __emu::OP_BALLOT>)};
-}
-__attribute__((noinline)) inline bool simd_is_first() {
-  return (bool)__emu::simd_exchange<uint64_t>(1, 0, __EMU_RA, &__emu::resolve<uint64_t, __emu::OP_IS_FIRST>);
-}
-__attribute__((noinline)) inline simd_vote simd_active_threads_mask() {
-  return simd_vote{__emu::simd_exchange<uint64_t>(1, 0, __EMU_RA, &__emu::resolve<uint64_t, __emu::OP_BARRIER>)};
-}
-__attribute__((noinline)) inline void simdgroup_barrier(mem_flags) {
-  (void)__emu::simd_exchange<uint64_t>(1, 0, __EMU_RA, &__emu::resolve<uint64_t, __emu::OP_BARRIER>);
-}
+__attribute__((noinline)) inline void simdgroup_barrier(mem_flags f) { __emu_simdgroup_barrier(__EMU_RA, f); }
+inline void __emu_threadgroup_barrier(uintptr_t site, mem_flags) { __emu::barrier(site); }
 }  // namespace metal
 
 // threadgroup memory: per-group storage, filled with 0xFF at the start of every group
@@ -800,3 +809,29 @@ inline void* tg_storage(uint32_t slot, size_t size, size_t align) { return tg_al
 #define object_data
 #define METAL_FUNC inline
 #define __METAL_EMULATOR__ 1
+#define threadgroup_barrier(...) __emu_threadgroup_barrier(__COUNTER__ + 1 __VA_OPT__(, ) __VA_ARGS__)
+#define simdgroup_barrier(...) __emu_simdgroup_barrier(__COUNTER__ + 1 __VA_OPT__(, ) __VA_ARGS__)
+#define simd_sum(...) __emu_simd_sum(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_product(...) __emu_simd_product(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_min(...) __emu_simd_min(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_max(...) __emu_simd_max(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_and(...) __emu_simd_and(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_or(...) __emu_simd_or(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_xor(...) __emu_simd_xor(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_broadcast_first(...) __emu_simd_broadcast_first(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_prefix_exclusive_sum(...) __emu_simd_prefix_exclusive_sum(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_prefix_inclusive_sum(...) __emu_simd_prefix_inclusive_sum(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_prefix_exclusive_product(...) __emu_simd_prefix_exclusive_product(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_prefix_inclusive_product(...) __emu_simd_prefix_inclusive_product(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_shuffle(...) __emu_simd_shuffle(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_broadcast(...) __emu_simd_broadcast(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_shuffle_xor(...) __emu_simd_shuffle_xor(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_shuffle_down(...) __emu_simd_shuffle_down(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_shuffle_up(...) __emu_simd_shuffle_up(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_shuffle_rotate_down(...) __emu_simd_shuffle_rotate_down(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_shuffle_rotate_up(...) __emu_simd_shuffle_rotate_up(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_all(...) __emu_simd_all(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_any(...) __emu_simd_any(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_ballot(...) __emu_simd_ballot(__COUNTER__ + 1, __VA_ARGS__)
+#define simd_is_first() __emu_simd_is_first(__COUNTER__ + 1)
+#define simd_active_threads_mask() __emu_simd_active_threads_mask(__COUNTER__ + 1)
