@@ -1,0 +1,95 @@
+"""ComfyUI's own GPT-OSS (Lens) encoder with the pack's sync-free experts op vs ComfyUI's default ops."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sync_count
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_local_experts=7, num_experts_per_tok=3, sliding_window=4)
+
+
+def _lens_model(operations):
+    from comfy.text_encoders import gpt_oss
+
+    opts = {"gpt_oss_config": TINY, "selected_layers": (0, 1, 2), "txt_offset": 2, "custom_operations": operations}
+    return gpt_oss.LensGptOssClipModel(device="cpu", dtype=torch.float32, model_options=opts)
+
+
+def _state_dict():
+    """Random weights for every tensor of the tiny GPT-OSS encoder (ComfyUI's layers skip init)."""
+    V, H, I = TINY["vocab_size"], TINY["hidden_size"], TINY["intermediate_size"]
+    E, nh, nkv, d = TINY["num_local_experts"], TINY["num_attention_heads"], TINY["num_key_value_heads"], TINY["head_dim"]
+    shapes = {"embed_tokens.weight": (V, H), "norm.weight": (H,)}
+    for i in range(TINY["num_hidden_layers"]):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (nh * d, H), p + "self_attn.q_proj.bias": (nh * d,),
+            p + "self_attn.k_proj.weight": (nkv * d, H), p + "self_attn.k_proj.bias": (nkv * d,),
+            p + "self_attn.v_proj.weight": (nkv * d, H), p + "self_attn.v_proj.bias": (nkv * d,),
+            p + "self_attn.o_proj.weight": (H, nh * d), p + "self_attn.o_proj.bias": (H,),
+            p + "self_attn.sinks": (nh,),
+            p + "mlp.router.weight": (E, H), p + "mlp.router.bias": (E,),
+            p + "mlp.experts.gate_up_proj.weight": (E, 2 * I, H), p + "mlp.experts.gate_up_proj.bias": (E, 2 * I),
+            p + "mlp.experts.down_proj.weight": (E, H, I), p + "mlp.experts.down_proj.bias": (E, H),
+        })
+    gen = torch.Generator().manual_seed(0)
+    sd = {}
+    for k, shape in sorted(shapes.items()):
+        if "norm" in k:
+            sd[k] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            sd[k] = torch.randn(shape, generator=gen) * (0.5 if "router" in k else 0.15)
+    return sd
+
+
+def test_gpt_oss_encoder_with_sync_free_experts_matches_default_ops(comfyui):
+    import comfy.model_patcher
+    import comfy.ops
+    from comfy_metal.nodes import moe_experts  # noqa: the pack as the tests import it
+
+    sd = _state_dict()
+    tokens = {"gpt_oss": [[(t, 1.0) for t in [3, 17, 5, 60, 61, 2, 9, 9, 40, 33, 12, 80, 1, 4, 7, 70, 71, 72, 73, 5, 6, 8, 10, 11, 13, 14]]]}
+    default = _lens_model(comfy.ops.mixed_precision_ops({}, torch.float32, full_precision_mm=True))
+    missing, unexpected = default.load_sd(dict(sd))
+    assert not missing and not unexpected, (missing, unexpected)
+    ours = _lens_model(moe_experts.make_operations({}, torch.float32))
+    missing, unexpected = ours.load_sd(dict(sd))
+    assert not missing and not unexpected, (missing, unexpected)
+    assert type(ours.transformer.layers[0].mlp.experts.gate_up_proj).__name__ == "MoEExperts"
+    assert hasattr(ours.transformer.layers[0].mlp.experts.gate_up_proj, "grouped_linear")
+
+    want, _, want_extra = default.encode_token_weights(tokens["gpt_oss"])
+    patcher = comfy.model_patcher.ModelPatcher(ours, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+    patches = moe_experts.object_patches(ours)
+    assert len(patches) == TINY["num_hidden_layers"]
+    for k, fn in patches.items():
+        patcher.add_object_patch(k, fn)
+    patcher.patch_model()
+    try:
+        with sync_count.SyncCounter() as c:
+            got, _, got_extra = ours.encode_token_weights(tokens["gpt_oss"])
+        mlp = ours.transformer.layers[1].mlp
+        x = torch.randn(1, 5, TINY["hidden_size"])
+        with sync_count.SyncCounter() as c_layer:
+            mlp(x)
+        x1 = torch.randn(1, 1, TINY["hidden_size"])
+        with sync_count.SyncCounter() as c_decode:
+            mlp(x1)
+    finally:
+        patcher.unpatch_model()
+    assert got.shape == want.shape and got.shape[1] == 24
+    err = (got - want).abs().max().item()
+    assert err < 1e-4, err
+    assert torch.equal(got_extra["attention_mask"], want_extra["attention_mask"])
+    assert c_layer.total == 0 and c_decode.total == 0, (c_layer.counts, c_decode.counts)
+    # the default path syncs once per expert hit; ours adds none beyond the encoder's own
+    with sync_count.SyncCounter() as c_default:
+        default.transformer.layers[1].mlp(x)
+    assert c_default.total > 0
+    # after unpatching, ComfyUI's own forward is back
+    with sync_count.SyncCounter() as c_after:
+        ours.transformer.layers[1].mlp(x)
+    assert c_after.total > 0
