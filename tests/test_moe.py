@@ -1,0 +1,228 @@
+"""MoE kernels (router, per-pair experts GEMM) and the sync-free experts forward: references against
+plain loops, the real MSL in the emulator against the references on odd shapes, zero host syncs."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import sync_count
+from comfy_metal.metal_kernels import dispatch, moe
+from comfy_metal.metal_kernels.registry import REGISTRY
+
+F = torch.nn.functional
+
+
+def _loop_experts(x, experts, weights, gate_up, down, activation="silu_glu", gate_up_bias=None, down_bias=None,
+                  alpha=1.702, limit=7.0):
+    """The textbook loop: every token, every chosen expert, in fp32."""
+    x = x.float()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(experts.shape[1]):
+            e = int(experts[t, k])
+            h = gate_up[e].float() @ x[t]
+            if gate_up_bias is not None:
+                h = h + gate_up_bias[e]
+            if activation == "silu_glu":
+                g, u = h.chunk(2)
+                a = F.silu(g) * u
+            else:
+                g, u = h[::2].clamp(max=limit), h[1::2].clamp(-limit, limit)
+                glu = g * torch.sigmoid(alpha * g)
+                a = (u + 1) * glu
+            y = down[e].float() @ a
+            if down_bias is not None:
+                y = y + down_bias[e]
+            out[t] += weights[t, k].float() * y
+    return out
+
+
+def _bank(E, N, K, gen, scale=0.2):
+    return torch.randn(E, N, K, generator=gen) * scale
+
+
+# ----------------------------------------------------------------------------------- references
+
+def test_route_reference_matches_qwen_and_gpt_oss_conventions():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 13, generator=gen)
+    w, e = moe.moe_route(logits, 4, norm=True)
+    # Qwen3: softmax over all, top-k, renormalise == GPT-OSS: softmax over the top-k logits
+    top_vals, top_idx = torch.topk(logits, 4, dim=-1)
+    assert torch.equal(e, top_idx)
+    torch.testing.assert_close(w, torch.softmax(top_vals, dim=-1))
+    w2, _ = moe.moe_route(logits, 4, norm=False)
+    torch.testing.assert_close(w2, torch.softmax(logits, -1).gather(1, top_idx))
+    with pytest.raises(ValueError, match="top_k"):
+        moe.moe_route(logits, 14)
+
+
+@pytest.mark.parametrize("T", [1, 3, 29])
+@pytest.mark.parametrize("activation", ["silu_glu", "gpt_oss_glu"])
+def test_experts_forward_matches_loop(T, activation):
+    gen = torch.Generator().manual_seed(T)
+    E, H, I, K = 5, 12, 10, 2      # odd sizes: torch._grouped_mm cannot take them, the kernel path runs
+    x = torch.randn(T, H, generator=gen)
+    gu, dn = _bank(E, 2 * I, H, gen), _bank(E, H, I, gen)
+    gb = torch.randn(E, 2 * I, generator=gen) if activation == "gpt_oss_glu" else None
+    db = torch.randn(E, H, generator=gen) if activation == "gpt_oss_glu" else None
+    w, e = moe.moe_route(torch.randn(T, E, generator=gen), K)
+    got = moe.moe_experts_forward(x, e, w, gu, dn, activation=activation, gate_up_bias=gb, down_bias=db)
+    want = _loop_experts(x, e, w, gu, dn, activation, gb, db)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_experts_forward_grouped_mm_path_and_unused_experts():
+    gen = torch.Generator().manual_seed(3)
+    E, H, I, K, T = 9, 32, 16, 2, 40
+    x = torch.randn(T, H, generator=gen)
+    gu, dn = _bank(E, 2 * I, H, gen), _bank(E, H, I, gen)
+    logits = torch.randn(T, E, generator=gen)
+    logits[:, 4] = -30  # expert 4 never chosen: an empty group
+    w, e = moe.moe_route(logits, K)
+    order, sorted_e, offsets = moe.moe_group(e, E)
+    assert offsets.dtype == torch.int32 and offsets[-1] == T * K
+    assert int(offsets[4] - offsets[3]) == 0
+    assert torch.equal(sorted_e, e.reshape(-1)[order])
+    got = moe.moe_experts_forward(x, e, w, gu, dn)
+    assert (got - _loop_experts(x, e, w, gu, dn)).abs().max().item() < 1e-5
+    gotb = moe.moe_experts_forward(x.bfloat16(), e, w, gu.bfloat16(), dn.bfloat16())
+    assert gotb.dtype == torch.bfloat16
+    assert (gotb.float() - _loop_experts(x, e, w, gu, dn)).abs().max().item() < 0.05
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("T", [2, 37])
+def test_experts_forward_fp8_banks(fmt, T):
+    gen = torch.Generator().manual_seed(5)
+    E, H, I, K = 6, 24, 16, 3
+    f8 = torch.float8_e4m3fn if fmt == "e4m3fn" else torch.float8_e5m2
+    x = torch.randn(T, H, generator=gen)
+    gu_q = torch.randn(E, 2 * I, H, generator=gen).to(f8)
+    dn_q = torch.randn(E, H, I, generator=gen).to(f8)
+    gs, ds = torch.rand(E, generator=gen) * 0.1 + 0.05, torch.rand(E, H, generator=gen) * 0.1 + 0.05
+    w, e = moe.moe_route(torch.randn(T, E, generator=gen), K)
+    got = moe.moe_experts_forward(x, e, w, gu_q.view(torch.uint8), dn_q.view(torch.uint8), fmt=fmt,
+                                  gate_up_scale=gs, down_scale=ds)
+    want = _loop_experts(x, e, w, gu_q.float() * gs[:, None, None], dn_q.float() * ds[:, :, None])
+    assert (got - want).abs().max().item() < 1e-4
+    got2 = moe.moe_experts_forward(x, e, w, gu_q, dn_q, gate_up_scale=gs, down_scale=ds)  # native float8 dtype
+    assert (got2 - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("T", [1, 50])
+def test_experts_forward_has_no_host_syncs(T):
+    gen = torch.Generator().manual_seed(7)
+    E, H, I, K = 8, 32, 16, 2
+    x = torch.randn(T, H, generator=gen)
+    gu, dn = _bank(E, 2 * I, H, gen), _bank(E, H, I, gen)
+    logits = x @ torch.randn(H, E, generator=gen)
+    with sync_count.SyncCounter() as c:
+        w, e = moe.moe_route(logits, K)
+        moe.moe_experts_forward(x, e, w, gu, dn)
+        moe.moe_experts_forward(x, e, w, gu.to(torch.float8_e4m3fn).view(torch.uint8), dn.to(torch.float8_e4m3fn).view(torch.uint8),
+                                fmt="e4m3fn", gate_up_scale=torch.ones(E))
+    assert c.total == 0, c.counts
+
+
+def test_bad_arguments():
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="fmt"):
+        moe.moe_experts_gemm(torch.randn(2, 4), torch.zeros(2, dtype=torch.long), torch.zeros(3, 5, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"x must be \[rows, 4\]"):
+        moe.moe_experts_gemm(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), torch.randn(3, 5, 4, generator=gen))
+    with pytest.raises(ValueError, match="scale"):
+        moe.moe_experts_gemm(torch.randn(2, 4), torch.zeros(2, dtype=torch.long), torch.randn(3, 5, 4), torch.ones(4))
+
+
+# ------------------------------------------------------------------------------------ emulator
+
+needs_clang = pytest.mark.skipif(shutil.which("clang-19") is None and shutil.which("clang") is None,
+                                 reason="the MSL emulator needs clang-19, which is not installed")
+
+
+@pytest.fixture(scope="module")
+def emu_lib():
+    from comfy_metal.metal_kernels import emulator
+
+    if not emulator.available():
+        pytest.skip("the MSL emulator needs clang-19, which is not installed")
+    return emulator.compile_library(dispatch.library_source("moe.metal"))
+
+
+@pytest.fixture
+def emulator_backend(monkeypatch):
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+    dispatch.reset()
+    yield
+    dispatch.reset()
+
+
+@needs_clang
+@pytest.mark.parametrize("rows,E,K,dtype,norm", [(1, 1, 1, torch.float32, True), (3, 5, 2, torch.float32, True),
+                                                 (7, 33, 3, torch.float16, False), (2, 129, 8, torch.bfloat16, True),
+                                                 (5, 60, 6, torch.float32, False)])
+def test_route_kernel_in_emulator(emu_lib, rows, E, K, dtype, norm):
+    gen = torch.Generator().manual_seed(rows * 100 + E)
+    x = torch.stack([torch.randperm(E, generator=gen).float() * 0.37 - 3 for _ in range(rows)]).to(dtype)
+    got = moe.moe_route_metal(emu_lib, x, K, norm=norm)
+    want = moe.moe_route_reference(x, K, norm=norm)
+    assert moe._route_compare(got, want) is None
+    assert got[1].dtype == torch.int64 and got[0].dtype == torch.float32
+
+
+@needs_clang
+@pytest.mark.parametrize("E,N,K,P,x_div,wkind,xdt,scale,bias", [
+    (1, 1, 1, 1, 1, "float", torch.float32, None, False),
+    (5, 7, 33, 9, 3, "float", torch.float32, "expert", True),
+    (3, 13, 40, 11, 1, "bfloat", torch.bfloat16, None, False),
+    (7, 9, 65, 4, 2, "e4m3fn", torch.float32, "row", True),
+    (2, 5, 31, 19, 1, "e5m2", torch.float16, "scalar", False),
+    (4, 17, 20, 6, 1, "half", torch.float32, "expert", True),
+])
+def test_experts_gemm_kernel_in_emulator(emu_lib, E, N, K, P, x_div, wkind, xdt, scale, bias):
+    gen = torch.Generator().manual_seed(E * 1000 + N * 10 + K)
+    src = torch.randn(E, N, K, generator=gen)
+    fmt = None
+    if wkind in ("e4m3fn", "e5m2"):
+        fmt = wkind
+        w = src.to(torch.float8_e4m3fn if fmt == "e4m3fn" else torch.float8_e5m2).view(torch.uint8)
+    else:
+        w = (src * 0.3).to({"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}[wkind])
+    x = torch.randn(P // x_div, K, generator=gen).to(xdt)
+    row_e = torch.randint(0, E, (P,), generator=gen)
+    s = {None: None, "scalar": torch.tensor(0.75), "expert": torch.rand(E, generator=gen) + 0.5,
+         "row": torch.rand(E, N, generator=gen) + 0.5}[scale]
+    b = torch.randn(E, N, generator=gen) if bias else None
+    got = moe.moe_experts_gemm_metal(emu_lib, x, row_e, w, s, b, x_div=x_div, fmt=fmt)
+    want = moe.moe_experts_gemm_reference(x, row_e, w, s, b, x_div=x_div, fmt=fmt)
+    assert got.shape == want.shape == (P, N)
+    assert (got - want).abs().max().item() <= 1e-4 * (1 + want.abs().max().item())
+
+
+@needs_clang
+@pytest.mark.parametrize("T", [1, 23])
+def test_experts_forward_through_dispatch_in_emulator(emulator_backend, T):
+    """The whole layer with COMFY_METAL_BACKEND=emulator: self-checks pass, the kernels run (decode
+    path and the grouped path over sorted pairs), the result matches the loop."""
+    gen = torch.Generator().manual_seed(11 + T)
+    E, H, I, K = 5, 24, 8, 3
+    x = torch.randn(T, H, generator=gen)
+    gu_q = torch.randn(E, 2 * I, H, generator=gen).to(torch.float8_e4m3fn)
+    dn = _bank(E, H, I, gen)
+    gs = torch.rand(E, generator=gen) * 0.1 + 0.05
+    w, e = moe.moe_route(torch.randn(T, E, generator=gen), K)
+    assert dispatch.last_backend["moe_route"] == "emulator"
+    got = moe.moe_experts_forward(x, e, w, gu_q.view(torch.uint8), dn, fmt="e4m3fn", gate_up_scale=gs)
+    assert dispatch.last_backend["moe_experts_gemm"] == "emulator"
+    want = _loop_experts(x, e, w, gu_q.float() * gs[:, None, None], dn)
+    assert (got - want).abs().max().item() < 1e-4
+
+
+@needs_clang
+def test_self_checks_pass_in_emulator(emulator_backend):
+    for name in ("moe_route", "moe_experts_gemm"):
+        backend, reason = dispatch.choose(REGISTRY[name], torch.device("cpu"))
+        assert backend == "emulator", reason
