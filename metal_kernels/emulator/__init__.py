@@ -421,7 +421,7 @@ _TG_DECL_RE = re.compile(
 _TG_LEFTOVER_RE = re.compile(r"\bthreadgroup\s+(?:(?:const|volatile)\s+)*[A-Za-z_][\w:]*(?:\s*<[^;{}()]*?>)?"
                              r"\s+[A-Za-z_]\w*\s*(?:\[[^\]]*\]\s*)*[,=;]")
 _HALF_LIT_RE = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH]\b")
-_VEC_CTOR_RE = re.compile(r"(?<![\w.:>])(?:metal::)?(" + _VEC_NAMES + r")\s*\(")
+_VEC_CTOR_RE = re.compile(r"(?<![\w.:>])(?:metal::)?(" + _VEC_NAMES + r")\s*\((?!\s*[*&]\s*\))")
 _VEC_SCAST_RE = re.compile(r"\bstatic_cast\s*<\s*(?:metal::)?(" + _VEC_NAMES + r")\s*>\s*\(")
 _VEC_CCAST_RE = re.compile(r"\(\s*(?:metal::)?(" + _VEC_NAMES + r")\s*\)(?=\s*[\w(\-+!~.])")
 
@@ -443,7 +443,23 @@ def rewrite_source(pp: str, remove: list[tuple[int, int]]) -> str:
     out.append(pp[last:])
     s = "".join(out)
 
-    # 2. threadgroup variables -> per-group storage
+    # 2. half literals
+    s = _HALF_LIT_RE.sub(lambda m: f"((half){m.group(1)}f)" if ("." in m.group(1) or "e" in m.group(1).lower())
+                         else f"((half){m.group(1)}.0f)", s)
+    # 3. vector constructors & casts
+    s = _VEC_SCAST_RE.sub(lambda m: f"__emu::vec<{m.group(1)}>(", s)
+    s = _VEC_CTOR_RE.sub(lambda m: f"__emu::vec<{m.group(1)}>(", s)
+
+    def ccast(m):
+        j = m.start() - 1
+        while j >= 0 and s[j] in " \t\n":
+            j -= 1
+        if j >= 0 and (s[j].isalnum() or s[j] in "_)]"):
+            return m.group(0)  # sizeof(float4), f(float4) ... : not a cast
+        return f"__emu::vcast<{m.group(1)}>()->*"
+
+    s = _VEC_CCAST_RE.sub(ccast, s)
+    # 4. threadgroup variables -> per-group storage
     slot = [0]
 
     def tg(m):
@@ -460,22 +476,6 @@ def rewrite_source(pp: str, remove: list[tuple[int, int]]) -> str:
         raise MSLCompileError(f"unsupported threadgroup declaration (declare one variable per statement, "
                               f"no initialiser): {left.group(0)!r}")
 
-    # 3. half literals
-    s = _HALF_LIT_RE.sub(lambda m: f"((half){m.group(1)}f)" if ("." in m.group(1) or "e" in m.group(1).lower())
-                         else f"((half){m.group(1)}.0f)", s)
-    # 4. vector constructors & casts
-    s = _VEC_SCAST_RE.sub(lambda m: f"__emu::vec<{m.group(1)}>(", s)
-    s = _VEC_CTOR_RE.sub(lambda m: f"__emu::vec<{m.group(1)}>(", s)
-
-    def ccast(m):
-        j = m.start() - 1
-        while j >= 0 and s[j] in " \t\n":
-            j -= 1
-        if j >= 0 and (s[j].isalnum() or s[j] in "_)]"):
-            return m.group(0)  # sizeof(float4), f(float4) ... : not a cast
-        return f"__emu::vcast<{m.group(1)}>()->*"
-
-    s = _VEC_CCAST_RE.sub(ccast, s)
     return s
 
 
@@ -582,8 +582,6 @@ def _build(src: str, clang: str, out_so: Path) -> list[dict]:
         src_path.write_text(src)
         pp = _run([clang, *_PP_FLAGS, "-I", str(stub), str(src_path)], tmp, "MSL preprocessing").stdout
         kernels, remove = parse_kernels(pp)
-        if not kernels:
-            raise MSLCompileError("no kernel functions found in the source (expected `kernel void name(...)`)")
         hosts = [k.host for k in kernels]
         dup = {h for h in hosts if hosts.count(h) > 1}
         if dup:
