@@ -138,6 +138,22 @@ kernel void simd_divergent(device float* out [[buffer(0)]], uint lane [[thread_i
   float r = -1.0f;
   if (lane < 12) r = simd_sum(1.0f);
   out[lane] = r;
+  float q;
+  if (lane < 12) q = simd_sum(1.0f); else q = simd_sum(2.0f) * 10.0f;
+  out[32 + lane] = q;
+  out[64 + lane] = simd_sum(1.0f);  // after reconvergence every lane takes part
+}
+
+kernel void neighbour(device float* out [[buffer(0)]], uint lid [[thread_position_in_threadgroup]]) {
+  threadgroup float buf[64];
+  buf[lid] = float(lid);
+  // missing barrier: fine if lower threads happen to run first
+  out[lid] = lid > 0 ? buf[lid - 1] : 0.0f;
+}
+
+kernel void run_order(device atomic_int* counter [[buffer(0)]], device int* order [[buffer(1)]],
+                      uint tid [[thread_position_in_grid]]) {
+  order[tid] = atomic_fetch_add_explicit(counter, 1, memory_order_relaxed);
 }
 
 kernel void simd_misc(device int* out [[buffer(0)]], uint lane [[thread_index_in_simdgroup]],
@@ -393,10 +409,37 @@ def test_simd_collectives_match_torch(lib):
 
 
 def test_simd_divergent_lanes_are_inactive(lib):
-    out = torch.zeros(32)
+    out = torch.zeros(96)
     lib.simd_divergent(out, threads=32, group_size=32)
     assert torch.equal(out[:12], torch.full((12,), 12.0))
-    assert torch.equal(out[12:], torch.full((20,), -1.0))
+    assert torch.equal(out[12:32], torch.full((20,), -1.0))
+    # if/else: each branch reduces over its own lanes only
+    assert torch.equal(out[32:44], torch.full((12,), 12.0))
+    assert torch.equal(out[44:64], torch.full((20,), 400.0))
+    assert torch.equal(out[64:], torch.full((32,), 32.0))
+
+
+def test_schedules_differ_and_neighbour_race_is_caught(lib):
+    orders = {}
+    for sched in ("forward", "reverse", "shuffle", "shuffle:1", "shuffle:2"):
+        counter = torch.zeros(1, dtype=torch.int32)
+        order = torch.zeros(64, dtype=torch.int32)
+        with emu.schedule(sched):
+            lib.run_order(counter, order, threads=64, group_size=64)
+        assert sorted(order.tolist()) == list(range(64))
+        orders[sched] = order.tolist()
+    assert orders["forward"] == list(range(64))
+    assert orders["reverse"] == list(range(63, -1, -1))
+    shuffled = [orders[k] for k in ("shuffle", "shuffle:1", "shuffle:2")]
+    assert all(o not in (orders["forward"], orders["reverse"]) for o in shuffled)
+    assert len({tuple(o) for o in shuffled}) == 3
+    expected = torch.tensor([0.0] + list(range(63)), dtype=torch.float32)
+    out = torch.zeros(64)
+    with emu.schedule("forward"):
+        lib.neighbour(out, threads=64, group_size=64)
+    assert torch.equal(out, expected)  # the race is invisible in program order...
+    lib.neighbour(out, threads=64, group_size=64)
+    assert torch.isnan(out).any()      # ...but the default (shuffled) schedule exposes it
 
 
 def test_simd_int_broadcast_vote(lib):
