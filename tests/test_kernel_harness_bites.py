@@ -1,0 +1,206 @@
+"""The emulator harness catches broken kernels: real kernels of ours (GEMV, softmax) with one textual
+mutation each are compiled in the emulator and must no longer match their reference (or must make the
+emulator raise), while the unmutated source matches. A broken library also makes dispatch fall back
+to the reference with a reason."""
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+import torch
+
+from comfy_metal import metal_kernels
+from comfy_metal.metal_kernels import dispatch, linear
+
+softmax_module = importlib.import_module("comfy_metal.metal_kernels.softmax")   # the module, not the function
+
+emulator = pytest.importorskip("comfy_metal.metal_kernels.emulator", reason="the MSL emulator package is not importable")
+if not emulator.available():
+    pytest.skip("the MSL emulator needs clang-19, which is not installed", allow_module_level=True)
+
+GEMV_SRC = dispatch.library_source(only="linear.metal")
+SOFTMAX_SRC = dispatch.library_source(only="softmax.metal")
+
+
+def mutate(src: str, old: str, new: str, count: int = 1) -> str:
+    """Replace `old` (which must occur exactly `count` times) by `new`."""
+    found = src.count(old)
+    assert found == count, f"mutation target {old!r} occurs {found} times, expected {count}"
+    return src.replace(old, new)
+
+
+def gemv_problem(src: str, weight_kind="e4m3fn", K=33, M=3, N=6) -> str | None:
+    """None if the kernels in `src` match the GEMV reference on a small odd case, else what went wrong
+    (a mismatch or the emulator's own error)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(M, K, generator=gen)
+    if weight_kind in ("e4m3fn", "e5m2"):
+        w = torch.randint(0, 256, (N, K), generator=gen, dtype=torch.uint8) & 0xBF
+        kw = {"fmt": weight_kind}
+    else:
+        w, kw = torch.randn(N, K, generator=gen).to(weight_kind), {}
+    bias = torch.randn(N, generator=gen)
+    scale = torch.rand(N, generator=gen) + 0.5
+    want = linear.gemv_reference(x, w, bias, scale=scale, **kw)
+    lib = emulator.compile_library(src)      # a mutation must still compile: a compile error is no catch
+    try:
+        got = linear.gemv_metal(lib, x, w, bias, scale=scale, **kw)
+    except emulator.EmulatorError as e:
+        return f"emulator raised {type(e).__name__}: {str(e)[:200]}"
+    return dispatch.default_compare(linear.gemv.spec, got, want)
+
+
+def softmax_problem(src: str, shape=(3, 300), dtype=torch.float32) -> str | None:
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    want = softmax_module.softmax_reference(x)
+    lib = emulator.compile_library(src)
+    try:
+        got = softmax_module.softmax_metal(lib, x)
+    except emulator.EmulatorError as e:
+        return f"emulator raised {type(e).__name__}: {str(e)[:200]}"
+    return dispatch.default_compare(softmax_module.softmax.spec, got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMV
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind,K", [("e4m3fn", 33), (torch.float16, 33), (torch.float32, 36), ("e5m2", 36)])
+def test_unmutated_gemv_matches(kind, K):
+    assert gemv_problem(GEMV_SRC, kind, K) is None
+
+
+def test_off_by_one_loop_bound_reading_past_the_row_is_caught():
+    # scalar kernels (odd K): each lane's loop runs to k <= K, reading one element past each weight
+    # row (the next row's first element, past the buffer for the last row) and past each x row
+    src = mutate(GEMV_SRC, "for (long k = long(lane); k < K; k += 32)", "for (long k = long(lane); k <= K; k += 32)")
+    for kind in ("e4m3fn", torch.float32):
+        problem = gemv_problem(src, kind, K=33)
+        assert problem is not None, f"off-by-one over K not caught for {kind}"
+    # K = 32: lane 0's second step reads exactly element K of row n
+    assert gemv_problem(src, torch.float16, K=31) is not None
+
+
+def test_vectorised_loop_overrun_is_caught():
+    # the _k4 kernels load 4 weights per lane: a bound of k <= K lets one lane load 4 past the row
+    src = mutate(GEMV_SRC, "for (long k = long(lane) * 4; k < K; k += 128)",
+                 "for (long k = long(lane) * 4; k <= K; k += 128)")
+    assert gemv_problem(src, "e5m2", K=36) is not None      # lane 9 starts at k = 36 = K
+    assert gemv_problem(src, torch.float32, K=128) is not None
+
+
+PARTIAL_SUM = """
+// mutation: a butterfly that stops at offset 8 reduces groups of 16 lanes, not the whole simdgroup
+inline float gemv_partial_sum(float v) {
+    for (ushort off = 1; off <= 8; off <<= 1) v += simd_shuffle_xor(v, off);
+    return v;
+}
+"""
+
+
+def test_simd_reduction_over_too_few_lanes_is_caught():
+    src = mutate(GEMV_SRC, "const float t = simd_sum(acc[c][m]);", "const float t = gemv_partial_sum(acc[c][m]);")
+    src = mutate(src, "#define GEMV_MAX_M 8", PARTIAL_SUM + "\n#define GEMV_MAX_M 8")
+    # K = 17 .. : lanes 16..31 hold terms the partial butterfly never sees
+    assert gemv_problem(src, torch.float32, K=33) is not None
+    assert gemv_problem(src, "e4m3fn", K=132) is not None    # _k4: 33 groups of 4 -> every lane busy
+    # (with K = 36 only lanes 0..8 hold terms, which the partial butterfly does see: that is no bug)
+    # the full butterfly (offsets 1..16) is a correct reduction: the harness does not cry wolf
+    full = src.replace("off <= 8;", "off <= 16;")
+    assert gemv_problem(full, torch.float32, K=33) is None
+
+
+def test_missing_scale_or_bias_is_caught():
+    src = mutate(GEMV_SRC, "y[long(m) * N + n] = fma(t, s, b);", "y[long(m) * N + n] = t + b;")
+    assert gemv_problem(src, "e4m3fn") is not None
+    src = mutate(GEMV_SRC, "y[long(m) * N + n] = fma(t, s, b);", "y[long(m) * N + n] = t * s;")
+    assert gemv_problem(src, torch.float16) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# softmax (threadgroup memory and barriers)
+# ---------------------------------------------------------------------------------------------
+BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+
+
+def test_unmutated_softmax_matches():
+    assert softmax_problem(SOFTMAX_SRC) is None
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_removed_threadgroup_barrier_is_caught(which):
+    """Without the barrier, the exchange through NaN-filled threadgroup memory is read before (or
+    overwritten while) it is written, under the emulator's shuffled thread order."""
+    assert SOFTMAX_SRC.count(BARRIER) == 2
+    parts = SOFTMAX_SRC.split(BARRIER)
+    src = BARRIER.join(parts[:which + 1]) + "/* barrier removed */" + BARRIER.join(parts[which + 1:])
+    assert src.count(BARRIER) == 1
+    # several group sizes: 300 columns -> 512 threads per row, 40 -> 64, 1000 -> 1024
+    problems = [softmax_problem(src, shape) for shape in ((3, 300), (2, 40), (2, 1000))]
+    assert any(p is not None for p in problems), "a missing barrier went unnoticed"
+
+
+def test_softmax_partial_simd_reduction_is_caught():
+    src = mutate(SOFTMAX_SRC, "return float2(m, simd_sum(s));",
+                 "return float2(m, s + simd_shuffle_xor(s, 1) + simd_shuffle_xor(s, 2));")
+    assert softmax_problem(src) is not None
+
+
+def test_softmax_off_by_one_write_past_the_row_is_caught():
+    # the write loop runs one column too far: the last row writes past the output buffer
+    src = mutate(SOFTMAX_SRC, "for (long c = tid; c < ncols; c += group_size) {                                        \\\n        float v = float(x[base + c]) * inv_temperature;                                     \\\n        y[",
+                 "for (long c = tid; c <= ncols; c += group_size) {                                        \\\n        float v = float(x[base + c]) * inv_temperature;                                     \\\n        y[")
+    problem = softmax_problem(src, (2, 37))
+    assert problem is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch falls back to the reference when the library is broken
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def emulator_backend(monkeypatch):
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+    monkeypatch.delenv("COMFY_METAL_REFERENCE", raising=False)
+    dispatch.reset()
+    yield
+    dispatch.reset()
+
+
+def _patched_library_source(monkeypatch, old, new):
+    real = dispatch.library_source
+
+    def mutated(only=None):
+        src = real(only)
+        return src.replace(old, new) if old in src else src
+
+    assert old in real()
+    monkeypatch.setattr(dispatch, "library_source", mutated)
+
+
+def test_compile_error_in_a_mutated_library_falls_back_with_the_reason(emulator_backend, monkeypatch, caplog):
+    _patched_library_source(monkeypatch, "const float t = simd_sum(acc[c][m]);", "const float t = simd_sum(acc[c][m])")
+    x, w = torch.randn(2, 33), torch.randn(5, 33)
+    with caplog.at_level(logging.WARNING, logger="comfy_metal"):
+        y = metal_kernels.gemv(x, w)
+    assert torch.equal(y, linear.gemv_reference(x, w))
+    assert dispatch.last_backend["gemv"] == "reference"
+    backend, reason = dispatch.choose(linear.gemv.spec, torch.device("cpu"))
+    assert backend == "reference" and "failed to compile" in reason
+    assert any("gemv" in r.getMessage() and "failed to compile" in r.getMessage() for r in caplog.records)
+
+
+def test_wrong_results_fail_the_self_check_and_fall_back(emulator_backend, monkeypatch):
+    _patched_library_source(monkeypatch, "y[long(m) * N + n] = fma(t, s, b);", "y[long(m) * N + n] = t + b;")
+    x, w = torch.randn(2, 33), torch.randn(5, 33)
+    scale = torch.rand(5) + 0.5
+    y = metal_kernels.gemv(x, w, scale=scale)
+    assert torch.equal(y, linear.gemv_reference(x, w, scale=scale))
+    backend, reason = dispatch.choose(linear.gemv.spec, torch.device("cpu"))
+    assert backend == "reference" and "self-check case" in reason
+
+
+def test_the_unmutated_library_is_used(emulator_backend):
+    x, w = torch.randn(2, 33), torch.randn(5, 33)
+    metal_kernels.gemv(x, w)
+    assert dispatch.last_backend["gemv"] == "emulator", dispatch.choose(linear.gemv.spec, torch.device("cpu"))[1]
