@@ -1,0 +1,337 @@
+"""Nodes: Load Diffusion Model (FP8, Metal), Load Text Encoder (FP8, Metal), Save Model (FP8, comfy_quant).
+
+The loaders read the file memory-mapped (fp8_formats), hand ComfyUI a state dict whose FP8 weights
+are zero-copy views of the file (plus their float32 scales), and build the model with
+`model_options["custom_operations"]` = the FP8 op set (fp8_ops), wrapped in MetalFP8ModelPatcher so
+LoRAs apply to the decoded weights at forward time. ComfyUI's own model detection, sampling and
+memory management do the rest.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import time
+
+import torch
+
+from .fp8_formats import CheckpointError, open_checkpoint
+from .fp8_ops import FP8LayerError, fp8_modules, make_fp8_ops, storage_dtype, weight_bytes, wrap_patcher
+from .fp8_quantize import (QuantSummary, atomic_save, comfy_quant_entries, keep_reason, quant_metadata, quantize,
+                           relative_error)
+
+log = logging.getLogger("comfy_metal")
+
+WEIGHT_MODES = ["auto", "e4m3fn tensorwise", "e4m3fn rowwise"]
+COMPUTE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class FP8LoadError(RuntimeError):
+    """Loading failed; the message names the file and what went wrong."""
+
+
+# ------------------------------------------------------------------------------------------------
+# State dicts
+# ------------------------------------------------------------------------------------------------
+
+def build_state_dict(ck, weight_mode: str = "auto") -> tuple[dict, QuantSummary | None]:
+    """The state dict handed to ComfyUI: FP8 weights as zero-copy float8 views plus `<layer>.weight_scale`,
+    other tensors as views of the file. With a quantizing weight mode, high-precision Linear weights
+    are quantized one at a time (never a full-precision copy of the model)."""
+    if weight_mode not in WEIGHT_MODES:
+        raise ValueError(f"weight mode {weight_mode!r} is not one of {WEIGHT_MODES}")
+    quant = weight_mode != "auto"
+    rowwise = weight_mode.endswith("rowwise")
+    summary = QuantSummary("e4m3fn", rowwise) if quant else None
+    sd: dict[str, torch.Tensor] = {}
+    for key in ck.model_keys():
+        if key in ck.layers:
+            w, scale, fmt = ck.fp8_weight(key)
+            sd[key] = w
+            if scale is not None:
+                if not key.endswith(".weight"):
+                    raise CheckpointError(f"{ck.name}: tensor {key} has a scale but is not a .weight")
+                sd[key[: -len("weight")] + "weight_scale"] = scale
+            continue
+        t = ck.tensor(key)
+        if quant:
+            reason = keep_reason(key, tuple(t.shape), t.dtype)
+            if reason is None:
+                q, scale = quantize(t, "e4m3fn", rowwise)
+                summary.add(key, relative_error(t, q, scale, "e4m3fn"))
+                sd[key] = q
+                sd[key[: -len("weight")] + "weight_scale"] = scale
+                continue
+            summary.kept[key] = reason
+        sd[key] = t
+    return sd, summary
+
+
+def _call_with_supported(fn, *args, **kwargs):
+    params = inspect.signature(fn).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
+
+
+def _resolve_compute_dtype(choice: str, device, params: int = 0, text_encoder: bool = False):
+    import comfy.model_management as mm
+
+    if choice not in COMPUTE_DTYPES:
+        raise ValueError(f"compute dtype {choice!r} is not one of {list(COMPUTE_DTYPES)}")
+    dtype = COMPUTE_DTYPES[choice]
+    if dtype is not None:
+        return dtype
+    if text_encoder:
+        return None  # ComfyUI's own choice for text encoders
+    return _call_with_supported(mm.unet_dtype, device=device, model_params=params,
+                                supported_dtypes=[torch.bfloat16, torch.float16, torch.float32])
+
+
+def _fp8_storage(device, ck) -> torch.dtype | None:
+    """uint8 when the load device cannot hold the file's FP8 dtypes natively (MPS before torch 2.15)."""
+    fmts = {layer.fmt for layer in ck.layers.values()} or {"e4m3fn"}
+    for fmt in fmts:
+        if storage_dtype(device, fmt) == torch.uint8:
+            return torch.uint8
+    return None
+
+
+def _wrap_errors(path, fn, *args, **kwargs):
+    name = os.path.basename(str(path))
+    try:
+        return fn(*args, **kwargs)
+    except (CheckpointError, FP8LayerError, FP8LoadError, FileExistsError):
+        raise
+    except RuntimeError as e:
+        if "size mismatch" in str(e) or "shape" in str(e):
+            raise FP8LoadError(f"{name}: the file does not match the detected architecture: {e}") from e
+        raise
+
+
+def load_diffusion_model(path, weight_mode="auto", compute_dtype="auto", model_options=None):
+    """MODEL (a MetalFP8ModelPatcher) from a diffusion model file."""
+    import comfy.model_management as mm
+    import comfy.sd
+
+    t0 = time.perf_counter()
+    ck = open_checkpoint(path)
+    log.info("comfy_metal: loading %s", ck.describe())
+    sd, summary = build_state_dict(ck, weight_mode)
+    if summary is not None:
+        log.info("comfy_metal: %s: %s", ck.name, summary.text())
+    opts = dict(model_options or {})
+    load_device = opts.get("load_device") or mm.get_torch_device()
+    params = sum(t.numel() for t in sd.values())
+    dtype = _resolve_compute_dtype(compute_dtype, load_device, params)
+    opts["custom_operations"] = make_fp8_ops(ck.name, dtype, _fp8_storage(load_device, ck))
+    if dtype is not None:
+        opts["dtype"] = dtype
+    fn = comfy.sd.load_diffusion_model_state_dict
+    patcher = _wrap_errors(path, _call_with_supported, fn, sd, model_options=opts, metadata=ck.metadata,
+                           disable_dynamic=True)
+    if patcher is None:
+        raise FP8LoadError(f"{ck.name}: ComfyUI could not detect the model type of this file "
+                           f"({len(ck.entries)} tensors, first keys {list(ck.entries)[:3]})")
+    patcher = wrap_patcher(patcher)
+    patcher.cached_patcher_init = None
+    stats = weight_bytes(patcher.model)
+    log.info("comfy_metal: %s loaded in %.2fs: %d FP8 layers, %.3f bytes per FP8 weight, %.1f MiB total",
+             ck.name, time.perf_counter() - t0, sum(1 for _ in fp8_modules(patcher.model)),
+             stats["bytes_per_fp8_weight"], stats["total_bytes"] / 2**20)
+    return patcher
+
+
+def load_text_encoder(path, clip_type="stable_diffusion", device="gpu", compute_dtype="auto", model_options=None):
+    """CLIP from a text encoder file, its FP8 weights kept FP8."""
+    import comfy.model_management as mm
+    import comfy.sd
+    import folder_paths
+
+    ck = open_checkpoint(path)
+    log.info("comfy_metal: loading text encoder %s", ck.describe())
+    sd, _ = build_state_dict(ck, "auto")
+    opts = dict(model_options or {})
+    if device == "cpu":
+        opts["load_device"] = opts["offload_device"] = torch.device("cpu")
+    elif device == "gpu":
+        opts.setdefault("load_device", mm.get_torch_device())
+        opts.setdefault("offload_device", mm.text_encoder_offload_device())
+    else:
+        raise ValueError(f"device {device!r} is not gpu or cpu")
+    dtype = _resolve_compute_dtype(compute_dtype, opts["load_device"], text_encoder=True)
+    if dtype is not None:
+        opts["dtype"] = dtype
+    opts["custom_operations"] = make_fp8_ops(ck.name, dtype, _fp8_storage(opts["load_device"], ck))
+    ctype = getattr(comfy.sd.CLIPType, str(clip_type).upper(), None)
+    if ctype is None:
+        raise ValueError(f"unknown text encoder type {clip_type!r}")
+    clip = _wrap_errors(path, _call_with_supported, comfy.sd.load_text_encoder_state_dicts, [sd],
+                        embedding_directory=folder_paths.get_folder_paths("embeddings"), clip_type=ctype,
+                        model_options=opts, disable_dynamic=True)
+    clip.patcher = wrap_patcher(clip.patcher)
+    clip.patcher.cached_patcher_init = None
+    return clip
+
+
+def _clip_types() -> list[str]:
+    try:
+        import nodes
+
+        return list(nodes.CLIPLoader.INPUT_TYPES()["required"]["type"][0])
+    except Exception:
+        return ["stable_diffusion", "sd3", "flux", "wan", "hidream", "qwen_image", "lumina2", "ltxv", "mochi"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Saving
+# ------------------------------------------------------------------------------------------------
+
+def model_state_for_saving(diffusion_model: torch.nn.Module, quantize_mode: str = "e4m3fn tensorwise"):
+    """(tensors, layers, summary): FP8 layers as stored, other 2D Linear weights quantized per the rules."""
+    from .fp8_formats import FP8_DTYPES
+
+    fp8 = dict(fp8_modules(diffusion_model))
+    rowwise = quantize_mode.endswith("rowwise")
+    summary = QuantSummary("e4m3fn", rowwise)
+    tensors: dict[str, torch.Tensor] = {}
+    layers: dict[str, str] = {}
+    for name, m in fp8.items():
+        w = m.weight.detach().to("cpu").view(FP8_DTYPES[m.fp8_format])
+        scale = m.weight_scale.detach().to("cpu") if m.weight_scale is not None else None
+        tensors.update(comfy_quant_entries(name, w, scale, m.fp8_format))
+        layers[name] = m.fp8_format
+        if m.bias is not None:
+            tensors[f"{name}.bias"] = m.bias.detach().to("cpu")
+    quantize_rest = not fp8
+    for key, t in diffusion_model.state_dict().items():
+        layer = key.rsplit(".", 1)[0]
+        if layer in fp8:
+            continue
+        t = t.detach().to("cpu")
+        if quantize_rest and keep_reason(key, tuple(t.shape), t.dtype) is None:
+            q, scale = quantize(t, "e4m3fn", rowwise)
+            summary.add(key, relative_error(t, q, scale, "e4m3fn"))
+            tensors.update(comfy_quant_entries(layer, q, scale, "e4m3fn"))
+            layers[layer] = "e4m3fn"
+        else:
+            tensors[key] = t
+    return tensors, layers, summary
+
+
+def save_model(model, path, overwrite=False, quantize_mode="e4m3fn tensorwise") -> tuple[str, QuantSummary]:
+    dm = model.model.diffusion_model
+    if getattr(model, "patches", None):
+        log.warning("comfy_metal: the model has %d patched weights (LoRA); they are not baked into the saved file",
+                    len(model.patches))
+    tensors, layers, summary = model_state_for_saving(dm, quantize_mode)
+    meta = quant_metadata(layers)
+    meta["comfy_metal"] = "MetalFP8SaveModel"
+    atomic_save(tensors, path, meta, overwrite=overwrite)
+    return path, summary
+
+
+def _safe_output_path(folder: str, filename: str) -> str:
+    name = filename.strip()
+    if not name:
+        raise ValueError("filename is empty")
+    if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        raise ValueError(f"filename {filename!r} must be a name inside the diffusion_models folder")
+    if not name.endswith(".safetensors"):
+        name += ".safetensors"
+    return os.path.join(folder, name)
+
+
+# ------------------------------------------------------------------------------------------------
+# Nodes
+# ------------------------------------------------------------------------------------------------
+
+class MetalFP8ModelLoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        import folder_paths
+
+        return {"required": {
+            "unet_name": (folder_paths.get_filename_list("diffusion_models"),),
+            "weight_mode": (WEIGHT_MODES, {"default": "auto", "tooltip":
+                            "auto: FP8 weights stay FP8, others as in the file. e4m3fn tensorwise/rowwise: also "
+                            "quantize bf16/fp16/fp32 Linear weights (norms, embeddings, first/last layers stay)."}),
+            "compute_dtype": (list(COMPUTE_DTYPES), {"default": "auto"}),
+        }}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "load"
+    CATEGORY = "loaders/comfy metal"
+    DESCRIPTION = "Loads a diffusion model keeping FP8 weights at 1 byte each (Metal FP8 kernels on Apple GPUs)."
+
+    def load(self, unet_name, weight_mode="auto", compute_dtype="auto"):
+        import folder_paths
+
+        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        return (load_diffusion_model(path, weight_mode, compute_dtype),)
+
+
+class MetalFP8TextEncoderLoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        import folder_paths
+
+        from ..metal_kernels.probe import mps_available
+
+        return {"required": {
+            "clip_name": (folder_paths.get_filename_list("text_encoders"),),
+            "type": (_clip_types(),),
+            "device": (["gpu", "cpu"], {"default": "gpu" if mps_available() else "cpu"}),
+        }}
+
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "load"
+    CATEGORY = "loaders/comfy metal"
+    DESCRIPTION = "Loads a text encoder keeping FP8 weights at 1 byte each; on Macs it runs on the GPU by default."
+
+    def load(self, clip_name, type="stable_diffusion", device="gpu"):
+        import folder_paths
+
+        path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
+        return (load_text_encoder(path, type, device),)
+
+
+class MetalFP8SaveModel:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL",),
+            "filename": ("STRING", {"default": "model_fp8_e4m3fn"}),
+            "quantize_mode": (WEIGHT_MODES[1:], {"default": "e4m3fn tensorwise", "tooltip":
+                              "for models without FP8 layers: how to quantize their Linear weights"}),
+            "overwrite": ("BOOLEAN", {"default": False}),
+        }}
+
+    RETURN_TYPES = ()
+    FUNCTION = "save"
+    OUTPUT_NODE = True
+    CATEGORY = "loaders/comfy metal"
+    DESCRIPTION = "Saves a MODEL with FP8 weights to diffusion_models in ComfyUI's comfy_quant format (atomic write)."
+
+    def save(self, model, filename, quantize_mode="e4m3fn tensorwise", overwrite=False):
+        import folder_paths
+
+        folder = folder_paths.get_folder_paths("diffusion_models")[0]
+        path = _safe_output_path(folder, filename)
+        path, summary = save_model(model, path, overwrite=overwrite, quantize_mode=quantize_mode)
+        if summary.errors:
+            log.info("comfy_metal: %s", summary.text())
+        log.info("comfy_metal: saved %s", path)
+        return {"ui": {"text": [os.path.basename(path)]}}
+
+
+NODE_CLASS_MAPPINGS = {
+    "MetalFP8ModelLoader": MetalFP8ModelLoader,
+    "MetalFP8TextEncoderLoader": MetalFP8TextEncoderLoader,
+    "MetalFP8SaveModel": MetalFP8SaveModel,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "MetalFP8ModelLoader": "Load Diffusion Model (FP8, Metal)",
+    "MetalFP8TextEncoderLoader": "Load Text Encoder (FP8, Metal)",
+    "MetalFP8SaveModel": "Save Model (FP8 comfy_quant, Metal)",
+}

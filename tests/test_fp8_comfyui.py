@@ -1,0 +1,302 @@
+"""FP8 loading inside a real ComfyUI ($COMFYUI_PATH; skipped with the reason printed otherwise).
+
+A tiny random Flux-shaped diffusion model (ComfyUI's own Flux class, tiny widths and depth, weights
+filled explicitly) is quantized to an FP8 comfy_quant file, loaded through MetalFP8ModelLoader and
+sampled with ComfyUI's KSampler on CPU; the oracle is ComfyUI's stock UNETLoader on the same FP8 file
+(ComfyUI dequantizes it itself). The same for a CLIP-L text encoder through CLIPTextEncode against
+the stock CLIPLoader. Also: LoRA through ComfyUI's LoraLoaderModelOnly path, memory accounting,
+the save node, and a whole node run with COMFY_METAL_BACKEND=emulator.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fp8_models as fm
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+FLUX_CFG = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=32, context_in_dim=64,
+                hidden_size=128, mlp_ratio=4.0, num_heads=1, depth=2, depth_single_blocks=1,
+                axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=False,
+                txt_ids_dims=[])
+
+
+@pytest.fixture(scope="module")
+def loader_mod(comfyui):
+    import importlib
+
+    return importlib.import_module(comfyui.pack_module.__name__ + ".nodes.fp8_loader")
+
+
+@pytest.fixture(scope="module")
+def flux_files(comfyui, loader_mod):
+    """(bf16 file name, fp8 file name) in the diffusion_models folder."""
+    import comfy.ldm.flux.model
+    import comfy.ops
+    from safetensors.torch import save_file
+
+    quant = __import__(loader_mod.__name__.rsplit(".", 1)[0] + ".fp8_quantize", fromlist=["x"])
+    folder = comfyui.models_dir("diffusion_models")
+    net = comfy.ldm.flux.model.Flux(**FLUX_CFG, dtype=torch.float32, operations=comfy.ops.manual_cast)
+    fm.fill_module_(net, seed=1)
+    sd = {k: v.to(torch.bfloat16).contiguous() for k, v in net.state_dict().items()}
+    src = folder / "tiny_flux_bf16.safetensors"
+    save_file(sd, str(src))
+    dst = folder / "tiny_flux_fp8.safetensors"
+    if dst.exists():
+        dst.unlink()
+    summary = quant.quantize_file(str(src), str(dst), "e4m3fn")
+    assert len(summary.errors) >= 8, summary.text()
+    save_file(_dequantized(loader_mod, dst), str(folder / "tiny_flux_dequantized.safetensors"))
+    comfyui.refresh_models()
+    return src.name, dst.name, summary
+
+
+def _dequantized(loader_mod, path) -> dict:
+    """The FP8 file's weights dequantized to fp32 (independently of the loader's decode)."""
+    fmt_mod = __import__(loader_mod.__name__.rsplit(".", 1)[0] + ".fp8_formats", fromlist=["x"])
+    out = {}
+    with fmt_mod.open_checkpoint(path) as ck:
+        for key in ck.model_keys():
+            if key in ck.layers:
+                w, scale, _ = ck.fp8_weight(key)
+                out[key] = fm.dequant_ref(w, scale)
+            else:
+                out[key] = ck.tensor(key).float()
+    return out
+
+
+def _conds(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pos = [[torch.randn(1, 7, 64, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]]
+    neg = [[torch.randn(1, 7, 64, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]]
+    return pos, neg
+
+
+def _sample(comfyui, model, steps=3):
+    pos, neg = _conds()
+    latent = {"samples": torch.zeros(1, 16, 8, 8)}
+    (out,) = comfyui.nodes.KSampler().sample(model, 7, steps, 2.0, "euler", "simple", pos, neg, latent, denoise=1.0)
+    return out["samples"].float()
+
+
+def test_flux_fp8_matches_stock_loader(comfyui, loader_mod, flux_files):
+    _, fp8_name, _ = flux_files
+    (ours,) = loader_mod.MetalFP8ModelLoader().load(fp8_name, "auto", "fp32")
+    (stock,) = comfyui.nodes.UNETLoader().load_unet(fp8_name, "default")
+    ops_mod = __import__(loader_mod.__name__.rsplit(".", 1)[0] + ".fp8_ops", fromlist=["x"])
+    n_fp8 = sum(1 for _ in ops_mod.fp8_modules(ours.model))
+    assert n_fp8 >= 8
+    a = _sample(comfyui, ours)
+    b = _sample(comfyui, stock)
+    assert torch.isfinite(a).all()
+    rel = ((a - b).norm() / b.norm()).item()
+    print(f"flux fp8 ours vs stock: rel {rel:.2e}, {n_fp8} FP8 layers")
+    # Same FP8 values and scales dequantized by both; only summation order/dtype differ.
+    assert rel < 1e-3, rel
+
+
+def test_memory_accounting_sees_fp8_bytes(comfyui, loader_mod, flux_files):
+    import comfy.model_management as mm
+
+    bf16_name, fp8_name, _ = flux_files
+    (ours,) = loader_mod.MetalFP8ModelLoader().load(fp8_name, "auto", "bf16")
+    ops_mod = __import__(loader_mod.__name__.rsplit(".", 1)[0] + ".fp8_ops", fromlist=["x"])
+    fp8_bytes = 0
+    fp8_elems = 0
+    for _, m in ops_mod.fp8_modules(ours.model):
+        assert m.weight.element_size() == 1
+        fp8_elems += m.weight.numel()
+    # ComfyUI's own accounting (module_size = nbytes of the state dict) against a bf16 load.
+    (bf16,) = loader_mod.MetalFP8ModelLoader().load(bf16_name, "auto", "bf16")
+    size_fp8, size_bf16 = ours.model_size(), bf16.model_size()
+    assert size_fp8 == mm.module_size(ours.model)
+    saved = size_bf16 - size_fp8
+    # Every FP8 weight saves one byte (bf16 -> fp8), minus 4 bytes of scale per layer.
+    assert saved >= fp8_elems - 4 * 64, (size_fp8, size_bf16, fp8_elems)
+    del fp8_bytes
+
+
+def test_quantize_on_load_and_save_roundtrip(comfyui, loader_mod, flux_files, tmp_path):
+    bf16_name, fp8_name, _ = flux_files
+    ops_mod = __import__(loader_mod.__name__.rsplit(".", 1)[0] + ".fp8_ops", fromlist=["x"])
+    saver = loader_mod.MetalFP8SaveModel()
+    for mode in ("e4m3fn rowwise", "e4m3fn tensorwise"):
+        (q,) = loader_mod.MetalFP8ModelLoader().load(bf16_name, mode, "fp32")
+        layers = dict(ops_mod.fp8_modules(q.model))
+        assert len(layers) >= 8
+        assert all((m.weight_scale.numel() > 1) == mode.endswith("rowwise") for m in layers.values())
+        stem = "tiny_flux_saved_" + mode.split()[1]
+        name = saver.save(q, stem, "e4m3fn tensorwise", False)["ui"]["text"][0]
+        comfyui.refresh_models()
+        with pytest.raises(FileExistsError):
+            saver.save(q, stem, "e4m3fn tensorwise", False)
+        (ours,) = loader_mod.MetalFP8ModelLoader().load(name, "auto", "fp32")
+        a, c = _sample(comfyui, ours, 2), _sample(comfyui, q, 2)
+        assert ((a - c).norm() / c.norm()).item() < 1e-5       # save -> load is lossless
+        if mode.endswith("tensorwise"):
+            # ComfyUI's stock loader reads the saved comfy_quant file with the same result. (Per-row
+            # scales are a Comfy Metal extension: ComfyUI 0.33's FP8 layout is tensorwise only.)
+            (stock,) = comfyui.nodes.UNETLoader().load_unet(name, "default")
+            b = _sample(comfyui, stock, 2)
+            assert ((a - b).norm() / b.norm()).item() < 1e-3
+
+
+def test_lora_applies_on_decoded_weight(comfyui, loader_mod, flux_files):
+    """A LoRA on an FP8 layer (ComfyUI's own LoRA loading): equals the stock loader with the same LoRA
+    on the dequantized fp32 weights, and the FP8 bytes stay untouched (no re-quantization). (ComfyUI's
+    stock path on the FP8 file re-quantizes the patched weight, which adds FP8 rounding error.)"""
+    _, fp8_name, _ = flux_files
+    (ours,) = loader_mod.MetalFP8ModelLoader().load(fp8_name, "auto", "fp32")
+    (stock,) = comfyui.nodes.UNETLoader().load_unet("tiny_flux_dequantized.safetensors", "default")
+    key = "diffusion_model.double_blocks.0.img_attn.qkv.weight"
+    op = ours.model.get_submodule(key.rsplit(".", 1)[0])
+    before = op.weight.detach().clone()
+    g = torch.Generator().manual_seed(3)
+    up, down = torch.randn(op.out_features, 4, generator=g) * 0.5, torch.randn(4, op.in_features, generator=g) * 0.5
+    layer = key[: -len(".weight")]
+    lora = {f"{layer}.lora_up.weight": up, f"{layer}.lora_down.weight": down}
+    import comfy.sd
+
+    outs = []
+    for m in (ours, stock):
+        p, _ = comfy.sd.load_lora_for_models(m, None, dict(lora), 1.0, 0)   # what LoraLoaderModelOnly does
+        assert key in p.patches, list(p.patches)[:3]
+        outs.append(_sample(comfyui, p, 2))
+    plain = _sample(comfyui, ours, 2)
+    rel = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
+    effect = ((outs[0] - plain).norm() / plain.norm()).item()
+    print(f"lora: ours vs stock rel {rel:.2e}, lora effect {effect:.2e}")
+    assert effect > 1e-3          # the LoRA changed the output
+    assert rel < 1e-3
+    assert torch.equal(op.weight.detach().cpu(), before.cpu()) and op.weight.element_size() == 1
+    assert op.fp8_lora_patch is None   # unpatched after sampling
+
+
+def test_loader_node_through_executor_and_emulator(comfyui, loader_mod, flux_files, monkeypatch):
+    """MetalFP8ModelLoader runs as a node through ComfyUI's executor; then the loaded model's forward
+    runs fp8_decode and gemv through the MSL emulator."""
+    from comfy_metal.metal_kernels import dispatch
+
+    kernels = __import__(loader_mod.__name__.rsplit(".", 2)[0] + ".metal_kernels", fromlist=["x"])
+    _, fp8_name, _ = flux_files
+    prompt = {"1": {"class_type": "MetalFP8ModelLoader",
+                    "inputs": {"unet_name": fp8_name, "weight_mode": "auto", "compute_dtype": "fp32"}}}
+    res = comfyui.run_prompt(prompt, execute=["1"])
+    model = res.node_outputs["1"][0]
+    model = model[0] if isinstance(model, list) else model
+    from comfy_metal.metal_kernels.emulator import available
+
+    if not available():
+        pytest.skip("clang-19 not found: the MSL emulator is unavailable")
+    dm = model.model.diffusion_model
+    op = dm.double_blocks[0].img_mod.lin
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+    for mod in (dispatch, kernels.dispatch):
+        mod.reset()
+    try:
+        x = torch.randn(2, op.in_features)
+        y = op(x)                    # M = 2 -> gemv
+        xb = torch.randn(9, op.in_features)
+        yb = op(xb)                  # M = 9 -> fp8_decode + matmul
+        backends = dict(kernels.dispatch.last_backend)
+    finally:
+        monkeypatch.delenv("COMFY_METAL_BACKEND")
+        for mod in (dispatch, kernels.dispatch):
+            mod.reset()
+    w = op.fp8_decoded_weight(dtype=torch.float32)
+    ref = torch.nn.functional.linear(x, w, op.bias)
+    refb = torch.nn.functional.linear(xb, w, op.bias)
+    assert backends.get("gemv") == "emulator" and backends.get("fp8_decode") == "emulator", backends
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(yb, refb, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_files_give_clear_node_errors(comfyui, loader_mod, flux_files):
+    folder = comfyui.models_dir("diffusion_models")
+    _, fp8_name, _ = flux_files
+    data = (folder / fp8_name).read_bytes()
+    (folder / "truncated_fp8.safetensors").write_bytes(data[: len(data) // 2])
+    comfyui.refresh_models()
+    prompt = {"1": {"class_type": "MetalFP8ModelLoader",
+                    "inputs": {"unet_name": "truncated_fp8.safetensors", "weight_mode": "auto",
+                               "compute_dtype": "auto"}}}
+    import comfyui_env
+
+    with pytest.raises(comfyui_env.ComfyPromptError) as e:
+        comfyui.run_prompt(prompt, execute=["1"])
+    msg = str(e.value)
+    assert "truncated_fp8.safetensors" in msg and "truncated" in msg and "tensor" in msg
+    # The server keeps working: a good prompt runs afterwards.
+    prompt["1"]["inputs"]["unet_name"] = fp8_name
+    comfyui.run_prompt(prompt, execute=["1"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Text encoder
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def clip_l_file(comfyui, loader_mod):
+    """A random full-size CLIP-L text encoder (its tokenizer ships with ComfyUI), quantized to FP8."""
+    import comfy.clip_model
+    import comfy.ops
+    from safetensors.torch import save_file
+
+    quant = __import__(loader_mod.__name__.rsplit(".", 1)[0] + ".fp8_quantize", fromlist=["x"])
+    import json
+
+    import comfy.sd1_clip
+
+    cfg_path = os.path.join(os.path.dirname(comfy.sd1_clip.__file__), "sd1_clip_config.json")
+    with open(cfg_path) as f:
+        config = json.load(f)
+    net = comfy.clip_model.CLIPTextModel(config, torch.float32, "cpu", comfy.ops.manual_cast)
+    fm.fill_module_(net, seed=5, std=0.02)
+    sd = {k: v.to(torch.float16).contiguous() for k, v in net.state_dict().items()}
+    del net
+    folder = comfyui.models_dir("text_encoders")
+    src = folder / "tiny_clip_l_fp16.safetensors"
+    save_file(sd, str(src))
+    del sd
+    dst = folder / "clip_l_fp8.safetensors"
+    if dst.exists():
+        dst.unlink()
+    summary = quant.quantize_file(str(src), str(dst), "e4m3fn")
+    src.unlink()
+    comfyui.refresh_models()
+    assert len(summary.errors) >= 48
+    return dst.name
+
+
+def test_text_encoder_matches_stock(comfyui, loader_mod, clip_l_file):
+    """Oracle: ComfyUI's stock CLIPLoader on the same FP8 weights dequantized to fp32 (ComfyUI 0.33's
+    CLIP-L path does not read comfy_quant scales itself, so it cannot load the FP8 file correctly)."""
+    from safetensors.torch import save_file
+
+    folder = comfyui.models_dir("text_encoders")
+    deq = _dequantized(loader_mod, folder / clip_l_file)
+    save_file(deq, str(folder / "clip_l_dequantized.safetensors"))
+    del deq
+    comfyui.refresh_models()
+    (ours,) = loader_mod.MetalFP8TextEncoderLoader().load(clip_l_file, "stable_diffusion", "cpu")
+    (stock,) = comfyui.nodes.CLIPLoader().load_clip("clip_l_dequantized.safetensors", "stable_diffusion", "cpu")
+    ops_mod = __import__(loader_mod.__name__.rsplit(".", 1)[0] + ".fp8_ops", fromlist=["x"])
+    n = sum(1 for _ in ops_mod.fp8_modules(ours.cond_stage_model))
+    assert n >= 48
+    info = ops_mod.weight_bytes(ours.cond_stage_model)
+    assert info["bytes_per_fp8_weight"] < 1.01
+    enc = comfyui.nodes.CLIPTextEncode()
+    (ca,) = enc.encode(ours, "a photo of a cat on a red sofa")
+    (cb,) = enc.encode(stock, "a photo of a cat on a red sofa")
+    a, b = ca[0][0].float(), cb[0][0].float()
+    pa, pb = ca[0][1]["pooled_output"].float(), cb[0][1]["pooled_output"].float()
+    rel = ((a - b).norm() / b.norm()).item()
+    relp = ((pa - pb).norm() / pb.norm()).item()
+    print(f"clip-l fp8 ours vs stock(dequantized): cond rel {rel:.2e}, pooled rel {relp:.2e}")
+    assert torch.isfinite(a).all() and a.shape == b.shape
+    # Both compute in ComfyUI's text-encoder dtype (fp16 on CPU): the only difference is rounding.
+    assert rel < 1e-2 and relp < 1e-2
