@@ -235,8 +235,8 @@ class SparseMoE(nn.Module):
         self.gate = _linear(H, E)
         self.gate_up = nn.Parameter(torch.empty(E, 2 * I, H, device="meta"), requires_grad=False)
         self.down = nn.Parameter(torch.empty(E, H, I, device="meta"), requires_grad=False)
-        self.gate_up_scale = None
-        self.down_scale = None
+        self.register_buffer("gate_up_scale", None)   # buffers: move with the module (ModelPatcher)
+        self.register_buffer("down_scale", None)
         self.fmt = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(H, cfg.shared_expert_intermediate_size)

@@ -13,15 +13,14 @@ WORDS = ["system", "user", "assistant", "a", "cat", "dog", "on", "the", "mat", "
 
 def tiny_tokenizer_json(vocab_size: int) -> str:
     """A word-level tokenizer.json with Qwen's chat special tokens, padded to vocab_size entries."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = SPECIALS + WORDS
     words += [f"w{i}" for i in range(vocab_size - len(words))]
     vocab = {w: i for i, w in enumerate(words[:vocab_size])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern=r"<\|[a-z_]+\|>|\n| ", behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(SPECIALS)
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False) if False else None
     return tok.to_str()
 
 
