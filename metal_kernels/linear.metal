@@ -59,7 +59,7 @@ template <typename W, int MM, bool K4>
 inline void gemv_columns(device const float* x, device const typename W::T* w, device const float* scale,
                          device const float* bias, device float* y, long K, long N, long scale_mode,
                          long has_bias, long n0, uint lane) {
-    const int ncols = int(min(long(GEMV_COLS), N - n0));
+    const int ncols = N - n0 < GEMV_COLS ? int(N - n0) : GEMV_COLS;
     float acc[GEMV_COLS][MM];
     for (int c = 0; c < GEMV_COLS; ++c)
         for (int m = 0; m < MM; ++m) acc[c][m] = 0.0f;

@@ -266,3 +266,17 @@ def test_public_functions_run_the_emulated_kernels(monkeypatch):
         assert dispatch.last_backend["fp8_encode"] == "emulator", dispatch.choose(fp8.fp8_encode.spec, torch.device("cpu"))[1]
     finally:
         dispatch.reset()
+
+
+def test_emulated_grid_stride_loop_covers_more_elements_than_threads(lib, monkeypatch):
+    """Past MAX_THREADS * 4 elements each thread loops (the path that covers > 2^31-element tensors
+    on the GPU); shrink the cap so a tiny tensor takes it."""
+    monkeypatch.setattr(fp8, "MAX_THREADS", 3)
+    gen = torch.Generator().manual_seed(10)
+    raw = torch.randint(0, 256, (7, 9), generator=gen, dtype=torch.uint8)      # 63 elements, 12 threads' worth
+    scale = torch.rand(7, generator=gen) + 0.5
+    for fmt in fp8.FP8_FORMATS:
+        assert_same_values(fp8_decode_metal(lib, raw, fmt, scale, out_dtype=torch.float32),
+                           oracle_decode(raw, fmt, scale))
+        x = torch.randn(7, 9, generator=gen) * 30
+        assert_same_bytes(fp8_encode_metal(lib, x, fmt, scale), oracle_encode(x, fmt, scale))
