@@ -161,3 +161,17 @@ UNARY(two)
 def test_clean_example_also_compiles_in_the_emulator():
     lib = emu.compile_library(CLEAN)
     assert {"good", "tmpl_float", "tmpl_half"} <= set(lib.kernel_names)
+
+
+def test_fallback_preprocessor_without_clang(monkeypatch):
+    from comfy_metal.metal_kernels.emulator import lint
+    monkeypatch.setattr(lint, "clang_path", lambda: None)
+    src = HEAD + "#define N 9000\n" + """
+kernel void k(device float* x [[buffer(0)]], constant int& n [[buffer(1)]], uint i [[thread_position_in_grid]]) {
+  threadgroup float big[N];  /* 36000 bytes */
+  big[i] = x[i]; x[i] = big[0];
+}
+"""
+    probs = lint.lint_source(src)
+    assert len(probs) == 2 and any("36000" in p for p in probs) and any("long&" in p for p in probs)
+    assert lint.lint_source(src.replace("9000", "900").replace("int&", "long&")) == []

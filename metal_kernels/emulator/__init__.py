@@ -23,6 +23,21 @@ Mechanical rewrites applied to the preprocessed source (nothing else is changed)
    like MSL); C-style vector casts ``(float4)x`` become ``__emu::vcast<float4>()->*x``.
 4. half literals ``1.5h`` become ``((half)1.5f)``.
 
+Known limitations (MSL the emulator does not handle):
+
+* textures, samplers, ``simdgroup_matrix``, ``quad_*`` collectives, function
+  constants, ``[[threadgroup(n)]]`` parameters, kernels inside namespaces,
+  ``<c10/metal/...>`` includes (kernels must be self-contained);
+* vector comparisons yield clang's int vectors, not ``boolN`` (``bool4 m = a < b``
+  does not compile; ``all``/``any``/``select`` accept them); ``packed_*`` types
+  convert to/from vectors but have no ``.xyz`` members;
+* math is computed in float (half/bfloat rounded afterwards) and without fast-math;
+  compare with tolerances;
+* one OS thread: spin-waiting on another thread's device-memory write never ends;
+  an integer division by zero is reported (``KernelCrash``) instead of giving garbage;
+* a threadgroup_barrier inside a helper function called from two places counts as
+  one call site.
+
 Runtime checks: guard regions around every buffer (``OutOfBoundsWrite``), NaN
 filled threadgroup memory and out-of-bounds reads, barrier divergence
 (``BarrierDivergence``), schedule perturbation (forward / reverse / shuffle),
@@ -751,8 +766,8 @@ class Kernel:
             v = [int(x) for x in v]
             if not 0 < len(v) < 4:
                 raise ValueError(f"{what} must have 1 to 3 dimensions, got {v}")
-            if any(x < 0 for x in v):
-                raise ValueError(f"{what} must be non-negative, got {v}")
+            if any(x < 0 or x >= 1 << 32 for x in v):
+                raise ValueError(f"{what} must be in [0, 2**32), got {v}")
             return v
 
         threads = vec(threads, "threads")
