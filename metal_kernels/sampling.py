@@ -167,22 +167,41 @@ class BrownianBridge:
         return DeviceNoise(tuple(keys), tuple(weights))
 
 
+def _i32(v: int) -> int:
+    """A uint32 value as the int32 with the same bits."""
+    v &= _M32
+    return v - (1 << 32) if v >= (1 << 31) else v
+
+
+def _hash32_i32_(v: torch.Tensor) -> torch.Tensor:
+    """lowbias32 in place on an int32 tensor holding uint32 bits (int32 multiply wraps like uint32;
+    right shifts are made logical by masking)."""
+    v.bitwise_xor_(v.bitwise_right_shift(16).bitwise_and_(0xFFFF))
+    v.mul_(_i32(0x7FEB352D))
+    v.bitwise_xor_(v.bitwise_right_shift(15).bitwise_and_(0x1FFFF))
+    v.mul_(_i32(0x846CA68B))
+    v.bitwise_xor_(v.bitwise_right_shift(16).bitwise_and_(0xFFFF))
+    return v
+
+
 _HIDX_CACHE: dict = {}
 
 
 def _element_hashes(start: int, count: int, device) -> torch.Tensor:
+    """int32 tensor of _index_hash(start .. start+count-1) (uint32 bits)."""
     key = (start, count, str(device))
     cached = _HIDX_CACHE.get(key)
     if cached is None:
         idx = torch.arange(start, start + count, dtype=torch.int64, device=device)
-        cached = _index_hash(idx)
+        h = _index_hash(idx)
+        cached = torch.where(h >= (1 << 31), h - (1 << 32), h).to(torch.int32)
         if len(_HIDX_CACHE) > 8:
             _HIDX_CACHE.clear()
         _HIDX_CACHE[key] = cached
     return cached
 
 
-_CHUNK = 1 << 21
+_CHUNK = 1 << 20
 
 
 def device_noise_reference(noise: DeviceNoise, shape, device, dtype=torch.float32) -> torch.Tensor:
@@ -195,11 +214,11 @@ def device_noise_reference(noise: DeviceNoise, shape, device, dtype=torch.float3
         hidx = _element_hashes(start, count, device)
         acc = out[start:start + count]
         for k, w in enumerate(noise.weights):
-            h1 = _hash32_tensor(hidx ^ noise.keys[2 * k])
-            h2 = _hash32_tensor(hidx ^ noise.keys[2 * k + 1])
-            u1 = ((h1 >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
-            u2 = (h2 >> 8).to(torch.float32) * (1.0 / 16777216.0)
-            z = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(two_pi * u2)
+            h1 = _hash32_i32_(hidx ^ _i32(noise.keys[2 * k]))
+            h2 = _hash32_i32_(hidx ^ _i32(noise.keys[2 * k + 1]))
+            u1 = h1.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32).add_(0.5).mul_(1.0 / 16777216.0)
+            u2 = h2.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32).mul_(two_pi / 16777216.0)
+            z = u1.log_().mul_(-2.0).sqrt_().mul_(u2.cos_())
             acc.add_(z, alpha=w)
     return out.view(shape).to(dtype)
 

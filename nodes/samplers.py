@@ -73,12 +73,10 @@ def is_flow(model_sampling) -> bool:
     """True for rectified-flow (CONST) model sampling: Flux, SD3, Wan, Qwen-Image, ..."""
     if model_sampling is None:
         return False
-    try:
-        import comfy.model_sampling as cms
-
-        return isinstance(model_sampling, cms.CONST)
-    except ImportError:
-        return any(c.__name__ == "CONST" for c in type(model_sampling).__mro__)
+    cms = sys.modules.get("comfy.model_sampling")
+    if cms is not None and isinstance(model_sampling, getattr(cms, "CONST", ())):
+        return True
+    return any(c.__name__ == "CONST" for c in type(model_sampling).__mro__)
 
 
 def _noise_scale(model_sampling) -> float:
@@ -171,8 +169,9 @@ class _Run:
             for i, f in enumerate(flagged[:self.steps]):
                 if f:
                     raise SamplingError(
-                        f"{self.name}: the latent became NaN/inf at step {i} of {self.steps} (sigma "
-                        f"{self.sig[i]:g} -> {self.sig[i + 1]:g}); the model output or the step diverged")
+                        f"{self.name}: the latent became NaN/inf at step {i + 1} of {self.steps} (i={i}, sigma "
+                        f"{self.sig[i]:g} -> {self.sig[i + 1]:g}); the model output (denoised) or the step "
+                        "diverged there")
         return x
 
 
