@@ -200,7 +200,10 @@ static char* stack_get() {
   if (base == (char*)MAP_FAILED) return nullptr;
   mprotect(base, page, PROT_NONE);  // guard page: overflow -> SIGSEGV -> reported
   g_pool->total++;
-  return base + page + sz;  // top
+  // cache colouring: stagger the stack tops so that the hot frames of the
+  // coroutines do not all map to the same cache sets
+  size_t colour = ((size_t)(g_pool->total * 7) % 61) * 64 + (size_t)(g_pool->total % 4) * 1024;
+  return base + page + sz - colour;  // top
 }
 static inline void stack_put(char* top) { g_pool->free_[g_pool->nfree++] = top; }
 
