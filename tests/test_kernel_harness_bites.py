@@ -204,3 +204,45 @@ def test_the_unmutated_library_is_used(emulator_backend):
     x, w = torch.randn(2, 33), torch.randn(5, 33)
     metal_kernels.gemv(x, w)
     assert dispatch.last_backend["gemv"] == "emulator", dispatch.choose(linear.gemv.spec, torch.device("cpu"))[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 (exact comparisons: a single wrong byte is a failure)
+# ---------------------------------------------------------------------------------------------
+FP8_SRC = dispatch.library_source(only="fp8.metal")
+fp8_module = importlib.import_module("comfy_metal.metal_kernels.fp8")
+
+
+def fp8_encode_problem(src: str, fmt: str, x: torch.Tensor, scale=None) -> str | None:
+    got = fp8_module.fp8_encode_metal(emulator.compile_library(src), x, fmt, scale)
+    return fp8_module._exact(got, fp8_module.fp8_encode_reference(x, fmt, scale))
+
+
+def _all_fp16() -> torch.Tensor:
+    return torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+
+
+def test_unmutated_fp8_encode_matches():
+    for fmt in ("e4m3fn", "e5m2"):
+        assert fp8_encode_problem(FP8_SRC, fmt, _all_fp16()) is None
+
+
+def test_round_half_up_instead_of_to_even_is_caught():
+    src = mutate(FP8_SRC, "(rem > half_unit || (rem == half_unit && (q & 1u)))", "(rem >= half_unit)")
+    for fmt in ("e4m3fn", "e5m2"):
+        assert fp8_encode_problem(src, fmt, _all_fp16()) is not None   # ties among the subnormals
+
+
+def test_missing_saturation_is_caught():
+    src = mutate(FP8_SRC, "if (a >= MAXBITS) return uchar(sign | MAXCODE);", "")
+    x = torch.tensor([448.0, 460.0, 1e4, float("inf"), -float("inf"), 57344.0, 7e4])
+    for fmt in ("e4m3fn", "e5m2"):
+        assert fp8_encode_problem(src, fmt, x) is not None
+
+
+def test_decode_dropping_the_last_odd_element_is_caught():
+    src = mutate(FP8_SRC, "for (int j = 0; i + j < n; ++j) fp8_store", "for (int j = 0; i + j < n - 1; ++j) fp8_store")
+    raw = torch.arange(7, dtype=torch.uint8) + 0x30
+    lib = emulator.compile_library(src)
+    got = fp8_module.fp8_decode_metal(lib, raw, "e4m3fn", out_dtype=torch.float32)
+    assert fp8_module._decode_compare(got, fp8_module.fp8_decode_reference(raw, "e4m3fn", out_dtype=torch.float32))
