@@ -314,12 +314,16 @@ def _exact(got, want):
 
 
 def _decode_compare(got, want):
+    """Exact, except that a GPU that flushes subnormal results to zero may return 0 where the reference
+    is a subnormal of the output type (|value| < its smallest normal): tiny scaled values only, and
+    refusing the kernel for them would cost every FP8 load its fast path."""
     if got.dtype != want.dtype or got.shape != want.shape:
         return f"got {got.dtype} {tuple(got.shape)}, expected {want.dtype} {tuple(want.shape)}"
     g, w = got.cpu().float(), want.cpu().float()
     if not torch.equal(torch.isnan(g), torch.isnan(w)):
         return "NaN in different places"
-    bad = ~(torch.isnan(w) | (g == w))
+    flushed = (g == 0) & (w.abs() < torch.finfo(want.dtype).tiny)
+    bad = ~(torch.isnan(w) | (g == w) | flushed)
     return None if not bad.any() else f"{int(bad.sum())} of {bad.numel()} values differ (decode must be exact)"
 
 

@@ -280,3 +280,42 @@ def test_emulated_grid_stride_loop_covers_more_elements_than_threads(lib, monkey
                            oracle_decode(raw, fmt, scale))
         x = torch.randn(7, 9, generator=gen) * 30
         assert_same_bytes(fp8_encode_metal(lib, x, fmt, scale), oracle_encode(x, fmt, scale))
+
+
+def test_decode_self_check_compare_is_exact_but_tolerates_flushed_subnormals():
+    want = torch.tensor([1.0, 2.0 ** -20, -(2.0 ** -20), float("nan"), 3.0], dtype=torch.float16)
+    compare = fp8._decode_compare
+    assert compare(want.clone(), want) is None
+    flushed = want.clone()
+    flushed[1:3] = 0.0                       # fp16 subnormals flushed to zero: accepted
+    assert compare(flushed, want) is None
+    off = want.clone()
+    off[0] = 1.0009765625                    # one ulp off on a normal value: rejected
+    assert "differ" in compare(off, want)
+    nan_moved = want.clone()
+    nan_moved[3] = 0.0
+    assert "NaN" in compare(nan_moved, want)
+    assert compare(want.float(), want) is not None
+
+
+def test_launch_glue_makes_no_host_syncs():
+    """The launchers only reshape, allocate and bind: nothing reads a device value back to the host."""
+    import sync_count
+
+    class FakeLib:
+        def __getattr__(self, name):
+            return lambda *args, threads, group_size: None
+
+    raw = torch.randint(0, 256, (6, 10), dtype=torch.uint8)
+    scale = torch.rand(6) + 0.5
+    x = torch.randn(6, 10)
+    from comfy_metal.metal_kernels import linear
+
+    with sync_count.SyncCounter() as counter:
+        for _ in range(3):
+            fp8_decode_metal(FakeLib(), raw, "e4m3fn", scale, out_dtype=torch.bfloat16)
+            fp8_decode_metal(FakeLib(), raw.view(torch.float8_e5m2), None, torch.tensor(0.5))
+            fp8_encode_metal(FakeLib(), x.to(torch.bfloat16), "e5m2", scale[:, None])
+            linear.gemv_metal(FakeLib(), x[:3], raw, torch.randn(6), fmt="e4m3fn", scale=scale)
+            linear.gemv_metal(FakeLib(), torch.randn(11, 10), x.to(torch.float16))     # M > 8: chunks
+    assert counter.total == 0, dict(counter.counts)
