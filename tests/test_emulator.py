@@ -205,6 +205,16 @@ template [[host_name("scale_half")]] kernel void scale<half>(device half* x [[bu
                                                             uint i [[thread_position_in_grid]]);
 template [[host_name("scale_float")]] kernel void scale<float>(device float*, constant float&, uint);
 template [[host_name("scale_bfloat")]] kernel decltype(scale<bfloat>) scale<bfloat>;
+template [[host_name("scale_int")]] void scale<int>(device int* x [[buffer(0)]], constant float& f [[buffer(1)]],
+                                                   uint i [[thread_position_in_grid]]);
+
+kernel void packed3(device packed_float3* p [[buffer(0)]], device float* o [[buffer(1)]],
+                    uint i [[thread_position_in_grid]]) {
+  float3 v = p[i];
+  o[i] = v.x + p[i].y * 10.0f + p[i][2] * 100.0f;
+  p[i] = float3(v.zyx);
+  p[i].x += 1.0f;
+}
 
 #define UNARY_KERNEL(NAME, EXPR)                                                       \
   kernel void NAME(device float* y [[buffer(0)]], const device float* x [[buffer(1)]], \
@@ -256,7 +266,7 @@ def lib():
 
 def test_kernel_names_and_unknown_kernel(lib):
     names = lib.kernel_names
-    for n in ("vadd", "scale_half", "scale_float", "scale_bfloat", "square_k", "negate_k", "fill_float_4",
+    for n in ("vadd", "scale_half", "scale_float", "scale_bfloat", "scale_int", "square_k", "negate_k", "fill_float_4",
               "fill_half_8"):
         assert n in names
     assert "scale" not in names and "fill_n" not in names  # templates themselves are not host kernels
@@ -498,6 +508,9 @@ def test_templates_and_macro_stamped_kernels(lib):
     b = torch.ones(5, dtype=torch.bfloat16)
     lib.scale_bfloat(b, 4.0)
     assert torch.equal(b, torch.full((5,), 4.0, dtype=torch.bfloat16))
+    i = torch.full((4,), 3, dtype=torch.int32)
+    lib.scale_int(i, 2.0)
+    assert i.tolist() == [6] * 4
     x = torch.randn(9)
     y = torch.zeros(9)
     lib.square_k(y, x)
@@ -510,6 +523,14 @@ def test_templates_and_macro_stamped_kernels(lib):
     y8 = torch.zeros(16, dtype=torch.float16)
     lib.fill_half_8(y8, threads=16, group_size=16)
     assert torch.equal(y8, torch.full((16,), 8.0, dtype=torch.float16))
+
+
+def test_packed_float3_is_12_bytes(lib):
+    p = torch.arange(12, dtype=torch.float32)
+    o = torch.zeros(4)
+    lib.packed3(p, o, threads=4)
+    assert o.tolist() == [210.0, 543.0, 876.0, 1209.0]
+    assert p.tolist() == [3, 1, 0, 6, 4, 3, 9, 7, 6, 12, 10, 9]
 
 
 def test_atomics(lib):

@@ -30,7 +30,7 @@ Known limitations (MSL the emulator does not handle):
   ``<c10/metal/...>`` includes (kernels must be self-contained);
 * vector comparisons yield clang's int vectors, not ``boolN`` (``bool4 m = a < b``
   does not compile; ``all``/``any``/``select`` accept them); ``packed_*`` types
-  convert to/from vectors but have no ``.xyz`` members;
+  have ``.xyzw`` members and convert to/from vectors, but no arithmetic operators;
 * math is computed in float (half/bfloat rounded afterwards) and without fast-math;
   compare with tolerances;
 * one OS thread: spin-waiting on another thread's device-memory write never ends;
@@ -327,6 +327,11 @@ _DECLTYPE_INST_RE = re.compile(
     r'decltype\s*\(\s*([A-Za-z_]\w*)\s*<')
 
 
+_NOKW_INST_RE = re.compile(
+    r'\btemplate\s*\[\[\s*host_name\s*\(((?:\s*"[^"]*")+)\s*\)\s*\]\]\s*(?:\[\[[^\]]*\]\]\s*)*'
+    r'void\s+([A-Za-z_]\w*)\s*<')
+
+
 def _leading_attrs(before: str) -> tuple[list[str], str]:
     attrs = []
     b = before.rstrip()
@@ -399,7 +404,8 @@ def parse_kernels(pp: str) -> tuple[list[KernelDecl], list[tuple[int, int]]]:
             continue  # a declaration
         kernels.append(KernelDecl(host_attr or name, name, params, attrs=attrs, kind="plain"))
     # decltype-form instantiations: template [[host_name("x")]] kernel decltype(foo<T>) foo<T>;
-    for m in _DECLTYPE_INST_RE.finditer(text):
+    # and instantiations without the `kernel` keyword: template [[host_name("x")]] void foo<T>(...);
+    for m in list(_DECLTYPE_INST_RE.finditer(text)) + list(_NOKW_INST_RE.finditer(text)):
         host, name = "".join(re.findall(r'"([^"]*)"', m.group(1))), m.group(2)
         lt = m.end() - 1
         close = _match_close(text, lt, "<", ">")

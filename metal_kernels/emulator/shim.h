@@ -174,25 +174,44 @@ template <class T>
 inline bool any_nan_bits(T) { return false; }
 }  // namespace __emu
 
-// packed vector types (no padding): storage struct convertible to/from vectors
+// packed vector types (no padding): element members .x .y .z .w, [] indexing,
+// conversion to/from the aligned vector type
 namespace __emu {
 template <class E, int N>
-struct packed {
-  E v[N];
+struct packed_base;
+template <class E>
+struct packed_base<E, 2> {
+  E x, y;
+};
+template <class E>
+struct packed_base<E, 3> {
+  E x, y, z;
+};
+template <class E>
+struct packed_base<E, 4> {
+  E x, y, z, w;
+};
+template <class E, int N>
+struct packed : packed_base<E, N> {
   using vec_t = E __attribute__((ext_vector_type(N)));
   packed() = default;
   template <class... A>
   packed(const A&... a) {
     vec_t t = vec<vec_t>(a...);
-    for (int i = 0; i < N; i++) v[i] = t[i];
+    for (int i = 0; i < N; i++) (*this)[i] = t[i];
   }
   operator vec_t() const {
     vec_t t;
-    for (int i = 0; i < N; i++) t[i] = v[i];
+    for (int i = 0; i < N; i++) t[i] = (*this)[i];
     return t;
   }
-  E& operator[](int i) { return v[i]; }
-  const E& operator[](int i) const { return v[i]; }
+  E& operator[](int i) { return (&this->x)[i]; }
+  const E& operator[](int i) const { return (&this->x)[i]; }
+};
+template <class E, int N>
+struct vinfo<packed<E, N>> {
+  static constexpr int n = N;
+  using elem = E;
 };
 }  // namespace __emu
 #define __EMU_PACKED(E, NAME)                        \
