@@ -365,8 +365,9 @@ def moe_experts_forward(x, experts, weights, gate_up, down, *, activation: str =
 
     gate_up: [E, 2I, H] bank (gate then up halves for silu_glu, interleaved for gpt_oss_glu);
     down: [E, H, I]. Returns sum_k weights[t, k] * expert_k(x[t]) as [T, H] (out_dtype or x.dtype).
-    Sync-free: few pairs run unsorted through one per-pair kernel dispatch per projection; more pairs
-    are sorted by expert on the device and run as grouped matmuls.
+    Sync-free: with a kernel backend (Metal, emulator) few pairs run unsorted through one per-pair
+    kernel dispatch per projection; otherwise the pairs are sorted by expert on the device and run as
+    grouped matmuls.
     """
     T, H = x.shape
     K = experts.shape[-1]
@@ -376,8 +377,9 @@ def moe_experts_forward(x, experts, weights, gate_up, down, *, activation: str =
     if T == 0:
         return x.new_zeros((0, H), dtype=out_dtype)
     flat_e = experts.reshape(-1)
-    if P <= DECODE_MAX_PAIRS:
-        # decode: every pair of a token in one dispatch, the token's row shared by its K pairs
+    if P <= DECODE_MAX_PAIRS and _gemm_backend(x.device) != "reference":
+        # decode on the kernel: every pair of a token in one dispatch, the token's row shared by its
+        # K pairs (the reference would copy each pair's weights; it takes the grouped path instead)
         h = moe_experts_gemm(x, flat_e, gate_up, gate_up_scale, gate_up_bias, x_div=K, fmt=fmt)
         h = _activation(h, activation, alpha, limit)
         y = moe_experts_gemm(h, flat_e, down, down_scale, down_bias, fmt=fmt)          # [P, H] fp32

@@ -92,7 +92,7 @@ def experts_forward(experts, hidden_states: torch.Tensor, router_indices: torch.
     if N == 0:
         return hidden_states.new_zeros((0, H))
     flat_e = router_indices.reshape(-1)
-    if N * K <= moe_kernels.DECODE_MAX_PAIRS:
+    if N * K <= moe_kernels.DECODE_MAX_PAIRS and moe_kernels._gemm_backend(hidden_states.device) != "reference":
         h = pair_linear(gate_up, hidden_states, flat_e, x_div=K)
         h = experts._apply_gate(h.to(hidden_states.dtype))
         y = pair_linear(down, h, flat_e)

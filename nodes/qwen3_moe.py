@@ -422,6 +422,61 @@ class _TensorSource:
         return str(self.where.get(key, "?"))
 
 
+class _DictSource:
+    """_TensorSource over an in-memory state dict (bench, tests, conversions)."""
+
+    def __init__(self, sd: dict, name: str = "<state dict>"):
+        self.sd, self.metadata, self.handles = sd, {}, {name: None}
+        self.name = name
+
+    def __contains__(self, key):
+        return key in self.sd
+
+    def keys(self):
+        return self.sd.keys()
+
+    def get(self, key):
+        return self.sd[key]
+
+    def shape(self, key):
+        return tuple(self.sd[key].shape)
+
+    def file(self, key):
+        return self.name
+
+
+def from_state_dict(sd: dict, config: dict, device="cpu", dtype=torch.float32) -> Qwen3MoeLM:
+    """Build the model from an in-memory state dict (HF names; per-expert or fused expert keys)."""
+    cfg = MoEConfig.from_dict(config, "<config>")
+    return build_model(_DictSource(sd), cfg, dtype, torch.device(device), "<state dict>")
+
+
+@torch.no_grad()
+def random_model(cfg: MoEConfig, device="cpu", dtype=torch.float32, expert_fmt: str | None = None,
+                 seed: int = 0, std: float = 0.05) -> Qwen3MoeLM:
+    """A model of `cfg` with random weights made directly on `device` (benchmarks; no checkpoint).
+    expert_fmt "e4m3fn" / "e5m2": expert banks as random small FP8 bytes with per-expert scales."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    model = Qwen3MoeLM(cfg)
+    for mod in model.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if isinstance(mod, RMSNorm):
+                t = torch.ones(p.shape, device=device, dtype=dtype)
+            elif expert_fmt and isinstance(mod, SparseMoE) and name in ("gate_up", "down"):
+                # bytes 0x00..0x3F (|v| <= 1.875 in e4m3, <= 2^-2 in e5m2) with a random sign
+                t = torch.randint(0, 0x40, p.shape, device=device, dtype=torch.uint8, generator=gen)
+                t |= (torch.randint(0, 2, p.shape, device=device, dtype=torch.uint8, generator=gen) << 7)
+            else:
+                t = torch.randn(p.shape, device=device, dtype=torch.float32, generator=gen).mul_(std).to(dtype)
+            setattr(mod, name, nn.Parameter(t, requires_grad=False))
+        if expert_fmt and isinstance(mod, SparseMoE):
+            mod.fmt = expert_fmt
+            mod.gate_up_scale = torch.full((cfg.num_experts,), std, device=device)
+            mod.down_scale = torch.full((cfg.num_experts,), std, device=device)
+    return model.eval()
+
+
 def _find_prefix(src: _TensorSource) -> str:
     for p in ("model.", "model.language_model.", "language_model.model.", ""):
         if f"{p}embed_tokens.weight" in src:
