@@ -10,7 +10,7 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import {
-  BACKEND_EVENT, ROUTES, applyBackendRecord, applyStatusNodes, badgeFor, badgeForNode,
+  BACKEND_EVENT, ROUTES, TextBadge, applyBackendRecord, applyStatusNodes, badgeFor,
   createBackendState, createPoller, isPackNode, memoryBarHTML, recordForNode, renderStatusHTML,
 } from "./lib/status_model.js";
 
@@ -39,7 +39,10 @@ function redrawCanvas() {
 
 function renderPanels() {
   for (const el of [...panels]) {
-    if (!el.isConnected) {
+    // The sidebar may render into a container it attaches later: forget a panel only once it has
+    // been in the document and left it.
+    if (el.isConnected) el.dataset.mounted = "1";
+    else if (el.dataset.mounted === "1") {
       panels.delete(el);
       continue;
     }
@@ -89,7 +92,9 @@ function injectStyle() {
   style.textContent = `
     .comfy-metal-panel { padding: 8px 10px; font-size: 12px; overflow: auto; height: 100%; box-sizing: border-box; }
     .comfy-metal-panel h4 { margin: 10px 0 4px; font-size: 12px; }
-    .comfy-metal-table { border-collapse: collapse; width: 100%; }
+    .comfy-metal-table { border-collapse: collapse; width: 100%; table-layout: fixed; overflow-wrap: anywhere; }
+    .comfy-metal-table td:last-child, .comfy-metal-table th:last-child { width: 38%; }
+    .comfy-metal-small { font-size: 11px; }
     .comfy-metal-table td, .comfy-metal-table th { border-bottom: 1px solid rgba(127,127,127,.25); padding: 2px 4px; text-align: left; vertical-align: top; }
     .comfy-metal-chip { border-radius: 4px; padding: 0 5px; white-space: nowrap; }
     .comfy-metal-muted { opacity: .7; margin: 2px 0; }
@@ -130,9 +135,13 @@ function showReason(record) {
 
 function attachBadge(node) {
   const nodeClass = () => node.comfyClass ?? node.type;
-  const getBadge = () => badgeForNode(state, node.id, nodeClass(), {
-    onClick: () => showReason(recordForNode(state, node.id, nodeClass())),
-  });
+  // One badge object per node, refreshed from the latest record on every draw.
+  const badge = new TextBadge({ text: "" });
+  badge.onClick = () => showReason(recordForNode(state, node.id, nodeClass()));
+  const getBadge = () => {
+    const look = badgeFor(recordForNode(state, node.id, nodeClass()));
+    return Object.assign(badge, look ?? { text: "", tooltip: "" });
+  };
   if (Array.isArray(node.badges)) {
     node.badges.push(getBadge);
     return;
@@ -242,4 +251,4 @@ app.registerExtension({
 });
 
 // For the headless browser test and for debugging from the console.
-globalThis.comfyMetal = { state, refreshStatus, get lastStatus() { return lastStatus; }, poller };
+globalThis.comfyMetal = { state, refreshStatus, get lastStatus() { return lastStatus; }, poller, attachBadge };

@@ -154,25 +154,25 @@ export function memoryBarHTML(memory) {
 export function renderStatusHTML(status) {
   if (!status) return `<p class="comfy-metal-muted">Loading…</p>`;
   if (status.error) return `<p class="comfy-metal-error">Status unavailable: ${escapeHtml(status.error)}</p>`;
+  const chipFor = (b) => (b ? `<span class="comfy-metal-chip" style="background:${b.bgColor};color:${b.fgColor}">${escapeHtml(b.text)}</span>` : "");
+  const detail = (text) => (text ? `<div class="comfy-metal-muted comfy-metal-small">${escapeHtml(text)}</div>` : "");
+  // Two columns (the sidebar is narrow): the device and reason go under the name.
   const kernels = kernelRows(status.kernels).map((r) => {
     const s = styleFor(r.backend);
-    const chip = `<span class="comfy-metal-chip" style="background:${s.bgColor};color:${s.fgColor}">${escapeHtml(r.label)}</span>`;
-    return [escapeHtml(r.name), chip, escapeHtml(r.device), escapeHtml(r.reason)];
+    return [escapeHtml(r.name) + detail([r.device, r.reason].filter(Boolean).join(" · ")),
+      chipFor({ text: r.label, bgColor: s.bgColor, fgColor: s.fgColor })];
   });
   const nodes = Object.values(status.node_backends ?? {})
     .sort((a, b) => (b.time ?? 0) - (a.time ?? 0))
-    .map((r) => {
-      const b = badgeFor(r);
-      const chip = b ? `<span class="comfy-metal-chip" style="background:${b.bgColor};color:${b.fgColor}">${escapeHtml(b.text)}</span>` : "";
-      return [escapeHtml(r.node_id ?? "—"), escapeHtml(r.node_class ?? ""), chip, escapeHtml(r.reason ?? "")];
-    });
+    .map((r) => [`#${escapeHtml(r.node_id ?? "—")} ${escapeHtml(r.node_class ?? "")}` + detail(r.reason),
+      chipFor(badgeFor(r))]);
   const caps = capabilityRows(status.capabilities).map(([k, v]) => [escapeHtml(k), escapeHtml(v)]);
   return [
     `<p class="comfy-metal-summary">${escapeHtml(statusSummary(status))}</p>`,
     `<p class="comfy-metal-muted">COMFY_METAL_BACKEND=${escapeHtml(status.backend_setting ?? "auto")}</p>`,
     `<h4>Memory</h4>`, memoryBarHTML(status.memory),
-    `<h4>Kernels</h4>`, table(["kernel", "backend", "device", "reason"], kernels),
-    nodes.length ? `<h4>Last node runs</h4>` + table(["node", "class", "backend", "reason"], nodes) : "",
+    `<h4>Kernels</h4>`, table(["kernel", "backend"], kernels),
+    nodes.length ? `<h4>Last node runs</h4>` + table(["node", "backend"], nodes) : "",
     `<h4>Capabilities</h4>`, table(["probe", "value"], caps),
   ].join("\n");
 }
