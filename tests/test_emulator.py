@@ -144,6 +144,14 @@ kernel void simd_divergent(device float* out [[buffer(0)]], uint lane [[thread_i
   out[64 + lane] = simd_sum(1.0f);  // after reconvergence every lane takes part
 }
 
+kernel void quads(device float* o [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  float v = float(i);
+  o[i * 4 + 0] = quad_sum(v);
+  o[i * 4 + 1] = quad_shuffle_xor(v, 1);
+  o[i * 4 + 2] = quad_broadcast(v, 2);
+  o[i * 4 + 3] = quad_shuffle_down(v, 1);
+}
+
 kernel void neighbour(device float* out [[buffer(0)]], uint lid [[thread_position_in_threadgroup]]) {
   threadgroup float buf[64];
   buf[lid] = float(lid);
@@ -427,6 +435,16 @@ def test_simd_divergent_lanes_are_inactive(lib):
     assert torch.equal(out[32:44], torch.full((12,), 12.0))
     assert torch.equal(out[44:64], torch.full((20,), 400.0))
     assert torch.equal(out[64:], torch.full((32,), 32.0))
+
+
+def test_quad_collectives(lib):
+    o = torch.zeros(40)
+    lib.quads(o, threads=10)
+    o = o.view(10, 4)
+    assert o[:8, 0].tolist() == [6.0] * 4 + [22.0] * 4 and o[8:, 0].tolist() == [17.0, 17.0]
+    assert o[:, 1].tolist() == [1, 0, 3, 2, 5, 4, 7, 6, 9, 8]
+    assert o[:8, 2].tolist() == [2.0] * 4 + [6.0] * 4 and torch.isnan(o[8:, 2]).all()  # lane 10 does not exist
+    assert o[:9, 3].tolist() == [1, 2, 3, 3, 5, 6, 7, 7, 9] and torch.isnan(o[9, 3])
 
 
 def test_schedules_differ_and_neighbour_race_is_caught(lib):

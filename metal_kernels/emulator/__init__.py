@@ -618,6 +618,7 @@ def _build(src: str, clang: str, out_so: Path) -> list[dict]:
     return table
 
 
+_launch_lock = threading.Lock()
 _libs: dict[str, "Library"] = {}
 _libs_lock = threading.Lock()
 
@@ -893,7 +894,8 @@ class Kernel:
         dims = (ctypes.c_uint32 * 6)(*grid3, *group3)
         kind, seed = _parse_schedule(get_schedule())
         err = ctypes.create_string_buffer(4096)
-        rc = self._fn(bufs, dims, kind, seed, err, len(err))
+        with _launch_lock:  # one launch at a time: the crash handlers are process-wide
+            rc = self._fn(bufs, dims, kind, seed, err, len(err))
 
         # ---- copy back and check guards
         problems = []

@@ -673,67 +673,77 @@ inline T combine(T a, T b) {
   else if constexpr (OP == OP_XOR) return a ^ b;
   else return a;
 }
-template <class T, int OP>
+// Resolve one collective for the lanes in `mask` (all waiting at the same call
+// site).  G is the segment width: 32 for simd_*, 4 for quad_*.
+template <class T, int OP, uint32_t G = kSimdWidth>
 void resolve(SimdGroup& g, uint32_t mask, uint32_t width) {
-  if constexpr (OP <= OP_XOR) {
-    T acc{};
-    bool first = true;
-    for (uint32_t l = 0; l < width; l++) {
-      if (!(mask >> l & 1)) continue;
-      T v = ld<T>(g.in[l]);
-      acc = first ? v : combine<T, OP>(acc, v);
-      first = false;
-    }
-    for (uint32_t l = 0; l < width; l++)
-      if (mask >> l & 1) st(g.out[l], acc);
-  } else if constexpr (OP >= OP_SHUFFLE && OP <= OP_FIRST) {
-    uint32_t first_lane = (uint32_t)__builtin_ctz(mask);
-    for (uint32_t l = 0; l < width; l++) {
-      if (!(mask >> l & 1)) continue;
-      uint32_t a = g.arg[l];
-      int64_t src;
-      bool keep = false;
-      if constexpr (OP == OP_SHUFFLE) src = a;
-      else if constexpr (OP == OP_SHUFFLE_XOR) src = l ^ a;
-      else if constexpr (OP == OP_SHUFFLE_DOWN) { src = (int64_t)l + a; keep = src >= (int64_t)kSimdWidth; }
-      else if constexpr (OP == OP_SHUFFLE_UP) { src = (int64_t)l - a; keep = src < 0; }
-      else if constexpr (OP == OP_ROT_DOWN) src = (l + a) % width;
-      else if constexpr (OP == OP_ROT_UP) src = (l + width - a % width) % width;
-      else src = first_lane;
-      if (keep) {
-        memcpy(g.out[l], g.in[l], sizeof(T));
-      } else if (src < 0 || src >= (int64_t)width || !(mask >> src & 1)) {
-        memset(g.out[l], 0xFF, sizeof(T));  // inactive / nonexistent lane: undefined -> NaN bytes
-      } else {
-        memcpy(g.out[l], g.in[src], sizeof(T));
+  for (uint32_t b = 0; b < width; b += G) {
+    const uint32_t e = b + G < width ? b + G : width;
+    const uint32_t w = e - b;
+    const uint32_t segbits = (uint32_t)(((1ull << w) - 1) << b);
+    const uint32_t smask = mask & segbits;
+    if (!smask) continue;
+    const uint32_t first_lane = (uint32_t)__builtin_ctz(smask);
+    if constexpr (OP <= OP_XOR) {
+      T acc{};
+      bool first = true;
+      for (uint32_t l = b; l < e; l++) {
+        if (!(smask >> l & 1)) continue;
+        T v = ld<T>(g.in[l]);
+        acc = first ? v : combine<T, OP>(acc, v);
+        first = false;
       }
-    }
-  } else if constexpr (OP >= OP_PREFIX_EXCL_SUM && OP <= OP_PREFIX_INCL_PROD) {
-    constexpr bool incl = OP == OP_PREFIX_INCL_SUM || OP == OP_PREFIX_INCL_PROD;
-    constexpr bool prod = OP == OP_PREFIX_EXCL_PROD || OP == OP_PREFIX_INCL_PROD;
-    T acc = prod ? (T)1 : (T)0;
-    for (uint32_t l = 0; l < width; l++) {
-      if (!(mask >> l & 1)) continue;
-      T v = ld<T>(g.in[l]);
-      if (incl) acc = combine<T, OP>(acc, v);
-      st(g.out[l], acc);
-      if (!incl) acc = combine<T, OP>(acc, v);
-    }
-  } else {
-    // ALL / ANY / BALLOT / IS_FIRST / BARRIER on bool-ish lane values
-    uint64_t ballot = 0;
-    for (uint32_t l = 0; l < width; l++)
-      if ((mask >> l & 1) && g.in[l][0]) ballot |= 1ull << l;
-    uint32_t first_lane = (uint32_t)__builtin_ctz(mask);
-    for (uint32_t l = 0; l < width; l++) {
-      if (!(mask >> l & 1)) continue;
-      uint64_t r = 0;
-      if constexpr (OP == OP_ALL) r = ballot == (uint64_t)mask;
-      else if constexpr (OP == OP_ANY) r = ballot != 0;
-      else if constexpr (OP == OP_BALLOT) r = ballot;
-      else if constexpr (OP == OP_IS_FIRST) r = l == first_lane;
-      else r = mask;
-      memcpy(g.out[l], &r, sizeof r);
+      for (uint32_t l = b; l < e; l++)
+        if (smask >> l & 1) st(g.out[l], acc);
+    } else if constexpr (OP >= OP_SHUFFLE && OP <= OP_FIRST) {
+      for (uint32_t l = b; l < e; l++) {
+        if (!(smask >> l & 1)) continue;
+        const uint32_t a = g.arg[l];
+        const uint32_t r = l - b;  // lane within the segment
+        int64_t src;
+        bool keep = false;
+        if constexpr (OP == OP_SHUFFLE) src = a < G ? (int64_t)(b + a) : -1;
+        else if constexpr (OP == OP_SHUFFLE_XOR) src = a < G ? (int64_t)(l ^ a) : -1;
+        else if constexpr (OP == OP_SHUFFLE_DOWN) { src = (int64_t)l + a; keep = (uint64_t)r + a >= G; }
+        else if constexpr (OP == OP_SHUFFLE_UP) { src = (int64_t)l - a; keep = r < a; }
+        else if constexpr (OP == OP_ROT_DOWN) src = b + (r + a % w) % w;
+        else if constexpr (OP == OP_ROT_UP) src = b + (r + w - a % w) % w;
+        else src = first_lane;
+        if (keep) {
+          memcpy(g.out[l], g.in[l], sizeof(T));
+        } else if (src < (int64_t)b || src >= (int64_t)e || !(smask >> src & 1)) {
+          memset(g.out[l], 0xFF, sizeof(T));  // inactive / nonexistent lane: undefined -> NaN bytes
+        } else {
+          memcpy(g.out[l], g.in[src], sizeof(T));
+        }
+      }
+    } else if constexpr (OP >= OP_PREFIX_EXCL_SUM && OP <= OP_PREFIX_INCL_PROD) {
+      constexpr bool incl = OP == OP_PREFIX_INCL_SUM || OP == OP_PREFIX_INCL_PROD;
+      constexpr bool prod = OP == OP_PREFIX_EXCL_PROD || OP == OP_PREFIX_INCL_PROD;
+      T acc = prod ? (T)1 : (T)0;
+      for (uint32_t l = b; l < e; l++) {
+        if (!(smask >> l & 1)) continue;
+        T v = ld<T>(g.in[l]);
+        if (incl) acc = combine<T, OP>(acc, v);
+        st(g.out[l], acc);
+        if (!incl) acc = combine<T, OP>(acc, v);
+      }
+    } else {
+      // ALL / ANY / BALLOT / IS_FIRST / BARRIER on bool-ish lane values; bits relative to the segment
+      uint64_t ballot = 0;
+      for (uint32_t l = b; l < e; l++)
+        if ((smask >> l & 1) && g.in[l][0]) ballot |= 1ull << (l - b);
+      const uint64_t active = smask >> b;
+      for (uint32_t l = b; l < e; l++) {
+        if (!(smask >> l & 1)) continue;
+        uint64_t r = 0;
+        if constexpr (OP == OP_ALL) r = ballot == active;
+        else if constexpr (OP == OP_ANY) r = ballot != 0;
+        else if constexpr (OP == OP_BALLOT) r = ballot;
+        else if constexpr (OP == OP_IS_FIRST) r = l == first_lane;
+        else r = active;
+        memcpy(g.out[l], &r, sizeof r);
+      }
     }
   }
 }
@@ -753,47 +763,61 @@ struct simd_vote {
 // __COUNTER__ (unique per source location, increasing in source order) so that the
 // optimiser merging identical calls cannot merge sites; a direct call such as
 // simd_sum<float>(x) falls back to the return address.
-#define __EMU_SIMD1(NAME, OP)                                                                        \
+#define __EMU_SIMD1(NAME, OP, G)                                                                     \
   template <class T>                                                                                 \
   inline T __emu_##NAME(uintptr_t site, T v) {                                                       \
-    return __emu::simd_exchange<T>(v, 0, site, &__emu::resolve<T, __emu::OP>);                       \
+    return __emu::simd_exchange<T>(v, 0, site, &__emu::resolve<T, __emu::OP, G>);                    \
   }                                                                                                  \
   template <class T>                                                                                 \
   __attribute__((noinline)) T NAME(T v) {                                                            \
     return __emu_##NAME(__EMU_RA, v);                                                                \
   }
-__EMU_SIMD1(simd_sum, OP_SUM)
-__EMU_SIMD1(simd_product, OP_PROD)
-__EMU_SIMD1(simd_min, OP_MIN)
-__EMU_SIMD1(simd_max, OP_MAX)
-__EMU_SIMD1(simd_and, OP_AND)
-__EMU_SIMD1(simd_or, OP_OR)
-__EMU_SIMD1(simd_xor, OP_XOR)
-__EMU_SIMD1(simd_broadcast_first, OP_FIRST)
-__EMU_SIMD1(simd_prefix_exclusive_sum, OP_PREFIX_EXCL_SUM)
-__EMU_SIMD1(simd_prefix_inclusive_sum, OP_PREFIX_INCL_SUM)
-__EMU_SIMD1(simd_prefix_exclusive_product, OP_PREFIX_EXCL_PROD)
-__EMU_SIMD1(simd_prefix_inclusive_product, OP_PREFIX_INCL_PROD)
-#undef __EMU_SIMD1
-#define __EMU_SIMD2(NAME, OP)                                                                        \
+#define __EMU_SIMD2(NAME, OP, G)                                                                     \
   template <class T, class I>                                                                        \
   inline T __emu_##NAME(uintptr_t site, T v, I a) {                                                  \
-    return __emu::simd_exchange<T>(v, (uint32_t)a, site, &__emu::resolve<T, __emu::OP>);            \
+    return __emu::simd_exchange<T>(v, (uint32_t)a, site, &__emu::resolve<T, __emu::OP, G>);          \
   }                                                                                                  \
   template <class T, class I>                                                                        \
   __attribute__((noinline)) T NAME(T v, I a) {                                                       \
     return __emu_##NAME(__EMU_RA, v, a);                                                             \
   }
-__EMU_SIMD2(simd_shuffle, OP_SHUFFLE)
-__EMU_SIMD2(simd_broadcast, OP_SHUFFLE)
-__EMU_SIMD2(simd_shuffle_xor, OP_SHUFFLE_XOR)
-__EMU_SIMD2(simd_shuffle_down, OP_SHUFFLE_DOWN)
-__EMU_SIMD2(simd_shuffle_up, OP_SHUFFLE_UP)
-__EMU_SIMD2(simd_shuffle_rotate_down, OP_ROT_DOWN)
-__EMU_SIMD2(simd_shuffle_rotate_up, OP_ROT_UP)
+#define __EMU_GROUP_OPS(P, G)                                                \
+  __EMU_SIMD1(P##_sum, OP_SUM, G)                                            \
+  __EMU_SIMD1(P##_product, OP_PROD, G)                                       \
+  __EMU_SIMD1(P##_min, OP_MIN, G)                                            \
+  __EMU_SIMD1(P##_max, OP_MAX, G)                                            \
+  __EMU_SIMD1(P##_and, OP_AND, G)                                            \
+  __EMU_SIMD1(P##_or, OP_OR, G)                                              \
+  __EMU_SIMD1(P##_xor, OP_XOR, G)                                            \
+  __EMU_SIMD1(P##_broadcast_first, OP_FIRST, G)                              \
+  __EMU_SIMD1(P##_prefix_exclusive_sum, OP_PREFIX_EXCL_SUM, G)               \
+  __EMU_SIMD1(P##_prefix_inclusive_sum, OP_PREFIX_INCL_SUM, G)               \
+  __EMU_SIMD1(P##_prefix_exclusive_product, OP_PREFIX_EXCL_PROD, G)          \
+  __EMU_SIMD1(P##_prefix_inclusive_product, OP_PREFIX_INCL_PROD, G)          \
+  __EMU_SIMD2(P##_shuffle, OP_SHUFFLE, G)                                    \
+  __EMU_SIMD2(P##_broadcast, OP_SHUFFLE, G)                                  \
+  __EMU_SIMD2(P##_shuffle_xor, OP_SHUFFLE_XOR, G)                            \
+  __EMU_SIMD2(P##_shuffle_down, OP_SHUFFLE_DOWN, G)                          \
+  __EMU_SIMD2(P##_shuffle_up, OP_SHUFFLE_UP, G)                              \
+  __EMU_SIMD2(P##_shuffle_rotate_down, OP_ROT_DOWN, G)                       \
+  __EMU_SIMD2(P##_shuffle_rotate_up, OP_ROT_UP, G)
+__EMU_GROUP_OPS(simd, 32)
+__EMU_GROUP_OPS(quad, 4)
+#undef __EMU_GROUP_OPS
+#undef __EMU_SIMD1
 #undef __EMU_SIMD2
+template <class T>
+T simd_prod(T v) = delete;  // not an MSL function (it is simd_product)
 
 #define __EMU_VOTE(OP, V, SITE) __emu::simd_exchange<uint64_t>((V), 0, (SITE), &__emu::resolve<uint64_t, __emu::OP>)
+#define __EMU_QVOTE(OP, V, SITE) __emu::simd_exchange<uint64_t>((V), 0, (SITE), &__emu::resolve<uint64_t, __emu::OP, 4>)
+inline bool __emu_quad_all(uintptr_t site, bool b) { return (bool)__EMU_QVOTE(OP_ALL, b, site); }
+inline bool __emu_quad_any(uintptr_t site, bool b) { return (bool)__EMU_QVOTE(OP_ANY, b, site); }
+inline bool __emu_quad_is_first(uintptr_t site) { return (bool)__EMU_QVOTE(OP_IS_FIRST, 1, site); }
+__attribute__((noinline)) inline bool quad_all(bool b) { return __emu_quad_all(__EMU_RA, b); }
+__attribute__((noinline)) inline bool quad_any(bool b) { return __emu_quad_any(__EMU_RA, b); }
+__attribute__((noinline)) inline bool quad_is_first() { return __emu_quad_is_first(__EMU_RA); }
+#undef __EMU_QVOTE
 inline bool __emu_simd_all(uintptr_t site, bool b) { return (bool)__EMU_VOTE(OP_ALL, b, site); }
 inline bool __emu_simd_any(uintptr_t site, bool b) { return (bool)__EMU_VOTE(OP_ANY, b, site); }
 inline simd_vote __emu_simd_ballot(uintptr_t site, bool b) { return simd_vote{__EMU_VOTE(OP_BALLOT, b, site)}; }
@@ -830,6 +854,28 @@ inline void* tg_storage(uint32_t slot, size_t size, size_t align) { return tg_al
 #define __METAL_EMULATOR__ 1
 #define threadgroup_barrier(...) __emu_threadgroup_barrier(__COUNTER__ + 1 __VA_OPT__(, ) __VA_ARGS__)
 #define simdgroup_barrier(...) __emu_simdgroup_barrier(__COUNTER__ + 1 __VA_OPT__(, ) __VA_ARGS__)
+#define quad_sum(...) __emu_quad_sum(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_product(...) __emu_quad_product(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_min(...) __emu_quad_min(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_max(...) __emu_quad_max(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_and(...) __emu_quad_and(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_or(...) __emu_quad_or(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_xor(...) __emu_quad_xor(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_broadcast_first(...) __emu_quad_broadcast_first(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_prefix_exclusive_sum(...) __emu_quad_prefix_exclusive_sum(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_prefix_inclusive_sum(...) __emu_quad_prefix_inclusive_sum(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_prefix_exclusive_product(...) __emu_quad_prefix_exclusive_product(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_prefix_inclusive_product(...) __emu_quad_prefix_inclusive_product(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_shuffle(...) __emu_quad_shuffle(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_broadcast(...) __emu_quad_broadcast(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_shuffle_xor(...) __emu_quad_shuffle_xor(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_shuffle_down(...) __emu_quad_shuffle_down(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_shuffle_up(...) __emu_quad_shuffle_up(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_shuffle_rotate_down(...) __emu_quad_shuffle_rotate_down(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_shuffle_rotate_up(...) __emu_quad_shuffle_rotate_up(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_all(...) __emu_quad_all(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_any(...) __emu_quad_any(__COUNTER__ + 1, __VA_ARGS__)
+#define quad_is_first() __emu_quad_is_first(__COUNTER__ + 1)
 #define simd_sum(...) __emu_simd_sum(__COUNTER__ + 1, __VA_ARGS__)
 #define simd_product(...) __emu_simd_product(__COUNTER__ + 1, __VA_ARGS__)
 #define simd_min(...) __emu_simd_min(__COUNTER__ + 1, __VA_ARGS__)
