@@ -228,8 +228,21 @@ def _grid(n: int) -> tuple[int, int]:
     return threads, min(GROUP, threads)
 
 
+_ONES: dict[str, torch.Tensor] = {}
+
+
+def ones1(device) -> torch.Tensor:
+    """A cached fp32 [1.0] on `device`, bound where a kernel's optional buffer is unused (saves a fill
+    launch per call on MPS). Kernels only read it."""
+    key = str(device)
+    t = _ONES.get(key)
+    if t is None:
+        t = _ONES[key] = torch.ones(1, dtype=torch.float32, device=device)
+    return t
+
+
 def _scale_buffer(mode: int, s, device) -> torch.Tensor:
-    return s.contiguous() if mode else torch.ones(1, dtype=torch.float32, device=device)
+    return s.contiguous() if mode else ones1(device)
 
 
 def fp8_decode_metal(lib, data: torch.Tensor, fmt: str | None = None, scale=None,

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .fp8 import _as_bytes, _NATIVE_TO_FMT, fp8_decode_reference, scale_mode
+from .fp8 import _as_bytes, _NATIVE_TO_FMT, fp8_decode_reference, ones1, scale_mode
 from .registry import KernelSpec, register
 
 __all__ = ["gemv", "GEMV_MAX_M", "weight_bytes_per_element"]
@@ -47,6 +47,8 @@ def _prepare(x, weight, bias, fmt, scale, out_dtype):
     else:
         w, fmt = _as_bytes(weight, fmt, "gemv: weight")
         kind = fmt
+    if w.device != x.device:
+        raise ValueError(f"gemv: weight is on {w.device} but x is on {x.device}")
     K = x.shape[-1]
     if w.dim() != 2 or w.shape[1] != K:
         raise ValueError(f"gemv: weight has shape {tuple(w.shape)}, expected (N, {K}) for x of shape {tuple(x.shape)}")
@@ -74,7 +76,7 @@ def gemv_reference(x, weight, bias=None, *, fmt=None, scale=None, out_dtype=None
         wf = fp8_decode_reference(w, fmt, scale=s if mode else None, out_dtype=torch.float32)
     y = x2.to(torch.float32) @ wf.T
     if bias is not None:
-        y = y + bias.to(torch.float32)
+        y = y + bias.to(device=y.device, dtype=torch.float32)
     return y.to(out_dtype).reshape(lead + (N,))
 
 
@@ -82,14 +84,17 @@ def gemv_metal(lib, x, weight, bias=None, *, fmt=None, scale=None, out_dtype=Non
     x2, kind, w, fmt, lead, N, mode, s, bias, out_dtype = _prepare(x, weight, bias, fmt, scale, out_dtype)
     M, K = x2.shape
     device = x.device
-    if M == 0 or N == 0:
-        return torch.zeros(lead + (N,), dtype=out_dtype, device=device)
+    if M == 0 or N == 0 or K == 0:           # nothing to launch (and no 0-byte buffers to bind)
+        y = torch.zeros(lead + (N,), dtype=torch.float32, device=device)
+        if bias is not None:
+            y = y + bias.to(device=device, dtype=torch.float32)
+        return y.to(out_dtype)
     w = w.contiguous()                        # a no-op for the usual contiguous weight
     vec = K % 4 == 0 and w.storage_offset() % 4 == 0
     kernel = getattr(lib, f"gemv_{kind}{'_k4' if vec else ''}")
     xf = x2.to(torch.float32).contiguous()
-    s_buf = s.contiguous() if mode else torch.ones(1, dtype=torch.float32, device=device)
-    b_buf = bias.to(torch.float32).contiguous() if bias is not None else torch.zeros(1, dtype=torch.float32, device=device)
+    s_buf = s.contiguous() if mode else ones1(device)
+    b_buf = bias.to(device=device, dtype=torch.float32).contiguous() if bias is not None else ones1(device)  # unread
     groups_of_cols = (N + GEMV_COLS - 1) // GEMV_COLS
     threads = groups_of_cols * 32
     group = min(GROUP, threads)
