@@ -91,9 +91,22 @@ def _fallback_preprocess(src: str) -> str:
     def blank(m):
         return re.sub(r"[^\n]", " ", m.group(0))
     s = re.sub(r"/\*.*?\*/|//[^\n]*", blank, src, flags=re.S)
+    # join continuation lines, keeping the line count
+    lines = s.split("\n")
+    joined = []
+    i = 0
+    while i < len(lines):
+        cur, extra = lines[i], 0
+        while cur.endswith("\\") and i + 1 < len(lines):
+            i += 1
+            extra += 1
+            cur = cur[:-1] + " " + lines[i]
+        joined.append(cur)
+        joined.extend([""] * extra)
+        i += 1
     defines: dict[str, str] = {}
     out = []
-    for line in s.split("\n"):
+    for line in joined:
         m = re.match(r"\s*#\s*define\s+([A-Za-z_]\w*)(?!\()\s*(.*)$", line)
         if m:
             defines[m.group(1)] = m.group(2).strip()
@@ -106,7 +119,7 @@ def _fallback_preprocess(src: str) -> str:
     for _ in range(8):
         changed = False
         for k, v in defines.items():
-            new = re.sub(rf"\b{re.escape(k)}\b", v, text)
+            new = re.sub(rf"\b{re.escape(k)}\b", lambda _m, v=v: v, text)
             if new != text:
                 text, changed = new, True
         if not changed:
@@ -212,7 +225,7 @@ def _kernel_spans(pp: str) -> dict[str, tuple[int, int, int]]:
 
 def _subst(text: str, mapping: dict[str, str]) -> str:
     for k, v in mapping.items():
-        text = re.sub(rf"\b{re.escape(k)}\b", v, text)
+        text = re.sub(rf"\b{re.escape(k)}\b", lambda _m, v=v: v, text)
     return text
 
 
