@@ -461,6 +461,7 @@ class HeadlessComfyUI:
         # ComfyUI's server object keeps browser settings in the user directory: a throwaway one, so a
         # headless run writes nothing into the ComfyUI folder.
         folder_paths.set_user_directory(os.path.join(self.temp_dir, "user"))
+        os.makedirs(os.path.join(self.temp_dir, "user"), exist_ok=True)  # (else ComfyUI warns it created one)
         if self.models is not None:
             for sub in sorted(p for p in self.models.iterdir() if p.is_dir()):
                 folder_paths.add_model_folder_path(sub.name, str(sub), is_default=True)

@@ -22,6 +22,12 @@ TINY_WORKFLOW = {
     "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "headless/img"}},
     "3": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 32, "batch_size": 2}},
     "4": {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": "latents/lat"}},
+    # a core node with a comfy.utils.ProgressBar (one step per image), previewed into the temp folder
+    "5": {"class_type": "EmptyImage", "inputs": {"width": 8, "height": 8, "batch_size": 3, "color": 0x2040FF}},
+    "6": {"class_type": "ColorTransfer", "inputs": {"image_target": ["5", 0], "image_ref": ["1", 0],
+                                                    "method": "histogram", "source_stats": "per_frame",
+                                                    "strength": 1.0}},
+    "7": {"class_type": "PreviewImage", "inputs": {"images": ["6", 0]}},
 }
 UI_WORKFLOW = {"last_node_id": 2, "last_link_id": 1, "nodes": [{"id": 1, "type": "EmptyImage"}],
                "links": [[1, 1, 0, 2, 0, "IMAGE"]], "version": 0.4}
@@ -204,12 +210,14 @@ def test_headless_run_of_core_nodes(comfyui_path, tmp_path):
     proc = _cli([wf, "--out", out, "--models", models], env_extra={"COMFYUI_PATH": str(comfyui_path)},
                 cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "[1/4] node" in proc.stderr and "node 2 SaveImage" in proc.stderr
+    assert "[1/7] node" in proc.stderr and "node 2 SaveImage" in proc.stderr
+    assert "3/3 100%" in proc.stderr  # ColorTransfer's progress bar reached the end
+    assert "User settings have been changed" not in proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["success"] is True and summary["error"] is None
     assert summary["comfyui"]["path"] == str(comfyui_path)
     assert summary["device"] == "cpu"
-    assert set(summary["nodes"]) == {"1", "2", "3", "4"}
+    assert set(summary["nodes"]) == set(TINY_WORKFLOW)
     for node_id, node in summary["nodes"].items():
         assert node["class"] == TINY_WORKFLOW[node_id]["class_type"]
         assert node["seconds"] >= 0 and node["cached"] is False
@@ -223,7 +231,9 @@ def test_headless_run_of_core_nodes(comfyui_path, tmp_path):
     from safetensors.torch import load_file
 
     assert tuple(load_file(str(latents[0]))["latent_tensor"].shape) == (2, 4, 4, 8)
-    assert sorted(summary["files"]) == sorted([str(image), str(latents[0])])
+    assert sorted(summary["files"]) == sorted([str(image), str(latents[0])])  # previews are not outputs
+    assert summary["outputs"]["7"]["images"][0]["type"] == "temp"
+    assert sorted(p.name for p in out.iterdir()) == ["headless", "latents", "summary.json"]
     assert proc.stdout.split() == summary["files"]
     assert not list(comfyui_path.glob("user/comfyui.db"))
 
