@@ -200,6 +200,23 @@ class Checkpoint:
         except Exception as e:
             raise CheckpointError(f"{self.name}: tensor {key} could not be read: {e}") from None
 
+    def read_copy(self, key: str) -> torch.Tensor:
+        """The tensor read with plain file reads into a private buffer (not the memory map), so that
+        no file pages stay mapped (resident) after the caller drops it: for tensors that are
+        converted (quantized) and discarded one at a time."""
+        entry = self.entries.get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.name}: has no tensor {key}")
+        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        if entry.nbytes:
+            with open(self.path, "rb") as f:
+                f.seek(self.data_start + entry.begin)
+                got = f.readinto(memoryview(buf.numpy()))
+            if got != entry.nbytes:
+                raise CheckpointError(f"{self.name}: tensor {key}: read {got} bytes, expected {entry.nbytes} "
+                                      "(file truncated while loading?)")
+        return buf.view(ST_DTYPES[entry.dtype]).reshape(entry.shape)
+
     def fp8_weight(self, key: str) -> tuple[torch.Tensor, torch.Tensor | None, str]:
         """(native float8 weight, float32 scale of shape () or (N,) or None, fmt) for an FP8 layer."""
         layer = self.layers[key]

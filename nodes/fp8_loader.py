@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .fp8_formats import CheckpointError, open_checkpoint
+from .fp8_formats import ST_DTYPES, CheckpointError, open_checkpoint
 from .fp8_ops import FP8LayerError, fp8_modules, make_fp8_ops, storage_dtype, weight_bytes, wrap_patcher
 from .fp8_quantize import (QuantSummary, atomic_save, comfy_quant_entries, keep_reason, quant_metadata, quantize,
                            relative_error)
@@ -53,17 +53,18 @@ def build_state_dict(ck, weight_mode: str = "auto") -> tuple[dict, QuantSummary 
                     raise CheckpointError(f"{ck.name}: tensor {key} has a scale but is not a .weight")
                 sd[key[: -len("weight")] + "weight_scale"] = scale
             continue
-        t = ck.tensor(key)
         if quant:
-            reason = keep_reason(key, tuple(t.shape), t.dtype)
+            entry = ck.entries[key]
+            reason = keep_reason(key, tuple(entry.shape), ST_DTYPES[entry.dtype])
             if reason is None:
+                t = ck.read_copy(key)      # not the memory map: its pages would stay resident
                 q, scale = quantize(t, "e4m3fn", rowwise)
                 summary.add(key, relative_error(t, q, scale, "e4m3fn"))
                 sd[key] = q
                 sd[key[: -len("weight")] + "weight_scale"] = scale
                 continue
             summary.kept[key] = reason
-        sd[key] = t
+        sd[key] = ck.tensor(key)
     return sd, summary
 
 

@@ -186,11 +186,11 @@ def quantize_file(src: str, dst: str, fmt: str = "e4m3fn", rowwise: bool = False
         if ck.layers:
             raise CheckpointError(f"{ck.name}: already has {len(ck.layers)} FP8 weights; quantize a bf16/fp16/fp32 file")
         for key in ck.model_keys():
-            t = ck.tensor(key)
+            t = ck.read_copy(key)
             reason = keep(key, tuple(t.shape), t.dtype)
             if reason is not None:
                 summary.kept[key] = reason
-                out[key] = t.clone()
+                out[key] = t
                 continue
             q, scale = quantize(t, fmt, rowwise)
             summary.add(key, relative_error(t, q, scale, fmt))
