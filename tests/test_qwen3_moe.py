@@ -200,3 +200,31 @@ def test_bad_inputs_give_clear_errors(tiny, tmp_path):
     (other / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=2)))
     with pytest.raises(qwen3_moe.ModelLoadError, match="do not belong to the configured model"):
         qwen3_moe.load(other)
+
+
+def test_qwen2_moe_with_shared_expert_matches_transformers(tmp_path):
+    """The optional shared expert (Qwen2-MoE layout: sigmoid-gated dense MLP beside the routed experts),
+    q/k/v biases without q/k norm, norm_topk_prob off."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(4)
+    cfg = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=40, moe_intermediate_size=24,
+                         shared_expert_intermediate_size=20, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=5, num_experts_per_tok=2, norm_topk_prob=False,
+                         max_position_embeddings=128, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                         use_sliding_window=False, tie_word_embeddings=True)
+    hf = Qwen2MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) * 0.2)
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(moe_testutil.tiny_tokenizer_json(64))
+    ours = qwen3_moe.load(tmp_path, dtype=torch.float32)
+    assert ours.model.layers[0].mlp.shared_expert is not None
+    assert ours.model.lm_head is None   # tied embeddings
+    ids = torch.tensor([[3, 9, 27, 5, 11, 60, 2]])
+    with torch.no_grad():
+        want = hf(ids, output_hidden_states=True)
+        got = ours.model(ids, logits="all")
+    assert (got["last_hidden_state"] - want.hidden_states[-1]).abs().max().item() < 1e-4
+    assert (got["logits"] - want.logits).abs().max().item() < 1e-4
