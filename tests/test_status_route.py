@@ -3,6 +3,7 @@ records and the websocket event, route registration inside (and only inside) Com
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import threading
 import types
@@ -180,14 +181,18 @@ def test_record_sends_event_with_executing_node_id(fake_comfyui):
     assert rec["node_id"] == "5"
     assert set(rec["kernels"]) == {"softmax"}
     assert instance.sent == [(status.BACKEND_EVENT, rec, "client-1")]
+    assert json.loads(json.dumps(rec)) == rec  # the websocket event is plain JSON
+    rec_core = status.record_node_backend(None, ["softmax"])  # e.g. a Metal sampler inside KSampler
+    assert rec_core["node_id"] == "5" and rec_core["node_class"] is None and rec_core["backend"] == "reference"
+    assert status.node_backends["5"] is rec_core
     ctx["node"] = None
     rec2 = status.record_node_backend("MetalOther", [])
     assert rec2["node_id"] is None and rec2["backend"] == "none"
     assert set(status.node_backends) == {"5", "MetalOther"}
     records, index = status.records_since(0)
-    assert [r["node_class"] for r in records] == ["MetalThing", "MetalOther"] and index == 2
-    assert status.records_since(1)[0] == [rec2]
-    assert status.records_since(2) == ([], 2)
+    assert [r["node_class"] for r in records] == ["MetalThing", None, "MetalOther"] and index == 3
+    assert status.records_since(2)[0] == [rec2]
+    assert status.records_since(3) == ([], 3)
 
 
 def test_record_never_raises(fake_comfyui):

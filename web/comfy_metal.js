@@ -134,6 +134,8 @@ function showReason(record) {
 }
 
 function attachBadge(node) {
+  if (node.__comfyMetalBadge) return;
+  node.__comfyMetalBadge = true;
   const nodeClass = () => node.comfyClass ?? node.type;
   // One badge object per node, refreshed from the latest record on every draw.
   const badge = new TextBadge({ text: "" });
@@ -196,6 +198,10 @@ app.registerExtension({
   async setup() {
     api.addEventListener(BACKEND_EVENT, (event) => {
       if (applyBackendRecord(state, event.detail)) {
+        // core nodes running Metal kernels (e.g. KSampler with a *_metal sampler) get a badge too
+        const id = event.detail.node_id;
+        const node = id == null ? null : (app.graph?.getNodeById?.(Number(id)) ?? app.graph?.getNodeById?.(id));
+        if (node) attachBadge(node);
         redrawCanvas();
         if (lastStatus && !lastStatus.error) {
           const key = event.detail.node_id ?? event.detail.node_class;

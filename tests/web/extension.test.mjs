@@ -13,7 +13,8 @@ const FAKE_APP = `
 export const app = {
   extensions: [],
   dirty: 0,
-  graph: { setDirtyCanvas() { app.dirty += 1; } },
+  nodesById: new Map(),
+  graph: { setDirtyCanvas() { app.dirty += 1; }, getNodeById(id) { return app.nodesById.get(id) ?? null; } },
   sidebarTabs: [],
   extensionManager: { registerSidebarTab(tab) { app.sidebarTabs.push(tab); } },
   registerExtension(ext) { this.extensions.push(ext); },
@@ -90,6 +91,16 @@ test("extension registers, badges pack nodes from events, and posts the setting"
   assert.equal(badge.text, "Reference");
   assert.match(badge.tooltip, /forced by COMFY_METAL_BACKEND/);
   assert.ok(app.dirty > dirty);
+
+  // A core node whose run used Metal kernels (record without a class) gets a badge on the event.
+  const ksampler = { id: 12, comfyClass: "KSampler", badges: [] };
+  app.nodesById.set(12, ksampler);
+  ext.nodeCreated(ksampler);
+  assert.equal(ksampler.badges.length, 0);
+  api.emit("comfy_metal.backend", { node_id: "12", node_class: null, backend: "metal", reason: "ok", kernels: {}, time: 3 });
+  api.emit("comfy_metal.backend", { node_id: "12", node_class: null, backend: "metal", reason: "ok", kernels: {}, time: 4 });
+  assert.equal(ksampler.badges.length, 1);
+  assert.equal(ksampler.badges[0]().text, "Metal");
 
   // Memory is polled while a prompt runs, and not after it finished.
   api.responses["/comfy_metal/memory"] = { device: "cpu", in_use: 5, recommended_max: 10 };

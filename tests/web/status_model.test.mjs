@@ -55,6 +55,11 @@ test("records are found by node id, class-only records by class", () => {
   const classOnly = { node_id: null, node_class: "MetalLoader", backend: "metal", kernels: {} };
   applyBackendRecord(s, classOnly);
   assert.equal(recordForNode(s, 99, "MetalLoader"), classOnly);
+  // kernels run inside a core node: no class in the record, it belongs to the executing node id
+  const inSampler = { node_id: "12", node_class: null, backend: "metal", kernels: {} };
+  applyBackendRecord(s, inSampler);
+  assert.equal(recordForNode(s, 12, "KSampler"), inSampler);
+  assert.equal(recordForNode(s, 13, "KSampler"), null);
   const badge = badgeForNode(s, 99, "MetalLoader");
   assert.ok(badge instanceof TextBadge);
   assert.equal(badge.text, "Metal");

@@ -67,7 +67,9 @@ export function applyStatusNodes(state, status) {
 export function recordForNode(state, nodeId, nodeClass) {
   if (nodeId != null && state.byId.has(String(nodeId))) {
     const r = state.byId.get(String(nodeId));
-    if (!nodeClass || r.node_class === nodeClass) return r;
+    // a record without a class (kernels run inside a core node, e.g. a Metal sampler in KSampler)
+    // belongs to whatever node has that id
+    if (!nodeClass || !r.node_class || r.node_class === nodeClass) return r;
   }
   const r = nodeClass ? state.byClass.get(String(nodeClass)) : undefined;
   return r && r.node_id == null ? r : null;
