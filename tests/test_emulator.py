@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(not emu.available(), reason="clang-19 not instal
 SRC = r"""
 #include <metal_stdlib>
 #include <metal_simdgroup>
+#include <metal_simdgroup_matrix>
 using namespace metal;
 
 kernel void vadd(device float* out [[buffer(0)]], const device float* a [[buffer(1)]],
@@ -150,6 +151,20 @@ kernel void quads(device float* o [[buffer(0)]], uint i [[thread_position_in_gri
   o[i * 4 + 1] = quad_shuffle_xor(v, 1);
   o[i * 4 + 2] = quad_broadcast(v, 2);
   o[i * 4 + 3] = quad_shuffle_down(v, 1);
+}
+
+kernel void matmul8(device const float* A [[buffer(0)]], device const half* B [[buffer(1)]],
+                    device float* C [[buffer(2)]], constant long& K [[buffer(3)]],
+                    uint sg [[simdgroup_index_in_threadgroup]]) {
+  simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  for (long k = 0; k < K; k += 8) {
+    simdgroup_float8x8 a;
+    simdgroup_half8x8 b;
+    simdgroup_load(a, A + 8 * K * sg + k, K);
+    simdgroup_load(b, B + k * 8, 8);
+    simdgroup_multiply_accumulate(acc, a, b, acc);
+  }
+  simdgroup_store(acc, C + 64 * sg, 8);
 }
 
 kernel void neighbour(device float* out [[buffer(0)]], uint lid [[thread_position_in_threadgroup]]) {
@@ -435,6 +450,14 @@ def test_simd_divergent_lanes_are_inactive(lib):
     assert torch.equal(out[32:44], torch.full((12,), 12.0))
     assert torch.equal(out[44:64], torch.full((20,), 400.0))
     assert torch.equal(out[64:], torch.full((32,), 32.0))
+
+
+def test_simdgroup_matrix_multiply(lib):
+    a = torch.randn(16, 24)
+    b = torch.randn(24, 8).half()
+    c = torch.zeros(16, 8)
+    lib.matmul8(a, b, c, 24, threads=64, group_size=64)  # two simdgroups, one 8-row block each
+    torch.testing.assert_close(c, a @ b.float(), rtol=1e-5, atol=1e-5)
 
 
 def test_quad_collectives(lib):

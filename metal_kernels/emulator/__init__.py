@@ -25,7 +25,8 @@ Mechanical rewrites applied to the preprocessed source (nothing else is changed)
 
 Known limitations (MSL the emulator does not handle):
 
-* textures, samplers, ``simdgroup_matrix``, ``quad_ballot``, function
+* textures, samplers, ``simdgroup_matrix::thread_elements()`` (8x8 simdgroup
+  matrices are emulated with a full copy per lane), ``quad_ballot``, function
   constants, ``[[threadgroup(n)]]`` parameters, kernels inside namespaces,
   ``<c10/metal/...>`` includes (kernels must be self-contained);
 * vector comparisons yield clang's int vectors, not ``boolN`` (``bool4 m = a < b``

@@ -836,6 +836,69 @@ __attribute__((noinline)) inline void simdgroup_barrier(mem_flags f) { __emu_sim
 inline void __emu_threadgroup_barrier(uintptr_t site, mem_flags) { __emu::barrier(site); }
 }  // namespace metal
 
+// ------------------------------------------------------------------ simdgroup matrices
+// Emulated per lane: every lane holds the whole 8x8 matrix.  The MSL rules
+// (uniform operands across the simdgroup) make that equivalent; thread_elements()
+// (the hardware's lane layout) is not provided.
+namespace metal {
+template <class T, int Cols, int Rows>
+struct simdgroup_matrix {
+  static_assert(Cols == 8 && Rows == 8, "the emulator supports 8x8 simdgroup matrices");
+  T e[Rows][Cols];
+  simdgroup_matrix() = default;
+  explicit simdgroup_matrix(T diag) {
+    for (int r = 0; r < Rows; r++)
+      for (int c = 0; c < Cols; c++) e[r][c] = r == c ? diag : (T)0;
+  }
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+template <class T, int C, int R>
+inline simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(T v) {
+  simdgroup_matrix<T, C, R> m;
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++) m.e[r][c] = v;
+  return m;
+}
+template <class T, int C, int R, class U, class O = ulong2>
+inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const U* src, ulong elements_per_row = C,
+                           O origin = O(0), bool transpose = false) {
+  const ulong ox = (ulong)origin[0], oy = (ulong)origin[1];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++)
+      d.e[r][c] = (T)(transpose ? src[(oy + c) * elements_per_row + ox + r] : src[(oy + r) * elements_per_row + ox + c]);
+}
+template <class T, int C, int R, class U, class O = ulong2>
+inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, U* dst, ulong elements_per_row = C,
+                            O origin = O(0), bool transpose = false) {
+  const ulong ox = (ulong)origin[0], oy = (ulong)origin[1];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++) {
+      if (transpose) dst[(oy + c) * elements_per_row + ox + r] = (U)a.e[r][c];
+      else dst[(oy + r) * elements_per_row + ox + c] = (U)a.e[r][c];
+    }
+}
+template <class TD, class TA, class TB, class TC, int N>
+inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, N, N>& d, const simdgroup_matrix<TA, N, N>& a,
+                                          const simdgroup_matrix<TB, N, N>& b, const simdgroup_matrix<TC, N, N>& c) {
+  float t[N][N];
+  for (int r = 0; r < N; r++)
+    for (int k = 0; k < N; k++) {
+      float s = (float)c.e[r][k];
+      for (int j = 0; j < N; j++) s += (float)a.e[r][j] * (float)b.e[j][k];
+      t[r][k] = s;
+    }
+  for (int r = 0; r < N; r++)
+    for (int k = 0; k < N; k++) d.e[r][k] = (TD)t[r][k];
+}
+template <class TD, class TA, class TB, int N>
+inline void simdgroup_multiply(simdgroup_matrix<TD, N, N>& d, const simdgroup_matrix<TA, N, N>& a,
+                               const simdgroup_matrix<TB, N, N>& b) {
+  simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<TD, N, N>((TD)0));
+}
+}  // namespace metal
+
 // threadgroup memory: per-group storage, filled with 0xFF at the start of every group
 namespace __emu {
 inline void* tg_storage(uint32_t slot, size_t size, size_t align) { return tg_alloc(slot, size, align); }
