@@ -93,3 +93,44 @@ def test_gpt_oss_encoder_with_sync_free_experts_matches_default_ops(comfyui):
     with sync_count.SyncCounter() as c_after:
         ours.transformer.layers[1].mlp(x)
     assert c_after.total > 0
+
+
+def test_gpt_oss_fp8_experts_stay_fp8_and_match_default_ops(comfyui):
+    """FP8 expert banks in ComfyUI's format (comfy_quant, per-expert weight_scale): the pack's op reads
+    the FP8 bytes + scales (no dequantized bank), and the conditioning matches ComfyUI's default ops."""
+    import json
+
+    import comfy.model_patcher
+    import comfy.ops
+    from comfy_metal.nodes import moe_experts
+
+    sd = _state_dict()
+    E = TINY["num_local_experts"]
+    for k in [k for k in sd if k.endswith("mlp.experts.gate_up_proj.weight") or k.endswith("mlp.experts.down_proj.weight")]:
+        w = sd[k]
+        scale = w.abs().amax(dim=(1, 2)) / 448.0
+        sd[k] = (w / scale[:, None, None]).to(torch.float8_e4m3fn)
+        prefix = k[: -len("weight")]
+        sd[prefix + "weight_scale"] = scale
+        sd[prefix + "comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn", "num_experts": E}).encode()),
+                                                  dtype=torch.uint8)
+    tokens = [[(t, 1.0) for t in [3, 17, 5, 60, 61, 2, 9, 9, 40, 33, 12, 80, 1, 4, 7, 70, 71, 72, 73, 5, 6]]]
+    default = _lens_model(comfy.ops.mixed_precision_ops({}, torch.float32, full_precision_mm=True))
+    default.load_sd(dict(sd))
+    ours = _lens_model(moe_experts.make_operations({}, torch.float32))
+    ours.load_sd(dict(sd))
+    bank = ours.transformer.layers[0].mlp.experts.gate_up_proj
+    x = torch.randn(3, TINY["hidden_size"])
+    with moe_experts._bank(bank, x) as (w, fmt, scale, bias):
+        assert fmt == "e4m3fn" and w.dtype == torch.uint8 and w.shape[0] == E
+        assert scale is not None and scale.numel() == E
+    want = default.encode_token_weights(tokens)[0]
+    patcher = comfy.model_patcher.ModelPatcher(ours, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+    for k, fn in moe_experts.object_patches(ours).items():
+        patcher.add_object_patch(k, fn)
+    patcher.patch_model()
+    try:
+        got = ours.encode_token_weights(tokens)[0]
+    finally:
+        patcher.unpatch_model()
+    assert (got - want).abs().max().item() < 1e-4
