@@ -275,6 +275,11 @@ kernel void wild_read(device float* x [[buffer(0)]], uint tid [[thread_position_
   x[tid] = x[tid + (1ul << 36)];
 }
 
+kernel void spin_forever(device int* x [[buffer(0)]], uint tid [[thread_position_in_grid]]) {
+  while (((volatile device int*)x)[0] == 0) {
+  }
+}
+
 kernel void inplace(device float* x [[buffer(0)]], const device float* y [[buffer(1)]],
                     uint tid [[thread_position_in_grid]]) {
   x[tid] = y[tid] + 1.0f;
@@ -590,6 +595,13 @@ def test_crashes_become_exceptions(lib):
     x = torch.tensor([1, 2, 4], dtype=torch.int32)
     lib.divide(x)  # the process and the runtime survive
     assert x.tolist() == [100, 50, 25]
+
+
+def test_endless_loop_times_out(lib, monkeypatch):
+    monkeypatch.setenv("COMFY_METAL_EMU_TIMEOUT", "0.3")
+    with pytest.raises(KernelCrash, match="timeout"):
+        lib.spin_forever(torch.zeros(2, dtype=torch.int32))
+    lib.spin_forever(torch.ones(2, dtype=torch.int32))  # terminates
 
 
 def test_dispatch_argument_checks(lib):

@@ -34,8 +34,9 @@ Known limitations (MSL the emulator does not handle):
   have ``.xyzw`` members and convert to/from vectors, but no arithmetic operators;
 * math is computed in float (half/bfloat rounded afterwards) and without fast-math;
   compare with tolerances;
-* one OS thread: spin-waiting on another thread's device-memory write never ends;
-  an integer division by zero is reported (``KernelCrash``) instead of giving garbage;
+* one OS thread: spin-waiting on another thread's device-memory write never ends
+  (a watchdog raises ``KernelCrash`` after $COMFY_METAL_EMU_TIMEOUT CPU seconds,
+  default 600); an integer division by zero is reported (``KernelCrash``) instead of giving garbage;
 * a threadgroup_barrier inside a helper function called from two places counts as
   one call site.
 

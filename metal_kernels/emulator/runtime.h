@@ -26,6 +26,8 @@
 #include <setjmp.h>
 #include <sys/mman.h>
 #include <unistd.h>
+#include <time.h>
+#include <sys/syscall.h>
 
 extern "C" void __emu_ctx_switch(void** save_sp, void* new_sp);
 
@@ -526,8 +528,10 @@ static int launch(const char* name, void (*entry)(void**), void** bufs, const ui
   g_launch = &L;
 
   // install crash handlers (restored afterwards)
-  struct sigaction sa, old[4];
-  const int sigs[4] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
+  // SIGRTMIN+7: watchdog (CPU time of this thread, $COMFY_METAL_EMU_TIMEOUT seconds, default 600)
+  const int kWatchdogSig = SIGRTMIN + 7;
+  struct sigaction sa, old[5];
+  const int sigs[5] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, kWatchdogSig};
   static thread_local char* altstack_mem = nullptr;
   stack_t ss, old_ss;
   if (!altstack_mem) altstack_mem = (char*)malloc(1 << 16);
@@ -539,7 +543,28 @@ static int launch(const char* name, void (*entry)(void**), void** bufs, const ui
   sa.sa_sigaction = on_signal;
   sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
   sigemptyset(&sa.sa_mask);
-  for (int i = 0; i < 4; i++) sigaction(sigs[i], &sa, &old[i]);
+  for (int i = 0; i < 5; i++) sigaction(sigs[i], &sa, &old[i]);
+  timer_t watchdog;
+  bool have_watchdog = false;
+  {
+    const char* e = getenv("COMFY_METAL_EMU_TIMEOUT");
+    double secs = e ? atof(e) : 600.0;
+    if (secs > 0) {
+      struct sigevent sev;
+      memset(&sev, 0, sizeof sev);
+      sev.sigev_notify = SIGEV_THREAD_ID;
+      sev.sigev_signo = kWatchdogSig;
+      sev._sigev_un._tid = (pid_t)syscall(SYS_gettid);
+      if (timer_create(CLOCK_THREAD_CPUTIME_ID, &sev, &watchdog) == 0) {
+        struct itimerspec its;
+        memset(&its, 0, sizeof its);
+        its.it_value.tv_sec = (time_t)secs;
+        its.it_value.tv_nsec = (long)((secs - (double)(time_t)secs) * 1e9);
+        timer_settime(watchdog, 0, &its, nullptr);
+        have_watchdog = true;
+      }
+    }
+  }
 
   int rc = RC_OK;
   sigjmp_buf jb;
@@ -587,7 +612,9 @@ static int launch(const char* name, void (*entry)(void**), void** bufs, const ui
       }
     }
   } else {
-    const char* what = g_sig == SIGFPE ? "SIGFPE (integer division by zero?)"
+    const char* what = g_sig == kWatchdogSig ? "a timeout (the kernel ran longer than $COMFY_METAL_EMU_TIMEOUT "
+                                               "CPU seconds, default 600: an endless loop or spin-wait?)"
+                       : g_sig == SIGFPE ? "SIGFPE (integer division by zero?)"
                        : g_sig == SIGSEGV ? "SIGSEGV (invalid memory access or coroutine stack overflow)"
                        : g_sig == SIGBUS ? "SIGBUS (misaligned/invalid memory access)"
                                          : "SIGILL (trap)";
@@ -601,7 +628,8 @@ static int launch(const char* name, void (*entry)(void**), void** bufs, const ui
     }
   }
   g_jmp = nullptr;
-  for (int i = 0; i < 4; i++) sigaction(sigs[i], &old[i], nullptr);
+  if (have_watchdog) timer_delete(watchdog);
+  for (int i = 0; i < 5; i++) sigaction(sigs[i], &old[i], nullptr);
   sigaltstack(&old_ss, nullptr);
   g_launch = nullptr;
   g_cur = nullptr;
