@@ -93,6 +93,8 @@ def gemv_metal(lib, x, weight, bias=None, *, fmt=None, scale=None, out_dtype=Non
     vec = K % 4 == 0 and w.storage_offset() % 4 == 0
     kernel = getattr(lib, f"gemv_{kind}{'_k4' if vec else ''}")
     xf = x2.to(torch.float32).contiguous()
+    if vec and xf.storage_offset() % 4:       # the _k4 kernels load x as float4 (16-byte aligned)
+        xf = xf.clone()
     s_buf = s.contiguous() if mode else ones1(device)
     b_buf = bias.to(device=device, dtype=torch.float32).contiguous() if bias is not None else ones1(device)  # unread
     groups_of_cols = (N + GEMV_COLS - 1) // GEMV_COLS
