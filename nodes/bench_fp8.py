@@ -1,0 +1,291 @@
+"""Bench section "FP8": bytes a weight, load time and peak memory of FP8 loading against ComfyUI's
+stock loader on the same file, and the GEMV-versus-decode+matmul crossover by M.
+
+Each load runs in a fresh subprocess; its peak RSS is the kernel's high-water mark (VmHWM, reset
+just before the load) on Linux, else a 1 ms RSS sampler. ComfyUI is used when it is importable
+($COMFYUI_PATH or on sys.path); otherwise the table says so.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import torch
+
+from .report import Table, human_bytes
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+_PRELUDE = textwrap.dedent("""
+    import importlib.util, json, os, sys, threading, time
+    root = sys.argv[1]
+    spec = importlib.util.spec_from_file_location("comfy_metal", os.path.join(root, "__init__.py"),
+                                                  submodule_search_locations=[root])
+    pkg = importlib.util.module_from_spec(spec); sys.modules["comfy_metal"] = pkg; spec.loader.exec_module(pkg)
+    import torch
+
+    def _status(field):
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(field + ":"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+
+    def linear_bytes(model):
+        # (Linear weights, bytes of their weights + scales) as held by the model
+        n = b = 0
+        for mod in model.modules():
+            if type(mod).__name__ != "Linear" or getattr(mod, "weight", None) is None:
+                continue
+            n += mod.weight.numel()
+            b += sum(t.nbytes for key, t in mod.state_dict().items() if not key.endswith(("bias", "comfy_quant")))
+        return n, b
+
+    class Peak:
+        def __enter__(self):
+            import psutil
+            self.proc = psutil.Process()
+            self.hwm = False
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+                self.hwm = _status("VmHWM") is not None
+            except OSError:
+                pass
+            self.base = self.proc.memory_info().rss
+            self.peak = self.base
+            self.stop = False
+            if not self.hwm:
+                def run():
+                    while not self.stop:
+                        self.peak = max(self.peak, self.proc.memory_info().rss)
+                        time.sleep(0.001)
+                self.t = threading.Thread(target=run, daemon=True); self.t.start()
+            self.t0 = time.perf_counter()
+            return self
+
+        def __exit__(self, *a):
+            self.seconds = time.perf_counter() - self.t0
+            if self.hwm:
+                self.peak = _status("VmHWM")
+            else:
+                self.stop = True; self.t.join()
+                self.peak = max(self.peak, self.proc.memory_info().rss)
+            self.grown = self.peak - self.base
+""")
+
+_COMFY_SETUP = textwrap.dedent("""
+    comfy_path = sys.argv[2]
+    stubs = os.path.join(root, "tests", "comfy_stubs")
+    try:
+        import torchvision  # noqa
+    except ImportError:
+        if os.path.isdir(stubs):
+            sys.path.insert(0, stubs)
+    sys.path.insert(0, comfy_path)
+    import comfy.options
+    comfy.options.enable_args_parsing()
+    saved = sys.argv
+    sys.argv = ["main.py"] + ([] if torch.backends.mps.is_available() or torch.cuda.is_available() else ["--cpu"])
+    import comfy.cli_args
+    sys.argv = saved
+    import logging; logging.disable(logging.WARNING)
+""")
+
+_MAKE_FLUX = _PRELUDE + _COMFY_SETUP + textwrap.dedent("""
+    import comfy.ldm.flux.model, comfy.ops
+    from safetensors.torch import save_file
+    from comfy_metal.nodes import fp8_quantize
+    hidden, depth, single, out = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    cfg = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096,
+               hidden_size=hidden, mlp_ratio=4.0, num_heads=hidden // 128, depth=depth, depth_single_blocks=single,
+               axes_dim=[16, 56, 56], theta=10000, patch_size=2, qkv_bias=True, guidance_embed=False, txt_ids_dims=[])
+    net = comfy.ldm.flux.model.Flux(**cfg, dtype=torch.bfloat16, operations=comfy.ops.manual_cast)
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for k, v in net.state_dict().items():
+        sd[k] = (torch.randn(v.shape, generator=g) * (v.shape[-1] ** -0.5 if v.dim() > 1 else 0.02)).to(torch.bfloat16)
+    del net
+    src = out + ".bf16.safetensors"
+    save_file(sd, src); del sd
+    fp8_quantize.quantize_file(src, out, "e4m3fn")
+    print(json.dumps({"bf16": src}))
+""")
+
+_LOAD_OURS = _PRELUDE + _COMFY_SETUP + textwrap.dedent("""
+    from comfy_metal.nodes import fp8_loader, fp8_ops
+    import comfy.sd, comfy.ops, comfy.model_patcher  # imported before timing, as in the stock run
+    with Peak() as p:
+        m = fp8_loader.load_diffusion_model(sys.argv[3], "auto", "auto")
+    n, b = linear_bytes(m.model)
+    print(json.dumps({"seconds": p.seconds, "peak": p.grown, "bpw": b / n, "size": m.model_size()}))
+""")
+
+_LOAD_STOCK = _PRELUDE + _COMFY_SETUP + textwrap.dedent("""
+    import comfy.sd, comfy.model_management as mm
+    with Peak() as p:
+        m = comfy.sd.load_diffusion_model(sys.argv[3])
+        mm.load_models_gpu([m], force_full_load=True)
+    n, b = linear_bytes(m.model)
+    print(json.dumps({"seconds": p.seconds, "peak": p.grown, "bpw": b / n, "size": m.model_size()}))
+""")
+
+_STANDALONE = _PRELUDE + textwrap.dedent("""
+    from comfy_metal.nodes import fp8_formats, fp8_loader, fp8_ops
+    path, layers, n, k, how = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    ops = fp8_ops.make_fp8_ops(standalone=True)
+    net = torch.nn.Module()
+    net.blocks = torch.nn.ModuleList([ops.Linear(k, n, bias=False) for _ in range(layers)])
+    with Peak() as p:
+        if how == "fp8":
+            ck = fp8_formats.open_checkpoint(path)
+            sd, _ = fp8_loader.build_state_dict(ck)
+            net.load_state_dict(sd, strict=False)
+            del sd
+            b = sum(m.weight.nbytes + m.weight_scale.nbytes for m in net.blocks)
+        else:  # what a loader without FP8 support does: read the file and upcast to bf16
+            from safetensors.torch import load_file
+            from comfy_metal.metal_kernels import fp8_decode
+            sd = load_file(path)
+            w = {key: fp8_decode(v, None, sd.get(key[:-6] + "weight_scale"), out_dtype=torch.bfloat16)
+                 for key, v in sd.items() if key.endswith(".weight")}
+            del sd
+            b = sum(t.nbytes for t in w.values())
+        for t in (net.state_dict().values() if how == "fp8" else w.values()):
+            if t.dim():
+                t.view(torch.uint8).reshape(-1)[::4096].sum().item()    # make every page resident
+    print(json.dumps({"seconds": p.seconds, "peak": p.grown, "bpw": b / (layers * n * k)}))
+""")
+
+
+def _run(script: str, *args, timeout=900) -> dict:
+    out = subprocess.run([sys.executable, "-c", script, str(ROOT), *map(str, args)], capture_output=True, text=True,
+                         timeout=timeout, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _comfy_path() -> str | None:
+    p = os.environ.get("COMFYUI_PATH", "").strip()
+    if p and os.path.isfile(os.path.join(p, "comfy", "sd.py")):
+        return p
+    for entry in sys.path:
+        if entry and os.path.isfile(os.path.join(entry, "comfy", "sd.py")):
+            return entry
+    return None
+
+
+def load_table(quick: bool) -> Table:
+    t = Table("FP8 loading: bytes per Linear weight, load time, peak RSS growth during the load",
+              ["loader", "file", "file size", "bytes/weight", "load s", "peak RSS growth"])
+    notes = []
+    with tempfile.TemporaryDirectory(prefix="comfy-metal-bench-fp8-") as d:
+        from safetensors.torch import save_file
+
+        from .fp8_quantize import comfy_quant_entries, quantize
+
+        layers, n, k = (8, 1024, 1024) if quick else (32, 3072, 3072)
+        path = os.path.join(d, "stack_fp8.safetensors")
+        g = torch.Generator().manual_seed(0)
+        base = torch.randn(n, k, generator=g) * 0.02
+        tensors = {}
+        for i in range(layers):
+            q, s = quantize(base * (1 + 0.01 * i), "e4m3fn")
+            tensors.update(comfy_quant_entries(f"blocks.{i}", q, s, "e4m3fn"))
+        save_file(tensors, path)
+        del tensors, base
+        size = os.path.getsize(path)
+        label = f"{layers} x Linear({k}, {n})"
+        for how, name in (("fp8", "comfy_metal FP8 layers (kept FP8)"),
+                          ("bf16", "safetensors load + upcast to bf16")):
+            try:
+                r = _run(_STANDALONE, path, layers, n, k, how)
+                t.add(name, label, human_bytes(size), round(r["bpw"], 3), round(r["seconds"], 3), human_bytes(r["peak"]))
+            except Exception as e:
+                t.add(name, label, human_bytes(size), "error", "", str(e)[:60])
+        comfy = _comfy_path()
+        if comfy is None:
+            notes.append("ComfyUI is not importable (set COMFYUI_PATH): the stock-loader comparison was skipped.")
+        else:
+            hidden, depth, single = (256, 1, 2) if quick else (1536, 4, 8)
+            fpath = os.path.join(d, "flux_fp8.safetensors")
+            try:
+                _run(_MAKE_FLUX, comfy, hidden, depth, single, fpath)
+                fsize = os.path.getsize(fpath)
+                flabel = f"Flux-shaped h{hidden} d{depth}+{single}"
+                for script, name in ((_LOAD_OURS, "MetalFP8ModelLoader"), (_LOAD_STOCK, "ComfyUI UNETLoader (stock)")):
+                    try:
+                        r = _run(script, comfy, fpath)
+                        t.add(name, flabel, human_bytes(fsize), round(r["bpw"], 3), round(r["seconds"], 3),
+                              human_bytes(r["peak"]))
+                    except Exception as e:
+                        t.add(name, flabel, human_bytes(fsize), "error", "", str(e)[:60])
+            except Exception as e:
+                notes.append(f"building the Flux-shaped file failed: {e}")
+    notes.append("peak RSS growth: kernel high-water mark reset before the load (Linux) or 1 ms RSS sampling; "
+                 "memory-mapped file pages count once they are touched.")
+    t.note = "\n".join(notes)
+    return t
+
+
+def _time(fn, reps):
+    fn()
+    if torch.backends.mps.is_available():
+        torch.mps.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if torch.backends.mps.is_available():
+        torch.mps.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def crossover_table(quick: bool) -> Table:
+    from .. import metal_kernels as mk
+    from ..metal_kernels.probe import fp8_storage_dtype, mps_available
+
+    device = torch.device("mps" if mps_available() else "cpu")
+    n = k = 1024 if quick else 4096
+    g = torch.Generator().manual_seed(0)
+    w32 = torch.randn(n, k, generator=g) * 0.02
+    scale = (w32.abs().amax() / 448).reshape(())
+    wq = mk.fp8_encode(w32, "e4m3fn", scale).to(device)
+    if fp8_storage_dtype(device, "e4m3fn") != torch.uint8:
+        wq = wq.view(torch.float8_e4m3fn)
+    scale = scale.to(device)
+    dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
+    t = Table(f"FP8 Linear {n}x{k} on {device.type}: GEMV kernel vs decode + matmul, by rows M",
+              ["M", "gemv ms", "decode+matmul ms", "gemv / decode", "backend"])
+    reps = 3 if quick else 10
+    best = None
+    for m in (1, 2, 4, 8, 16, 32) if quick else (1, 2, 4, 8, 12, 16, 32, 64):
+        x = torch.randn(m, k, generator=g).to(device, dtype)
+        tg = _time(lambda: mk.gemv(x, wq, None, fmt="e4m3fn", scale=scale, out_dtype=dtype), reps)
+        td = _time(lambda: torch.nn.functional.linear(x, mk.fp8_decode(wq, "e4m3fn", scale, out_dtype=dtype)), reps)
+        from ..metal_kernels import dispatch
+
+        t.add(m, round(tg * 1e3, 3), round(td * 1e3, 3), f"{tg / td:.2f}x", dispatch.last_backend.get("gemv", "?"))
+        if best is None and tg > td:
+            best = m
+    t.note = (f"GEMV is faster up to M={best - 1 if best else 'all measured'}; the FP8 Linear uses GEMV for M <= 8."
+              + ("" if device.type == "mps" else " (No MPS: these are the pure-torch reference paths.)"))
+    return t
+
+
+def bench(quick: bool = False) -> list[Table]:
+    tables = []
+    for make in (load_table, crossover_table):
+        try:
+            tables.append(make(quick))
+        except Exception as e:
+            tables.append(Table(f"FP8 bench section {make.__name__} failed", ["error"], [[f"{type(e).__name__}: {e}"]]))
+    return tables
