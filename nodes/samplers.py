@@ -349,26 +349,28 @@ def sample_dpmpp_3m_sde_metal(model, x, sigmas, extra_args=None, callback=None, 
     return run.finish(x)
 
 
-def _noise_scaling_coefficients(model_sampling, sigma: float, ndim: int, dtype):
-    """(a, b) with model_sampling.noise_scaling(sigma, noise, latent) == a*noise + b*latent, probed on
-    the host before the loop; None if it is not linear (then it is called directly)."""
+def _noise_scaling_coefficients(model_sampling, sigmas: list, ndim: int):
+    """[(a, b)] per sigma with model_sampling.noise_scaling(sigma, noise, latent) == a*noise + b*latent,
+    probed once on small CPU tensors before the loop (one call per probe for all sigmas); None for a
+    sigma where it is not linear (then the sampler calls it directly)."""
+    if not sigmas:
+        return []
     if model_sampling is None:
-        return sigma, 1.0
-    s = torch.tensor([sigma], dtype=dtype)
-    shape = (1,) * ndim
+        return [(s, 1.0) for s in sigmas]
+    n = len(sigmas)
+    s = torch.tensor(sigmas, dtype=torch.float32)
+    shape = (n,) + (1,) * (ndim - 1)
 
-    def f(n, lat):
-        out = model_sampling.noise_scaling(s, torch.full(shape, float(n), dtype=dtype),
-                                           torch.full(shape, float(lat), dtype=dtype))
-        return float(torch.as_tensor(out).reshape(-1)[0])
+    def probe(noise, latent):
+        out = model_sampling.noise_scaling(s, torch.full(shape, float(noise)), torch.full(shape, float(latent)))
+        return torch.as_tensor(out, dtype=torch.float32).reshape(n, -1)[:, 0].tolist()
 
     try:
-        a, b, c = f(1, 0), f(0, 1), f(2, 3)
+        a, b, c = probe(1, 0), probe(0, 1), probe(2, 3)
     except Exception:
-        return None
-    if not math.isclose(c, 2 * a + 3 * b, rel_tol=1e-5, abs_tol=1e-6):
-        return None
-    return a, b
+        return [None] * n
+    return [(ai, bi) if math.isclose(ci, 2 * ai + 3 * bi, rel_tol=1e-5, abs_tol=1e-6) else None
+            for ai, bi, ci in zip(a, b, c)]
 
 
 @torch.no_grad()
@@ -383,8 +385,7 @@ def sample_lcm_metal(model, x, sigmas, extra_args=None, callback=None, disable=N
     n_steps = run.steps
     s_start = float(s_noise)
     s_end = s_start if s_noise_end is None else float(s_noise_end)
-    coeffs = [(_noise_scaling_coefficients(model_sampling, sig[i + 1], x.ndim, torch.float32)
-               if sig[i + 1] > 0 else (0.0, 1.0)) for i in range(n_steps)]
+    coeffs = _noise_scaling_coefficients(model_sampling, sig[1:], x.ndim)
     s_in = x.new_ones([x.shape[0]])
     for i in _trange(n_steps, disable):
         denoised = model(x, sigmas[i] * s_in, **extra_args)
