@@ -46,15 +46,14 @@ kernel void NAME(device const IN* src [[buffer(0)]],                            
 #define FP8_DECODE_KERNEL(NAME, DECODE, OUT)                                                   \
 FP8_KERNEL_SIGNATURE(NAME, uchar, OUT) {                                                      \
     for (long i = long(gid) * 4; i < n; i += nthreads * 4) {                                  \
+        const float4 s = fp8_scales4(scale, scale_mode, row_len, i, n);                       \
         if (i + 4 <= n) {                                                                     \
-            const float4 s = fp8_scales4(scale, scale_mode, row_len, i, n);                      \
             const uchar4 b = *((device const uchar4*)(src + i));                              \
             fp8_store(dst + i + 0, DECODE(b.x) * s.x);                                        \
             fp8_store(dst + i + 1, DECODE(b.y) * s.y);                                        \
             fp8_store(dst + i + 2, DECODE(b.z) * s.z);                                        \
             fp8_store(dst + i + 3, DECODE(b.w) * s.w);                                        \
         } else {                                                                              \
-            const float4 s = fp8_scales4(scale, scale_mode, row_len, i, n);                      \
             for (int j = 0; i + j < n; ++j) fp8_store(dst + i + j, DECODE(src[i + j]) * s[j]); \
         }                                                                                     \
     }                                                                                         \
@@ -77,7 +76,7 @@ inline float fp8_scaled(float v, float s, long scale_mode) {
 #define FP8_ENCODE_KERNEL(NAME, IN, ENCODE)                                                    \
 FP8_KERNEL_SIGNATURE(NAME, IN, uchar) {                                                       \
     for (long i = long(gid) * 4; i < n; i += nthreads * 4) {                                  \
-        const float4 s = fp8_scales4(scale, scale_mode, row_len, i, n);                          \
+        const float4 s = fp8_scales4(scale, scale_mode, row_len, i, n);                       \
         if (i + 4 <= n) {                                                                     \
             uchar4 q;                                                                         \
             q.x = ENCODE(fp8_scaled(float(src[i + 0]), s.x, scale_mode));                     \
