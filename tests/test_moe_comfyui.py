@@ -134,3 +134,45 @@ def test_gpt_oss_fp8_experts_stay_fp8_and_match_default_ops(comfyui):
     finally:
         patcher.unpatch_model()
     assert (got - want).abs().max().item() < 1e-4
+
+
+def test_experts_patch_node_on_a_comfy_clip(comfyui):
+    """MetalMoEExpertsPatch on a comfy.sd.CLIP holding ComfyUI's GPT-OSS encoder: same conditioning,
+    no host syncs left in the encode, the original CLIP untouched."""
+    import comfy.sd
+    import comfy.ops
+    from comfy.text_encoders import gpt_oss
+
+    import moe_testutil
+
+    sd = _state_dict()
+
+    class TinyLens(gpt_oss.LensTEModel):
+        def __init__(self, device="cpu", dtype=None, model_options=None):
+            mo = dict(model_options or {}, gpt_oss_config=TINY, selected_layers=(0, 2), txt_offset=0)
+            super().__init__(device=device, dtype=torch.float32, model_options=mo)
+
+    class Target:
+        params = {}
+        clip = TinyLens
+        tokenizer = gpt_oss.LensTokenizer
+
+    tok_json = moe_testutil.tiny_tokenizer_json(TINY["vocab_size"]).encode()
+    clip = comfy.sd.CLIP(target=Target, tokenizer_data={"tokenizer_json": tok_json}, state_dict=[sd],
+                         model_options={"load_device": torch.device("cpu"), "offload_device": torch.device("cpu"),
+                                        "dtype": torch.float32})
+    node = comfyui.nodes.NODE_CLASS_MAPPINGS["MetalMoEExpertsPatch"]()
+    (patched,) = node.patch(clip)
+    ours = [k for k in patched.patcher.object_patches if k.endswith(".experts.forward")]
+    assert patched is not clip and len(ours) == TINY["num_hidden_layers"]
+    assert not [k for k in clip.patcher.object_patches if k.endswith(".experts.forward")]
+    tokens = clip.tokenize("a red cat on the mat under the big blue sky")
+    want = clip.encode_from_tokens(tokens)
+    with sync_count.SyncCounter() as c_default:
+        clip.encode_from_tokens(tokens)
+    with sync_count.SyncCounter() as c_patched:
+        got = patched.encode_from_tokens(tokens)
+    assert want.shape == got.shape and want.shape[1] > 0
+    assert (got - want).abs().max().item() < 1e-4
+    assert c_patched.total < c_default.total, (c_patched.counts, c_default.counts)
+    assert c_patched.counts["aten::nonzero"] == 0 and c_patched.counts["aten::_local_scalar_dense"] == 0, c_patched.counts
