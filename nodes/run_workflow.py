@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import pathlib
+import shlex
 import shutil
 import sys
 import tempfile
@@ -64,6 +65,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is available")
     p.add_argument("--custom-nodes", action="store_true",
                    help="also load the other packs in ComfyUI's custom_nodes/ (default: only this pack)")
+    p.add_argument("--comfy-args", metavar="ARGS", default="",
+                   help="extra ComfyUI command-line options as one string, written with '=' because it starts "
+                        "with --: --comfy-args=\"--force-fp16 --fp32-vae\"")
     p.add_argument("--verbose", action="store_true", help="show ComfyUI's INFO log lines")
     p.set_defaults(fn=run)
     return p
@@ -85,8 +89,13 @@ def run(args) -> int:
     if not args.verbose:
         logging.getLogger().setLevel(logging.WARNING)
         logging.getLogger("comfy_metal").setLevel(logging.INFO)
+    try:
+        extra = shlex.split(args.comfy_args or "")
+    except ValueError as e:
+        print(f"comfy_metal run: error: --comfy-args: {e}", file=sys.stderr)
+        return EXIT_USAGE
     session = HeadlessComfyUI(comfyui, out, models=models, force_cpu=args.cpu,
-                              load_custom_nodes=args.custom_nodes)
+                              load_custom_nodes=args.custom_nodes, comfy_args=extra)
     try:
         session.start()
         summary = session.execute(prompt, workflow_path)
@@ -412,8 +421,9 @@ class HeadlessComfyUI:
     global state and parses its command line once)."""
 
     def __init__(self, comfyui: pathlib.Path, out: pathlib.Path, models: pathlib.Path | None = None,
-                 force_cpu: bool = False, load_custom_nodes: bool = False):
+                 force_cpu: bool = False, load_custom_nodes: bool = False, comfy_args=()):
         self.comfyui, self.out, self.models = comfyui, out, models
+        self.comfy_args = list(comfy_args)
         self.force_cpu, self.load_custom_nodes = force_cpu, load_custom_nodes
         self.loop: asyncio.AbstractEventLoop | None = None
         self.server = None
@@ -436,6 +446,7 @@ class HeadlessComfyUI:
         argv = [str(self.comfyui / "main.py"), "--disable-auto-launch", "--database-url", "sqlite:///:memory:"]
         if self.device == "cpu":
             argv.append("--cpu")
+        argv += self.comfy_args
         saved = sys.argv
         sys.argv = argv
         try:
@@ -443,6 +454,8 @@ class HeadlessComfyUI:
 
             comfy.options.enable_args_parsing()
             import comfy.cli_args  # noqa: F401  (parses sys.argv once, at import)
+        except SystemExit as e:  # argparse rejected an option of --comfy-args (its message is above)
+            raise RunError(f"ComfyUI rejected its command line {' '.join(argv[1:])} (exit {e.code})") from None
         finally:
             sys.argv = saved
 

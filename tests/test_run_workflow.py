@@ -267,3 +267,8 @@ def test_headless_run_reports_validation_and_execution_errors(comfyui_path, tmp_
     assert "value_not_in_list" not in json.dumps(summary)
     assert summary["error"].startswith("node 1 (CheckpointLoaderSimple) raised"), summary["error"][:500]
     assert summary["nodes"]["1"]["class"] == "CheckpointLoaderSimple"
+
+    # ComfyUI options pass through --comfy-args; one ComfyUI rejects is a clear usage error.
+    proc = _cli([wf, "--out", tmp_path / "o3", "--comfy-args=--no-such-comfy-option"], env_extra=env, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "ComfyUI rejected its command line" in proc.stderr and "--no-such-comfy-option" in proc.stderr
