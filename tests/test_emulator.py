@@ -280,6 +280,11 @@ kernel void spin_forever(device int* x [[buffer(0)]], uint tid [[thread_position
   }
 }
 
+kernel void address_mod64(device const float* x [[buffer(0)]], device long* out [[buffer(1)]],
+                          uint tid [[thread_position_in_grid]]) {
+  out[0] = (long)((ulong)x % 64ul);
+}
+
 kernel void inplace(device float* x [[buffer(0)]], const device float* y [[buffer(1)]],
                     uint tid [[thread_position_in_grid]]) {
   x[tid] = y[tid] + 1.0f;
@@ -326,6 +331,15 @@ def test_tensor_binding_uses_storage_offset_not_strides(lib):
     x = torch.arange(8, dtype=torch.float32)
     lib.inplace(x, x)
     assert torch.equal(x, torch.arange(8, dtype=torch.float32) + 1)
+
+
+def test_buffers_keep_the_host_alignment(lib):
+    base = torch.zeros(64)
+    out = torch.zeros(1, dtype=torch.int64)
+    for off in (0, 1, 3, 4, 5):
+        view = base[off:off + 8]
+        lib.address_mod64(view, out, threads=1)
+        assert out.item() == view.data_ptr() % 64  # misaligned float4 loads stay misaligned
 
 
 def test_scalar_binding(lib):

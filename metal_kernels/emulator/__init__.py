@@ -689,15 +689,25 @@ def _pack_scalar(v, cast: str | None) -> bytes:
 
 
 class _Region:
-    """A guarded copy of host memory [start, end): GUARD bytes of 0xFF on both sides."""
+    """A guarded copy of host memory [start, end): GUARD bytes of 0xFF on both sides.
 
-    def __init__(self, start: int, end: int, copy_from_host: bool = True):
+    The copy keeps the host address modulo 64, so misaligned vector loads behave
+    as misaligned as they would on the GPU (on x86 they fault: KernelCrash)."""
+
+    ALIGN = 64
+
+    def __init__(self, start: int, end: int, copy_from_host: bool = True, data: bytes | None = None):
         self.start, self.end = start, end
-        self.n = end - start
-        self.buf = torch.empty(self.n + 2 * GUARD, dtype=torch.uint8)
+        self.n = end - start if data is None else len(data)
+        self.buf = torch.empty(self.n + 2 * GUARD + self.ALIGN, dtype=torch.uint8)
         self.buf.fill_(0xFF)
-        self.base = self.buf.data_ptr() + GUARD
-        if copy_from_host and self.n:
+        p = self.buf.data_ptr()
+        want = (start % self.ALIGN) if data is None else 0
+        self.pad = GUARD + ((want - (p + GUARD)) % self.ALIGN)
+        self.base = p + self.pad
+        if data is not None and self.n:
+            self.buf[self.pad:self.pad + self.n] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        elif copy_from_host and self.n:
             ctypes.memmove(self.base, start, self.n)
         self.members: list[tuple[int, int, int, str]] = []  # (arg index, start, end, description)
 
@@ -705,15 +715,10 @@ class _Region:
         return self.base + (host_addr - self.start)
 
     def bad_guard_bytes(self):
-        lo = self.buf[:GUARD]
-        hi = self.buf[GUARD + self.n:]
-        out = []
-        bad_lo = torch.nonzero(lo != 0xFF).flatten()
-        bad_hi = torch.nonzero(hi != 0xFF).flatten()
-        for i in bad_lo.tolist():
-            out.append(i - GUARD)
-        for i in bad_hi.tolist():
-            out.append(self.n + i)
+        lo = self.buf[self.pad - GUARD:self.pad]
+        hi = self.buf[self.pad + self.n:self.pad + self.n + GUARD]
+        out = [i - GUARD for i in torch.nonzero(lo != 0xFF).flatten().tolist()]
+        out += [self.n + i for i in torch.nonzero(hi != 0xFF).flatten().tolist()]
         return out
 
 
@@ -923,12 +928,7 @@ class Kernel:
 
 
 def _byte_region(data: bytes) -> _Region:
-    r = _Region(0, 0, copy_from_host=False)
-    r.n = len(data)
-    r.buf = torch.full((len(data) + 2 * GUARD,), 0xFF, dtype=torch.uint8)
-    r.buf[GUARD:GUARD + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    r.base = r.buf.data_ptr() + GUARD
-    return r
+    return _Region(0, 0, copy_from_host=False, data=data)
 
 
 def _oob_message(kernel: str, r: _Region, bad: list[int]) -> str:

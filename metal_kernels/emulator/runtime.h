@@ -615,7 +615,7 @@ static int launch(const char* name, void (*entry)(void**), void** bufs, const ui
     const char* what = g_sig == kWatchdogSig ? "a timeout (the kernel ran longer than $COMFY_METAL_EMU_TIMEOUT "
                                                "CPU seconds, default 600: an endless loop or spin-wait?)"
                        : g_sig == SIGFPE ? "SIGFPE (integer division by zero?)"
-                       : g_sig == SIGSEGV ? "SIGSEGV (invalid memory access or coroutine stack overflow)"
+                       : g_sig == SIGSEGV ? "SIGSEGV (invalid or misaligned memory access, or coroutine stack overflow)"
                        : g_sig == SIGBUS ? "SIGBUS (misaligned/invalid memory access)"
                                          : "SIGILL (trap)";
     Thread* t = g_cur;
