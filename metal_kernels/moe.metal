@@ -12,7 +12,8 @@
 //   experts of one token (x_div = K shares the token's row between its K pairs); in prefill the
 //   pairs sorted by expert, so consecutive rows read the same expert's weight rows from cache.
 //   W is fp32/fp16/bf16 or FP8 bytes (e4m3fn / e5m2, decoded in-register). One simdgroup per output
-//   column and block of MOE_ROWS rows; the scale is global, per expert or per expert row (strides); lanes stride the reduction dimension (coalesced weight
+//   column and block of MOE_ROWS rows, each lane reading 4 consecutive weights per step (then a scalar
+//   tail); the scale is global, per expert or per expert row (strides); lanes stride the reduction dimension (coalesced weight
 //   reads); all indices are 64-bit.
 #include <metal_stdlib>
 using namespace metal;
@@ -136,7 +137,15 @@ kernel void NAME(device const XT* x [[buffer(0)]],                              
         const long wbase = (e * ncols + n) * kdim;                                              \
         const long xbase = (r / x_div) * kdim;                                                  \
         float acc = 0.0f;                                                                       \
-        for (long h = lane; h < kdim; h += 32) acc += LOAD(w, wbase + h) * float(x[xbase + h]); \
+        /* 4 consecutive elements per lane (128 per simdgroup step), then a scalar tail */      \
+        const long main_end = (kdim / 128) * 128;                                               \
+        for (long h = long(lane) * 4; h < main_end; h += 128) {                                 \
+            acc += LOAD(w, wbase + h) * float(x[xbase + h])                                     \
+                 + LOAD(w, wbase + h + 1) * float(x[xbase + h + 1])                             \
+                 + LOAD(w, wbase + h + 2) * float(x[xbase + h + 2])                             \
+                 + LOAD(w, wbase + h + 3) * float(x[xbase + h + 3]);                            \
+        }                                                                                       \
+        for (long h = main_end + lane; h < kdim; h += 32) acc += LOAD(w, wbase + h) * float(x[xbase + h]); \
         acc = simd_sum(acc);                                                                    \
         if (lane == 0) {                                                                        \
             float v = acc * scale[e * scale_stride_e + n * scale_stride_n];                                            \

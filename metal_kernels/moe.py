@@ -228,6 +228,7 @@ def _gemm_cases(device):
         (7, 9, 65, 4, 2, torch.uint8, torch.float32, "e4m3fn", "row", True),
         (2, 5, 31, 9, 1, torch.uint8, torch.float16, "e5m2", False, False),
         (4, 17, 20, 6, 1, torch.float16, torch.float32, None, True, True),
+        (3, 6, 300, 5, 5, torch.uint8, torch.bfloat16, "e4m3fn", True, False),
     ]:
         if wdt == torch.uint8:
             src = torch.randn(E, N, K, generator=gen)

@@ -192,7 +192,7 @@ def copy_bandwidth(device, nbytes=256 << 20) -> float:
 def _qwen30b_table(quick: bool, device) -> Table | None:
     from . import qwen3_moe
 
-    layers = 2 if quick or device.type == "cpu" else 4
+    layers = 1 if device.type == "cpu" else (2 if quick else 4)
     if device.type == "cpu" and quick:
         t = Table("Qwen3-30B-A3B shaped decode", ["note"])
         t.add("skipped with --quick on CPU (the full shape needs ~1.3 GB per bf16 layer); run without --quick")

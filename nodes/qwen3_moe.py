@@ -468,7 +468,7 @@ def random_model(cfg: MoEConfig, device="cpu", dtype=torch.float32, expert_fmt: 
                 t = torch.randint(0, 0x40, p.shape, device=device, dtype=torch.uint8, generator=gen)
                 t |= (torch.randint(0, 2, p.shape, device=device, dtype=torch.uint8, generator=gen) << 7)
             else:
-                t = torch.randn(p.shape, device=device, dtype=torch.float32, generator=gen).mul_(std).to(dtype)
+                t = torch.randn(p.shape, device=device, dtype=dtype, generator=gen).mul_(std)
             setattr(mod, name, nn.Parameter(t, requires_grad=False))
         if expert_fmt and isinstance(mod, SparseMoE):
             mod.fmt = expert_fmt

@@ -198,6 +198,8 @@ def test_route_kernel_in_emulator(emu_lib, rows, E, K, dtype, norm):
     (7, 9, 65, 4, 2, "e4m3fn", torch.float32, "row", True),
     (2, 5, 31, 19, 1, "e5m2", torch.float16, "scalar", False),
     (4, 17, 20, 6, 1, "half", torch.float32, "expert", True),
+    (3, 5, 300, 10, 2, "bfloat", torch.float32, "row", False),     # 2 full 128-wide steps + a 44 tail
+    (6, 3, 256, 3, 1, "e4m3fn", torch.bfloat16, "expert", True),   # exactly 2 steps, no tail
 ])
 def test_experts_gemm_kernel_in_emulator(emu_lib, E, N, K, P, x_div, wkind, xdt, scale, bias):
     gen = torch.Generator().manual_seed(E * 1000 + N * 10 + K)
