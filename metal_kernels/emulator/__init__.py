@@ -442,7 +442,8 @@ _TG_DECL_RE = re.compile(
     r"\bthreadgroup\s+(?P<type>(?:(?:const|volatile)\s+)*(?:metal::)?[A-Za-z_][\w:]*(?:\s*<[^;{}()]*?>)?)"
     r"\s+(?P<name>[A-Za-z_]\w*)\s*(?P<dims>(?:\[[^\];]+\]\s*)*);")
 _TG_LEFTOVER_RE = re.compile(r"\bthreadgroup\s+(?:(?:const|volatile)\s+)*[A-Za-z_][\w:]*(?:\s*<[^;{}()]*?>)?"
-                             r"\s+[A-Za-z_]\w*\s*(?:\[[^\]]*\]\s*)*[,=;]")
+                             r"\s+[A-Za-z_]\w*\s*(?:\[[^\]]*\]\s*)*"
+                             r"(?:=[^;]*;|,\s*[A-Za-z_]\w*\s*(?:\[[^\]]*\]\s*)*[;,])")
 _HALF_LIT_RE = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?)[hH]\b")
 _VEC_CTOR_RE = re.compile(r"(?<![\w.:>])(?:metal::)?(" + _VEC_NAMES + r")\s*\((?!\s*[*&]\s*\))")
 _VEC_SCAST_RE = re.compile(r"\bstatic_cast\s*<\s*(?:metal::)?(" + _VEC_NAMES + r")\s*>\s*\(")
