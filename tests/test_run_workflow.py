@@ -28,6 +28,8 @@ TINY_WORKFLOW = {
                                                     "method": "histogram", "source_stats": "per_frame",
                                                     "strength": 1.0}},
     "7": {"class_type": "PreviewImage", "inputs": {"images": ["6", 0]}},
+    # the pack's own diagnostic node: runs a kernel and records its backend
+    "8": {"class_type": "MetalStatus", "inputs": {}},
 }
 UI_WORKFLOW = {"last_node_id": 2, "last_link_id": 1, "nodes": [{"id": 1, "type": "EmptyImage"}],
                "links": [[1, 1, 0, 2, 0, "IMAGE"]], "version": 0.4}
@@ -210,7 +212,7 @@ def test_headless_run_of_core_nodes(comfyui_path, tmp_path):
     proc = _cli([wf, "--out", out, "--models", models], env_extra={"COMFYUI_PATH": str(comfyui_path)},
                 cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "[1/7] node" in proc.stderr and "node 2 SaveImage" in proc.stderr
+    assert "[1/8] node" in proc.stderr and "node 2 SaveImage" in proc.stderr
     assert "3/3 100%" in proc.stderr  # ColorTransfer's progress bar reached the end
     assert "User settings have been changed" not in proc.stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -222,7 +224,12 @@ def test_headless_run_of_core_nodes(comfyui_path, tmp_path):
         assert node["class"] == TINY_WORKFLOW[node_id]["class_type"]
         assert node["seconds"] >= 0 and node["cached"] is False
         assert node["peak_memory"]["rss"] > 50 << 20
-        assert node["backend"] is None  # core nodes run no Comfy Metal kernel
+        if node_id != "8":
+            assert node["backend"] is None  # core nodes run no Comfy Metal kernel
+    backend = summary["nodes"]["8"]["backend"]
+    assert backend["node_id"] == "8" and backend["node_class"] == "MetalStatus"
+    assert backend["backend"] == "reference" and backend["kernels"]["softmax"]["device"] == "cpu"
+    assert "softmax" in summary["outputs"]["8"]["text"][0]
     assert summary["nodes"]["1"]["title"] == "Blank image"
     image = out / "headless" / "img_00001_.png"
     assert _png_size(image) == (40, 24)

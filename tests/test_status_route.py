@@ -232,3 +232,36 @@ def test_routes_in_real_comfyui(comfyui):
     response = comfyui.loop.run_until_complete(handler(make_mocked_request("GET", "/comfy_metal/memory")))
     assert json.loads(response.body)["device"] == "cpu"
     comfyui._route_handler("POST", "/comfy_metal/settings")
+
+
+def test_metal_status_node_reports_and_records(fake_comfyui):
+    instance, ctx = fake_comfyui
+    ctx["node"] = "21"
+    node = status.NODE_CLASS_MAPPINGS["MetalStatus"]()
+    out = node.report()
+    text = out["result"][0]
+    assert out["ui"]["text"] == [text]
+    assert "Kernels (COMFY_METAL_BACKEND=auto)" in text and "Capabilities" in text
+    assert "This node's probe call: reference (Metal runs only on MPS tensors (this call is on cpu))" in text
+    for name in metal_kernels.REGISTRY:
+        assert name in text
+    rec = status.node_backends["21"]
+    assert rec["node_class"] == "MetalStatus" and rec["backend"] == "reference"
+    assert instance.sent[-1] == (status.BACKEND_EVENT, rec, "client-1")
+    assert status.NODE_DISPLAY_NAME_MAPPINGS["MetalStatus"] == "Comfy Metal Status"
+    assert status.MetalStatus.IS_CHANGED() != status.MetalStatus.IS_CHANGED()  # NaN: always re-run
+
+
+def test_metal_status_node_under_the_emulator(monkeypatch):
+    """The node's probe call runs the real softmax MSL through the emulator and says so."""
+    from comfy_metal.metal_kernels import emulator
+
+    if not emulator.available():
+        pytest.skip("clang-19 is missing: the MSL emulator cannot run")
+    monkeypatch.setenv("COMFY_METAL_REFERENCE", ",".join(n for n in metal_kernels.REGISTRY if n != "softmax"))
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+    dispatch.reset()
+    text = status.MetalStatus().report()["result"][0]
+    rec = status.node_backends["MetalStatus"]
+    assert rec["backend"] == "emulator" and rec["kernels"]["softmax"]["reason"] == "passed its self-check"
+    assert "This node's probe call: emulator (every kernel passed its self-check)" in text

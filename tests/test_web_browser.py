@@ -116,6 +116,28 @@ BADGE_JS = r"""
 """
 
 
+# Runs in the page: the pack's MetalStatus node on the canvas, queued for real; its backend arrives
+# over the websocket (event comfy_metal.backend) and its badge shows it.
+QUEUE_JS = r"""
+(async () => {
+  const app = window.comfyAPI.app.app, api = window.comfyAPI.api.api;
+  const node = LiteGraph.createNode("MetalStatus");
+  node.pos = [520, 420];
+  app.graph.add(node);
+  const prompt = { [String(node.id)]: { class_type: "MetalStatus", inputs: {} } };
+  const res = await api.fetchApi("/prompt", { method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ prompt, client_id: api.clientId }) });
+  window.__metalStatusNode = node;
+  return { status: res.status, id: node.id, hasBadge: !!node.__comfyMetalBadge };
+})()
+"""
+BADGE_TEXT_JS = r"""
+(() => { const n = window.__metalStatusNode;
+  const b = n.badges.map((x) => (typeof x === "function" ? x() : x)).find((x) => x.tooltip !== undefined);
+  return b && b.visible ? { text: b.text, tooltip: b.tooltip } : null; })()
+"""
+
+
 async def _drive(url: str, chromium: str, shots: pathlib.Path):
     import aiohttp
 
@@ -155,6 +177,8 @@ async def _drive(url: str, chromium: str, shots: pathlib.Path):
                 results["setting"] = await cdp.evaluate(
                     "window.comfyAPI.app.app.extensionManager.setting.get('ComfyMetal.ForceReference')")
                 results["badge"] = await cdp.evaluate(BADGE_JS)
+                results["queued"] = await cdp.evaluate(QUEUE_JS)
+                results["live_badge"] = await cdp.wait_for(BADGE_TEXT_JS, timeout=120)
                 # the sidebar tab: registered, and its panel renders the kernel table
                 tabs = await cdp.evaluate(
                     "window.comfyAPI.app.app.extensionManager.sidebarTab.sidebarTabs.map((t) => t.id)")
@@ -217,6 +241,10 @@ def test_extension_in_headless_chromium(comfyui_path, tmp_path):
     assert badge["text"] == "Reference" and badge["visible"] is True and badge["sameObject"] is True
     assert badge["drawnRect"][2] > 0 and badge["drawnRect"][3] > 0  # litegraph drew it in the title bar
     assert "forced by COMFY_METAL_BACKEND" in badge["tooltip"]
+    assert results["queued"]["status"] == 200 and results["queued"]["hasBadge"] is True
+    live = results["live_badge"]  # real node, real execution, real websocket event
+    assert live["text"] == "Reference", live
+    assert "Metal runs only on MPS tensors" in live["tooltip"]
     assert "comfy-metal" in results["tabs"]
     assert "Kernels" in results["panel"] and "softmax" in results["panel"] and "Capabilities" in results["panel"]
     assert "Traceback" not in log or "comfy_metal" not in log, log[-4000:]
