@@ -128,3 +128,17 @@ def fill_module_(module: torch.nn.Module, seed=0, std=0.05):
                 fan = p.shape[-1] if p.dim() >= 2 else 1
                 p.copy_(torch.randn(p.shape, generator=g) * (std if p.dim() < 2 else fan ** -0.5))
     return module
+
+
+def dequantized_file(fmt_mod, path) -> dict:
+    """An FP8 file's weights dequantized to fp32 with torch's own casts (the loader's decode is not
+    used); `fmt_mod` is the pack's fp8_formats module (for reading the file's layout)."""
+    out = {}
+    with fmt_mod.open_checkpoint(path) as ck:
+        for key in ck.model_keys():
+            if key in ck.layers:
+                w, scale, _ = ck.fp8_weight(key)
+                out[key] = dequant_ref(w, scale)
+            else:
+                out[key] = ck.tensor(key).float()
+    return out
