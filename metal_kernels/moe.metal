@@ -131,28 +131,39 @@ kernel void NAME(device const XT* x [[buffer(0)]],                              
     const long n = (long(group) % col_blocks) * simds + simd_id;                                \
     const long r0 = (long(group) / col_blocks) * MOE_ROWS;                                      \
     if (n >= ncols) return;                                                                     \
-    const long r1 = min(rows, r0 + MOE_ROWS);                                                   \
-    for (long r = r0; r < r1; ++r) {                                                            \
-        const long e = row_expert[r];                                                           \
-        const long wbase = (e * ncols + n) * kdim;                                              \
-        const long xbase = (r / x_div) * kdim;                                                  \
-        float acc = 0.0f;                                                                       \
-        /* 4 consecutive elements per lane (128 per simdgroup step), then a scalar tail */      \
-        const long main_end = (kdim / 128) * 128;                                               \
-        for (long h = long(lane) * 4; h < main_end; h += 128) {                                 \
-            acc += LOAD(w, wbase + h) * float(x[xbase + h])                                     \
-                 + LOAD(w, wbase + h + 1) * float(x[xbase + h + 1])                             \
-                 + LOAD(w, wbase + h + 2) * float(x[xbase + h + 2])                             \
-                 + LOAD(w, wbase + h + 3) * float(x[xbase + h + 3]);                            \
-        }                                                                                       \
-        for (long h = main_end + lane; h < kdim; h += 32) acc += LOAD(w, wbase + h) * float(x[xbase + h]); \
-        acc = simd_sum(acc);                                                                    \
-        if (lane == 0) {                                                                        \
-            float v = acc * scale[e * scale_stride_e + n * scale_stride_n];                                            \
-            if (has_bias != 0) v += bias[e * ncols + n];                                        \
-            out[r * ncols + n] = v;                                                             \
-        }                                                                                       \
-    }                                                                                           \
+    const long r1 = min(rows, r0 + MOE_ROWS);                                                       \
+    /* runs of consecutive rows with the same expert share every weight load (sorted prefill) */    \
+    long r = r0;                                                                                    \
+    while (r < r1) {                                                                                \
+        const long e = row_expert[r];                                                               \
+        long rb = r + 1;                                                                            \
+        while (rb < r1 && row_expert[rb] == e) ++rb;                                                \
+        const long nr = rb - r;                                                                     \
+        const long wbase = (e * ncols + n) * kdim;                                                  \
+        float acc[MOE_ROWS];                                                                        \
+        for (long i = 0; i < nr; ++i) acc[i] = 0.0f;                                                \
+        /* 4 consecutive weights per lane (128 per simdgroup step), then a scalar tail */           \
+        const long main_end = (kdim / 128) * 128;                                                   \
+        for (long h = long(lane) * 4; h < main_end; h += 128) {                                     \
+            const float w0 = LOAD(w, wbase + h), w1 = LOAD(w, wbase + h + 1);                       \
+            const float w2 = LOAD(w, wbase + h + 2), w3 = LOAD(w, wbase + h + 3);                   \
+            for (long i = 0; i < nr; ++i) {                                                         \
+                const long xb = ((r + i) / x_div) * kdim + h;                                       \
+                acc[i] += w0 * float(x[xb]) + w1 * float(x[xb + 1]) + w2 * float(x[xb + 2]) + w3 * float(x[xb + 3]);\
+            }                                                                                       \
+        }                                                                                           \
+        for (long h = main_end + lane; h < kdim; h += 32) {                                         \
+            const float w0 = LOAD(w, wbase + h);                                                    \
+            for (long i = 0; i < nr; ++i) acc[i] += w0 * float(x[((r + i) / x_div) * kdim + h]);    \
+        }                                                                                           \
+        const float sc = scale[e * scale_stride_e + n * scale_stride_n];                            \
+        const float bi = has_bias != 0 ? bias[e * ncols + n] : 0.0f;                                \
+        for (long i = 0; i < nr; ++i) {                                                             \
+            const float v = simd_sum(acc[i]);                                                       \
+            if (lane == 0) out[(r + i) * ncols + n] = v * sc + bi;                                  \
+        }                                                                                           \
+        r = rb;                                                                                     \
+    }                                                                                               \
 }
 
 #define MOE_GEMM_FOR_X(WNAME, WT, LOAD)                                                         \
