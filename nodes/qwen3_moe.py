@@ -486,28 +486,36 @@ def _find_prefix(src: _TensorSource) -> str:
 
 
 def infer_config(src: _TensorSource, where: str) -> dict:
-    """A Qwen3-MoE config dict from tensor shapes (Qwen3 defaults for what shapes cannot tell)."""
+    """A Qwen3-MoE (Qwen2-MoE without q/k norms) config dict from tensor shapes; Qwen3 defaults for what
+    shapes cannot tell (top-k 8, rope theta 1e6, norm_topk_prob)."""
     p = _find_prefix(src)
     V, H = src.shape(f"{p}embed_tokens.weight")
     layers = 0
     while f"{p}layers.{layers}.input_layernorm.weight" in src:
         layers += 1
-    d = src.shape(f"{p}layers.0.self_attn.q_norm.weight")[0] if f"{p}layers.0.self_attn.q_norm.weight" in src else 128
+    sparse = [i for i in range(layers) if f"{p}layers.{i}.mlp.gate.weight" in src]
+    if not sparse:
+        raise ModelLoadError(f"{where}: no router tensor (layers.N.mlp.gate.weight); not a MoE checkpoint "
+                             "this loader can infer (add a config.json)")
+    qn = f"{p}layers.0.self_attn.q_norm.weight"
+    d = src.shape(qn)[0] if qn in src else 128
     heads = src.shape(f"{p}layers.0.self_attn.q_proj.weight")[0] // d
     kv = src.shape(f"{p}layers.0.self_attn.k_proj.weight")[0] // d
-    gate = f"{p}layers.0.mlp.gate.weight"
-    if gate not in src:
-        raise ModelLoadError(f"{where}: no router tensor {gate}; cannot infer a MoE config (add a config.json)")
-    E = src.shape(gate)[0]
-    if f"{p}layers.0.mlp.experts.0.up_proj.weight" in src:
-        I = src.shape(f"{p}layers.0.mlp.experts.0.up_proj.weight")[0]
-    else:
-        I = src.shape(f"{p}layers.0.mlp.experts.gate_up_proj")[1] // 2
-    return {"model_type": "qwen3_moe", "vocab_size": V, "hidden_size": H, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d, "num_experts": E,
-            "num_experts_per_tok": min(8, E), "moe_intermediate_size": I, "norm_topk_prob": True,
-            "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": f"{'lm_head.weight'}" not in src}
+    l0 = f"{p}layers.{sparse[0]}.mlp."
+    E = src.shape(l0 + "gate.weight")[0]
+    I = (src.shape(l0 + "experts.0.up_proj.weight")[0] if l0 + "experts.0.up_proj.weight" in src
+         else src.shape(l0 + "experts.gate_up_proj")[1] // 2)
+    dense = [i for i in range(layers) if i not in sparse]
+    inter = src.shape(f"{p}layers.{dense[0]}.mlp.gate_proj.weight")[0] if dense else 0
+    shared = (src.shape(l0 + "shared_expert.gate_proj.weight")[0]
+              if l0 + "shared_expert.gate_proj.weight" in src else 0)
+    return {"model_type": "qwen3_moe" if qn in src else "qwen2_moe", "vocab_size": V, "hidden_size": H,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
+            "num_experts": E, "num_experts_per_tok": min(8, E), "moe_intermediate_size": I,
+            "intermediate_size": inter, "mlp_only_layers": dense, "shared_expert_intermediate_size": shared,
+            "norm_topk_prob": True, "rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6,
+            "attention_bias": f"{p}layers.0.self_attn.q_proj.bias" in src,
+            "tie_word_embeddings": "lm_head.weight" not in src and f"{p}lm_head.weight" not in src}
 
 
 def _decode_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
@@ -749,6 +757,9 @@ def load(path: str | os.PathLike, device="cpu", dtype: torch.dtype = torch.float
             cfg_dict = _read_json(folder / "config.json")
         else:
             cfg_dict = infer_config(src, str(path))
+            log.warning("comfy_metal: %s has no config (metadata or config.json beside it); inferred the shapes "
+                        "and assumed Qwen3 defaults: top-%d routing, rope_theta %g, norm_topk_prob", path,
+                        cfg_dict["num_experts_per_tok"], cfg_dict["rope_theta"])
     cfg_dict = cfg_dict.get("text_config", cfg_dict) if "text_config" in cfg_dict else cfg_dict
     cfg = MoEConfig.from_dict(cfg_dict, str(folder / "config.json") if path.is_dir() else str(path))
     tok_file = folder / "tokenizer.json"

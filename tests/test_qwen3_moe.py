@@ -228,3 +228,21 @@ def test_qwen2_moe_with_shared_expert_matches_transformers(tmp_path):
         got = ours.model(ids, logits="all")
     assert (got["last_hidden_state"] - want.hidden_states[-1]).abs().max().item() < 1e-4
     assert (got["logits"] - want.logits).abs().max().item() < 1e-4
+
+
+def test_single_file_without_config_infers_shapes(tiny, tmp_path):
+    """No config anywhere: shapes come from the tensors (Qwen3 defaults for top-k / rope theta)."""
+    folder, _, loaded = tiny
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(folder / "model.safetensors"))
+    sd["tokenizer_json"] = torch.tensor(list((folder / "tokenizer.json").read_bytes()), dtype=torch.uint8)
+    sub = tmp_path / "bare"
+    sub.mkdir()
+    save_file(sd, str(sub / "bare.safetensors"))
+    m = qwen3_moe.load(sub / "bare.safetensors")
+    c, want = m.config, loaded.config
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "num_experts", "moe_intermediate_size"):
+        assert getattr(c, field) == getattr(want, field), field
+    assert c.num_experts_per_tok == min(8, want.num_experts)
