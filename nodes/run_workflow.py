@@ -97,7 +97,12 @@ def run(args) -> int:
     session = HeadlessComfyUI(comfyui, out, models=models, force_cpu=args.cpu,
                               load_custom_nodes=args.custom_nodes, comfy_args=extra)
     try:
-        session.start()
+        try:
+            session.start()
+        except ImportError as e:
+            raise RunError(f"could not import ComfyUI from {comfyui}: {e}. Run with the Python that runs "
+                           "ComfyUI, or install its requirements: pip install -r "
+                           f"{comfyui / 'requirements.txt'}") from None
         summary = session.execute(prompt, workflow_path)
     except RunError as e:
         print(f"comfy_metal run: error: {e}", file=sys.stderr)
@@ -462,12 +467,8 @@ class HeadlessComfyUI:
     def start(self) -> None:
         if str(self.comfyui) not in sys.path:
             sys.path.insert(0, str(self.comfyui))
-        try:
-            self._parse_comfy_args()
-            import folder_paths
-        except ImportError as e:
-            raise RunError(f"could not import ComfyUI from {self.comfyui}: {e} (are ComfyUI's requirements "
-                           "installed in this Python?)") from None
+        self._parse_comfy_args()
+        import folder_paths
         folder_paths.set_output_directory(str(self.out))
         self.temp_dir = tempfile.mkdtemp(prefix="comfy-metal-run-temp-")
         folder_paths.set_temp_directory(os.path.join(self.temp_dir, "temp"))

@@ -124,6 +124,16 @@ def test_cli_without_comfyui_exits_2_with_help(tmp_path):
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
+def test_cli_with_a_broken_comfyui_exits_2(tmp_path):
+    """A folder that looks like ComfyUI but cannot be imported: a clear error, no traceback."""
+    fake = _fake_comfyui(tmp_path / "ComfyUI")
+    wf = _write(tmp_path, "wf.json", TINY_WORKFLOW)
+    proc = _cli([wf, "--out", tmp_path / "out"], env_extra={"COMFYUI_PATH": str(fake)}, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert f"could not import ComfyUI from {fake.resolve()}" in proc.stderr and "requirements.txt" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_cli_ui_format_exits_2(tmp_path):
     wf = _write(tmp_path, "ui.json", UI_WORKFLOW)
     proc = _cli([wf], cwd=tmp_path)
