@@ -585,3 +585,22 @@ def test_metal_sampler_select_node_whole_in_emulator(comfyui, tiny_unets, monkey
     assert torch.isfinite(out).all() and not torch.allclose(out, want)
     with pytest.raises(S.SamplingError, match="unknown Metal sampler"):
         S.MetalSamplerSelect().get_sampler("nope", "fast", 1.0, 1.0)
+
+
+def test_bench_runs_and_reports(monkeypatch, reference_backend):
+    """The bench section on a tiny latent: both tables, every sampler, the fused-bytes column equal to the
+    minimum tensor count, and the ComfyUI column either filled or saying ComfyUI was not found."""
+    from comfy_metal.nodes import bench_samplers as B
+
+    monkeypatch.setattr(B, "LATENTS", [("tiny (4x8x8)", (1, 4, 8, 8))])
+    if "comfy.k_diffusion.sampling" not in sys.modules:
+        monkeypatch.delenv("COMFYUI_PATH", raising=False)
+    times, traffic = B.bench(quick=True)
+    assert [r[1] for r in times.rows if r[2] == "cpu"] == list(S.SAMPLER_NAMES)
+    for row in times.rows:
+        assert isinstance(row[3], float) and row[3] > 0
+        if "comfy.k_diffusion.sampling" not in sys.modules:
+            assert str(row[5]).startswith("ComfyUI not found")
+    fused = {r[1]: r[2] for r in traffic.rows}
+    assert fused["euler"] == "3.0 KiB" and fused["dpmpp_3m_sde"] == "5.0 KiB"  # 3 and 5 fp32 tensors of 1 KiB
+    assert "ComfyUI" in times.render()
