@@ -20,8 +20,6 @@ import dataclasses
 import json
 import os
 import struct
-from typing import Any, Iterable
-
 import torch
 
 __all__ = ["CheckpointError", "UnsupportedQuantFormat", "CheckpointMissing", "FP8Layer", "Checkpoint",
@@ -374,19 +372,3 @@ class Checkpoint:
 
 def open_checkpoint(path) -> Checkpoint:
     return Checkpoint(path)
-
-
-def strip_prefix_keys(keys: Iterable[str], prefixes: Iterable[str]) -> dict[str, str]:
-    out = {}
-    for k in keys:
-        for p in prefixes:
-            if k.startswith(p):
-                out[k] = k[len(p):]
-                break
-        else:
-            out[k] = k
-    return out
-
-
-def describe_any(obj: Any) -> str:
-    return f"{type(obj).__name__}"

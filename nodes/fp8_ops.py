@@ -76,6 +76,7 @@ class FP8WeightMixin:
 
     fp8_format: str | None = None
     fp8_lora_patch = None          # a comfy LowVramPatch installed by MetalFP8ModelPatcher
+    fp8_hook_patch = None          # weight-hook patches (scheduled LoRA), applied after it
     _fp8_source = ""               # file name, for error messages (set on the ops class)
     _fp8_storage: torch.dtype | None = None   # uint8 to force bytes; None: keep native float8
 
@@ -161,6 +162,8 @@ class FP8WeightMixin:
         patch = self.fp8_lora_patch
         if patch is not None and not any(getattr(f, "key", None) == getattr(patch, "key", object()) for f in fns):
             fns.insert(0, patch)
+        if self.fp8_hook_patch is not None:
+            fns.insert(1 if patch is not None and fns and fns[0] is patch else 0, self.fp8_hook_patch)
         return fns
 
     def _fp8_bytes_scale(self, device):
@@ -472,6 +475,32 @@ def patcher_class():
                     if isinstance(m, FP8WeightMixin):
                         m.fp8_lora_patch = None
             return super().unpatch_model(device_to, unpatch_weights)
+
+        def patch_hook_weight_to_device(self, hooks, combined_patches, key, original_weights, memory_counter):
+            op = self._fp8_op(key)
+            if op is None:
+                return super().patch_hook_weight_to_device(hooks, combined_patches, key, original_weights,
+                                                           memory_counter)
+            if key not in combined_patches:
+                return
+            op.fp8_hook_patch = _HookPatch(key, combined_patches[key], original_weights.pop(key, None))
+
+        def unpatch_hooks(self, *args, **kwargs):
+            for m in self.model.modules():
+                if isinstance(m, FP8WeightMixin):
+                    m.fp8_hook_patch = None
+            return super().unpatch_hooks(*args, **kwargs)
+
+    class _HookPatch:
+        """Hook (scheduled) weight patches of an FP8 layer, applied to the decoded weight."""
+
+        def __init__(self, key, patches, original):
+            self.key, self.patches, self.original = key, patches, original
+
+        def __call__(self, weight):
+            kwargs = {"original_weights": {self.key: self.original}} if self.original is not None else {}
+            return comfy.lora.calculate_weight(self.patches, weight, self.key, intermediate_dtype=weight.dtype,
+                                               **kwargs)
 
     _PATCHER_CLASS = MetalFP8ModelPatcher
     return MetalFP8ModelPatcher

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import re
 import tempfile
@@ -204,7 +203,3 @@ def quantize_file(src: str, dst: str, fmt: str = "e4m3fn", rowwise: bool = False
 def fp8_error_bound(fmt: str) -> float:
     """Relative rounding error bound of a normal FP8 value (half an ulp): 2^-(mantissa bits + 1)."""
     return {"e4m3fn": 2.0 ** -4, "e5m2": 2.0 ** -3}[fmt]
-
-
-def finite(x: float) -> bool:
-    return math.isfinite(x)

@@ -9,8 +9,6 @@ the save node, and a whole node run with COMFY_METAL_BACKEND=emulator.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
