@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import re
 
 import torch
 
@@ -351,7 +352,9 @@ class MetalPromptEnhancer:
                           temperature=temperature, top_p=top_p, seed=seed,
                           eos_ids=tok.tokenizer.eos_ids() + lm.config.eos_ids(),
                           on_token=(lambda i, t: progress.update(1)) if progress is not None else None)
-        return (tok.tokenizer.decode(out, skip_special_tokens=True).strip(),)
+        text = tok.tokenizer.decode(out, skip_special_tokens=True)
+        text = re.sub(r"<think>.*?(</think>|$)", "", text, flags=re.S)   # Qwen3 reasoning blocks, if any
+        return (text.strip(),)
 
 
 class MetalMoEExpertsPatch:
