@@ -5,8 +5,8 @@ The workflow runs through ComfyUI's own executor, in this process: ComfyUI is im
 built-in nodes load, then this pack is loaded by `nodes.load_custom_node` exactly as ComfyUI does;
 `execution.validate_prompt` checks the workflow and `execution.PromptExecutor` runs it. Outputs land
 in `--out` (ComfyUI's output directory for the run; SaveImage & co. write there) next to
-`summary.json`: per node its class, seconds, peak memory (process RSS; MPS driver memory; CUDA
-max allocated) and the backend its Comfy Metal kernels used. A progress bar goes to stderr.
+`summary.json`: per node its class, seconds, peak memory (process RSS; on MPS the tensor and the
+driver memory; on CUDA max allocated) and the backend its Comfy Metal kernels used. A progress bar goes to stderr.
 
 Exit codes: 0 success, 1 the workflow failed validation or execution, 2 bad invocation (file
 missing, not JSON, UI-format workflow, no ComfyUI found).
@@ -245,6 +245,7 @@ def _memory_now(torch, mps: bool) -> dict:
         pass
     if mps:
         try:
+            out["mps_allocated"] = int(torch.mps.current_allocated_memory())
             out["mps_driver"] = int(torch.mps.driver_allocated_memory())
         except Exception:
             pass
