@@ -134,6 +134,25 @@ def test_quantize_on_load_and_save_roundtrip(comfyui, loader_mod, flux_files, tm
             assert ((a - b).norm() / b.norm()).item() < 1e-3
 
 
+def test_save_node_quantizes_a_stock_model(comfyui, loader_mod, flux_files):
+    """MetalFP8SaveModel on a MODEL from ComfyUI's stock loader (no FP8 layers): its Linear weights are
+    quantized per the keep rules into a comfy_quant file that both loaders read the same way."""
+    bf16_name, _, _ = flux_files
+    (stock_bf16,) = comfyui.nodes.UNETLoader().load_unet(bf16_name, "default")
+    name = loader_mod.MetalFP8SaveModel().save(stock_bf16, "tiny_flux_from_stock", "e4m3fn tensorwise",
+                                               False)["ui"]["text"][0]
+    comfyui.refresh_models()
+    fmt_mod = __import__(loader_mod.__name__.rsplit(".", 1)[0] + ".fp8_formats", fromlist=["x"])
+    with fmt_mod.open_checkpoint(comfyui.models_dir("diffusion_models") / name) as ck:
+        assert ck.quant_source == "comfy_quant" and len(ck.layers) >= 8
+        assert "img_in.weight" not in ck.layers and "final_layer.linear.weight" not in ck.layers
+    (ours,) = loader_mod.MetalFP8ModelLoader().load(name, "auto", "fp32")
+    (stock,) = comfyui.nodes.UNETLoader().load_unet(name, "default")
+    a, b, ref = _sample(comfyui, ours, 2), _sample(comfyui, stock, 2), _sample(comfyui, stock_bf16, 2)
+    assert ((a - b).norm() / b.norm()).item() < 1e-3
+    assert ((a - ref).norm() / ref.norm()).item() < 0.1      # FP8 stays close to the original model
+
+
 def test_lora_applies_on_decoded_weight(comfyui, loader_mod, flux_files):
     """A LoRA on an FP8 layer (ComfyUI's own LoRA loading): equals the stock loader with the same LoRA
     on the dequantized fp32 weights, and the FP8 bytes stay untouched (no re-quantization). (ComfyUI's

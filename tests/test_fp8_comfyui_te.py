@@ -69,16 +69,23 @@ def test_text_encoder_matches_stock(comfyui, loader_mod, clip_l_file):
     save_file(deq, str(folder / "clip_l_dequantized.safetensors"))
     del deq
     comfyui.refresh_models()
-    (ours,) = loader_mod.MetalFP8TextEncoderLoader().load(clip_l_file, "stable_diffusion", "cpu")
+    text = "a photo of a cat on a red sofa"
+    # Ours through ComfyUI's executor: Load Text Encoder (FP8, Metal) -> CLIPTextEncode.
+    prompt = {"1": {"class_type": "MetalFP8TextEncoderLoader",
+                    "inputs": {"clip_name": clip_l_file, "type": "stable_diffusion", "device": "cpu"}},
+              "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": text}}}
+    res = comfyui.run_prompt(prompt, execute=["1", "2"])
+    ours, ca = res.node_outputs["1"][0], res.node_outputs["2"][0]
+    ours = ours[0] if isinstance(ours, list) else ours          # the output cache keeps a list per slot
+    if not isinstance(ca[0][0], torch.Tensor):                  # conditioning = [[cond, {pooled_output}]]
+        ca = ca[0]
     (stock,) = comfyui.nodes.CLIPLoader().load_clip("clip_l_dequantized.safetensors", "stable_diffusion", "cpu")
     ops_mod = __import__(loader_mod.__name__.rsplit(".", 1)[0] + ".fp8_ops", fromlist=["x"])
     n = sum(1 for _ in ops_mod.fp8_modules(ours.cond_stage_model))
     assert n >= 48
     info = ops_mod.weight_bytes(ours.cond_stage_model)
     assert info["bytes_per_fp8_weight"] < 1.01
-    enc = comfyui.nodes.CLIPTextEncode()
-    (ca,) = enc.encode(ours, "a photo of a cat on a red sofa")
-    (cb,) = enc.encode(stock, "a photo of a cat on a red sofa")
+    (cb,) = comfyui.nodes.CLIPTextEncode().encode(stock, text)
     a, b = ca[0][0].float(), cb[0][0].float()
     pa, pb = ca[0][1]["pooled_output"].float(), cb[0][1]["pooled_output"].float()
     rel = ((a - b).norm() / b.norm()).item()
