@@ -65,8 +65,12 @@ def _conds(seed=0):
     return pos, neg
 
 
-def _sample(comfyui, model, steps=3):
+def _sample(comfyui, model, steps=3, hooks=None):
     pos, neg = _conds()
+    if hooks is not None:   # a scheduled ("hook") LoRA, attached to the conditioning as ComfyUI's nodes do
+        import comfy.hooks
+
+        pos, neg = (comfy.hooks.set_hooks_for_conditioning(c, hooks) for c in (pos, neg))
     latent = {"samples": torch.zeros(1, 16, 8, 8)}
     (out,) = comfyui.nodes.KSampler().sample(model, 7, steps, 2.0, "euler", "simple", pos, neg, latent, denoise=1.0)
     return out["samples"].float()
@@ -109,7 +113,10 @@ def test_memory_accounting_sees_fp8_bytes(comfyui, loader_mod, flux_files):
     del fp8_bytes
 
 
-def test_quantize_on_load_and_save_roundtrip(comfyui, loader_mod, flux_files, tmp_path):
+def test_quantize_on_load_and_save_roundtrip(comfyui, loader_mod, flux_files, tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="comfy_metal")
     bf16_name, fp8_name, _ = flux_files
     ops_mod = __import__(loader_mod.__name__.rsplit(".", 1)[0] + ".fp8_ops", fromlist=["x"])
     saver = loader_mod.MetalFP8SaveModel()
@@ -118,6 +125,10 @@ def test_quantize_on_load_and_save_roundtrip(comfyui, loader_mod, flux_files, tm
         layers = dict(ops_mod.fp8_modules(q.model))
         assert len(layers) >= 8
         assert all((m.weight_scale.numel() > 1) == mode.endswith("rowwise") for m in layers.values())
+        # The per-layer error summary is in the log.
+        assert any("layers quantized" in r.getMessage() and "relative error" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records][-5:]
+        caplog.clear()
         stem = "tiny_flux_saved_" + mode.split()[1]
         name = saver.save(q, stem, "e4m3fn tensorwise", False)["ui"]["text"][0]
         comfyui.refresh_models()
@@ -182,6 +193,16 @@ def test_lora_applies_on_decoded_weight(comfyui, loader_mod, flux_files):
     assert rel < 1e-3
     assert torch.equal(op.weight.detach().cpu(), before.cpu()) and op.weight.element_size() == 1
     assert op.fp8_lora_patch is None   # unpatched after sampling
+    # The same LoRA as a weight hook (Create Hook LoRA + conditioning hooks): applied on the decoded weight.
+    import comfy.hooks
+
+    hooked = [_sample(comfyui, m.clone(), 2, hooks=comfy.hooks.create_hook_lora(dict(lora), 1.0, 0.0))
+              for m in (ours, stock)]
+    rel_hook = ((hooked[0] - hooked[1]).norm() / hooked[1].norm()).item()
+    print(f"hook lora: ours vs stock rel {rel_hook:.2e}")
+    assert rel_hook < 1e-3
+    assert ((hooked[0] - outs[0]).norm() / outs[0].norm()).item() < 1e-3    # same as the plain LoRA
+    assert torch.equal(op.weight.detach().cpu(), before.cpu()) and op.fp8_hook_patch is None
 
 
 def test_loader_node_through_executor_and_emulator(comfyui, loader_mod, flux_files, monkeypatch):
