@@ -266,7 +266,7 @@ def crossover_table(quick: bool) -> Table:
     t = Table(f"FP8 Linear {n}x{k} on {device.type}: GEMV kernel vs decode + matmul, by rows M",
               ["M", "gemv ms", "decode+matmul ms", "gemv / decode", "backend"])
     reps = 3 if quick else 10
-    best = None
+    faster = []
     for m in (1, 2, 4, 8, 16, 32) if quick else (1, 2, 4, 8, 12, 16, 32, 64):
         x = torch.randn(m, k, generator=g).to(device, dtype)
         tg = _time(lambda: mk.gemv(x, wq, None, fmt="e4m3fn", scale=scale, out_dtype=dtype), reps)
@@ -274,9 +274,14 @@ def crossover_table(quick: bool) -> Table:
         from ..metal_kernels import dispatch
 
         t.add(m, round(tg * 1e3, 3), round(td * 1e3, 3), f"{tg / td:.2f}x", dispatch.last_backend.get("gemv", "?"))
-        if best is None and tg > td:
-            best = m
-    t.note = (f"GEMV is faster up to M={best - 1 if best else 'all measured'}; the FP8 Linear uses GEMV for M <= 8."
+        faster.append((m, tg < td))
+    upto = 0
+    for m, ok in faster:
+        if not ok:
+            break
+        upto = m
+    where = f"GEMV is faster for every measured M up to {upto}" if upto else "GEMV was not faster at M=1"
+    t.note = (f"{where}; the FP8 Linear uses GEMV for M <= 8."
               + ("" if device.type == "mps" else " (No MPS: these are the pure-torch reference paths.)"))
     return t
 
