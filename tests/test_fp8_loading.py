@@ -207,6 +207,8 @@ PEAK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"),
+                    reason="needs Linux /proc (peak RSS reset via clear_refs, VmHWM)")
 @pytest.mark.parametrize("mode", ["auto", "e4m3fn tensorwise"])
 def test_peak_rss_during_load(tmp_path, mode):
     """Subprocess: peak RSS during load + first forward <= file size + 10% + the largest layer decoded.
