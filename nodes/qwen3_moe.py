@@ -26,7 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..metal_kernels import dispatch as kernel_dispatch
 from ..metal_kernels import moe as moe_kernels
+
+try:  # the shared single-row GEMV (FP8/bf16), for decode-time dense layers on the GPU
+    from ..metal_kernels.linear import GEMV_MAX_M, gemv
+except ImportError:  # pragma: no cover - older kernel module
+    gemv, GEMV_MAX_M = None, 0
 
 log = logging.getLogger("comfy_metal")
 
@@ -153,6 +159,15 @@ def _linear(i, o, bias=False):
     return m
 
 
+def _lin(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """A dense layer: the single-row GEMV kernel for a few rows where it runs as a kernel (Metal, or
+    the emulator), else F.linear."""
+    if gemv is not None and x.numel() <= GEMV_MAX_M * x.shape[-1] and \
+            kernel_dispatch.choose(gemv.spec, x.device)[0] != "reference":
+        return gemv(x, layer.weight, getattr(layer, "bias", None))
+    return F.linear(x, layer.weight, getattr(layer, "bias", None))
+
+
 def _rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -194,9 +209,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, start: int):
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.h, self.d)
-        k = self.k_proj(x).view(B, S, self.hkv, self.d)
-        v = self.v_proj(x).view(B, S, self.hkv, self.d).transpose(1, 2)
+        q = _lin(x, self.q_proj).view(B, S, self.h, self.d)
+        k = _lin(x, self.k_proj).view(B, S, self.hkv, self.d)
+        v = _lin(x, self.v_proj).view(B, S, self.hkv, self.d).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -210,7 +225,7 @@ class Attention(nn.Module):
             k = k[:, :, None].expand(B, self.hkv, rep, T, self.d).reshape(B, self.h, T, self.d)
             v = v[:, :, None].expand(B, self.hkv, rep, T, self.d).reshape(B, self.h, T, self.d)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(o.transpose(1, 2).reshape(B, S, self.h * self.d))
+        return _lin(o.transpose(1, 2).reshape(B, S, self.h * self.d), self.o_proj)
 
 
 class DenseMLP(nn.Module):
@@ -221,7 +236,7 @@ class DenseMLP(nn.Module):
         self.down_proj = _linear(inter, hidden)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return _lin(F.silu(_lin(x, self.gate_proj)) * _lin(x, self.up_proj), self.down_proj)
 
 
 class SparseMoE(nn.Module):
@@ -247,14 +262,14 @@ class SparseMoE(nn.Module):
     def forward(self, x):
         B, S, H = x.shape
         flat = x.reshape(-1, H)
-        logits = F.linear(flat, self.gate.weight)
+        logits = _lin(flat, self.gate)
         weights, experts = moe_kernels.moe_route(logits, self.top_k, norm=self.norm)
         weights = weights.to(logits.dtype)
         out = moe_kernels.moe_experts_forward(flat, experts, weights, self.gate_up, self.down,
                                               activation="silu_glu", gate_up_scale=self.gate_up_scale,
                                               down_scale=self.down_scale, fmt=self.fmt)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            out = out + torch.sigmoid(_lin(flat, self.shared_expert_gate)) * self.shared_expert(flat)
         return out.view(B, S, H)
 
 
@@ -335,8 +350,7 @@ class Qwen3MoeLM(nn.Module):
                 out["hidden_states"][-1] = normed
             if logits:
                 h = normed[:, -1:] if logits == "last" else normed
-                w = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
-                out["logits"] = F.linear(h, w)
+                out["logits"] = _lin(h, self.lm_head if self.lm_head is not None else self.embed_tokens)
         return out
 
     # -------------------------------------------------------------------------------- generation
@@ -605,7 +619,10 @@ def build_model(src: _TensorSource, cfg: MoEConfig, dtype: torch.dtype, device, 
     E, I = cfg.num_experts, cfg.moe_intermediate_size
 
     def put(module, name, tensor):
-        setattr(module, name, nn.Parameter(tensor.to(device), requires_grad=False))
+        t = tensor.to(device).contiguous()
+        if t.data_ptr() % 64:  # safetensors data is only 8-byte aligned: own, aligned memory for vector loads
+            t = t.clone()
+        setattr(module, name, nn.Parameter(t, requires_grad=False))
 
     put(model.embed_tokens, "weight", L.dense(f"{p}embed_tokens.weight", (V, H)))
     put(model.norm, "weight", L.dense(f"{p}norm.weight", (H,)))
