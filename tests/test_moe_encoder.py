@@ -102,7 +102,7 @@ def test_loader_and_encode_node_in_emulator(tiny, monkeypatch):
         got = clip_e.encode_from_tokens_scheduled(clip_e.tokenize("a big dog under the blue sky"))[0][0]
         assert dispatch.last_backend["moe_route"] == "emulator"
         assert dispatch.last_backend["moe_experts_gemm"] == "emulator"
-        assert dispatch.last_backend.get("gemv", "emulator") == "emulator"   # dense layers of <= 8 rows
+        assert dispatch.last_backend["gemv"] == "emulator"   # dense layers of <= 8 rows (7 tokens)
         (text,) = moe_encoder.MetalPromptEnhancer().enhance(clip_e, "a cat", "", 3, 0.0, 1.0, 0)
     finally:
         dispatch.reset()
