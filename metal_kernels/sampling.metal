@@ -34,7 +34,8 @@ inline float sampler_normal(uint hidx, uint key_a, uint key_b) {
     uint h2 = sampler_hash32(hidx ^ key_b);
     float u1 = (float(h1 >> 8) + 0.5f) * (1.0f / 16777216.0f);
     float u2 = float(h2 >> 8) * (1.0f / 16777216.0f);
-    return sqrt(-2.0f * log(u1)) * cos(6.2831853071795864f * u2);
+    // precise:: -- fast-math cos is only good to 2^-13 on [-pi, pi] and the angle spans [0, 2pi).
+    return precise::sqrt(-2.0f * precise::log(u1)) * precise::cos(6.2831853071795864f * u2);
 }
 
 // sum_k w_k * N(node k) for element i; keys holds two 32-bit keys per node.

@@ -201,25 +201,30 @@ def _element_hashes(start: int, count: int, device) -> torch.Tensor:
     return cached
 
 
-_CHUNK = 1 << 20
+_BATCH_ELEMENTS = 1 << 23  # (nodes x elements) per vectorised batch: 32 MiB of int32
 
 
 def device_noise_reference(noise: DeviceNoise, shape, device, dtype=torch.float32) -> torch.Tensor:
-    """The DeviceNoise materialised with torch ops (same bits as the kernel), float32 math."""
+    """The DeviceNoise materialised with torch ops (same bits as the kernel), float32 math. All nodes
+    are hashed in one (2K, chunk) pass and combined with one matrix-vector product."""
     numel = math.prod(shape)
-    out = torch.zeros(numel, dtype=torch.float32, device=device)
+    k = len(noise.weights)
+    if k == 0 or numel == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    out = torch.empty(numel, dtype=torch.float32, device=device)
+    keys = torch.tensor([_i32(v) for v in noise.keys], dtype=torch.int32, device=device).view(k, 2).t()
+    keys = keys.reshape(2 * k, 1)  # rows 0..k-1: first keys, k..2k-1: second keys
+    weights = torch.tensor(noise.weights, dtype=torch.float32, device=device)
+    chunk = max(1, _BATCH_ELEMENTS // (2 * k))
     two_pi = 6.2831853071795864
-    for start in range(0, numel, _CHUNK):
-        count = min(_CHUNK, numel - start)
-        hidx = _element_hashes(start, count, device)
-        acc = out[start:start + count]
-        for k, w in enumerate(noise.weights):
-            h1 = _hash32_i32_(hidx ^ _i32(noise.keys[2 * k]))
-            h2 = _hash32_i32_(hidx ^ _i32(noise.keys[2 * k + 1]))
-            u1 = h1.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32).add_(0.5).mul_(1.0 / 16777216.0)
-            u2 = h2.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32).mul_(two_pi / 16777216.0)
-            z = u1.log_().mul_(-2.0).sqrt_().mul_(u2.cos_())
-            acc.add_(z, alpha=w)
+    for start in range(0, numel, chunk):
+        count = min(chunk, numel - start)
+        h = _hash32_i32_(_element_hashes(start, count, device).unsqueeze(0) ^ keys)
+        h = h.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32)
+        u1, u2 = h[:k], h[k:]
+        z = u1.add_(0.5).mul_(1.0 / 16777216.0).log_().mul_(-2.0).sqrt_()
+        z.mul_(u2.mul_(two_pi / 16777216.0).cos_())
+        torch.mv(z.t(), weights, out=out[start:start + count])
     return out.view(shape).to(dtype)
 
 
