@@ -205,6 +205,41 @@ def test_lora_applies_on_decoded_weight(comfyui, loader_mod, flux_files):
     assert torch.equal(op.weight.detach().cpu(), before.cpu()) and op.fp8_hook_patch is None
 
 
+def test_lora_full_and_lowvram_loads_agree(comfyui, loader_mod, flux_files):
+    """ComfyUI's two ways of loading a patched layer: fully loaded (MetalFP8ModelPatcher installs the
+    patch) and lowvram (ComfyUI's own LowVramPatch in weight_function); both give decode + LoRA."""
+    import comfy.model_patcher
+    import comfy.sd
+
+    _, fp8_name, _ = flux_files
+    (ours,) = loader_mod.MetalFP8ModelLoader().load(fp8_name, "auto", "fp32")
+    key = "diffusion_model.single_blocks.0.linear1.weight"
+    op = ours.model.get_submodule(key.rsplit(".", 1)[0])
+    g = torch.Generator().manual_seed(4)
+    up, down = torch.randn(op.out_features, 2, generator=g), torch.randn(2, op.in_features, generator=g)
+    layer = key[: -len(".weight")]
+    p, _ = comfy.sd.load_lora_for_models(ours, None, {f"{layer}.lora_up.weight": up,
+                                                      f"{layer}.lora_down.weight": down}, 0.5, 0)
+    x = torch.randn(12, op.in_features, generator=g)
+    want = torch.nn.functional.linear(x, op.fp8_decoded_weight(dtype=torch.float32) + 0.5 * up @ down, op.bias)
+    cpu = torch.device("cpu")
+    p.patch_model(device_to=cpu, lowvram_model_memory=0)          # full load
+    assert op.fp8_lora_patch is not None
+    y_full = op(x)
+    p.unpatch_model(cpu)
+    assert op.fp8_lora_patch is None
+    y_plain = op(x)
+    p.patch_model(device_to=cpu, lowvram_model_memory=1)          # nothing fits: every layer lowvram
+    assert any(isinstance(f, comfy.model_patcher.LowVramPatch) for f in op.weight_function)
+    y_low, y_low_gemv = op(x), op(x[:2])                           # M = 2 with a patch: decode path
+    p.unpatch_model(cpu)
+    assert not op.weight_function and op.weight.element_size() == 1
+    torch.testing.assert_close(y_full, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y_low, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y_low_gemv, want[:2], rtol=1e-5, atol=1e-5)
+    assert (y_plain - want).abs().max() > 1e-2
+
+
 def test_loader_node_through_executor_and_emulator(comfyui, loader_mod, flux_files, monkeypatch):
     """MetalFP8ModelLoader runs as a node through ComfyUI's executor; then the loaded model's forward
     runs fp8_decode and gemv through the MSL emulator."""
