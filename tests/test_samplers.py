@@ -455,6 +455,22 @@ def test_matches_comfyui_sampler(comfyui, case, kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["eps", "flow"])
+def test_res_multistep_with_eta_matches_comfyui_ancestral(comfyui, kind, reference_backend):
+    """res_multistep_metal(eta > 0) is ComfyUI's res_multistep_ancestral (exact noise)."""
+    import comfy.k_diffusion.sampling as kds
+    import comfy.samplers
+
+    model = ToyDenoiser(_comfy_model_sampling(kind))
+    ms = model.inner_model.inner_model.model_sampling
+    sigmas = comfy.samplers.calculate_sigmas(ms, "karras" if kind == "eps" else "simple", 6).float()
+    x = torch.randn(1, 4, 5, 7, generator=torch.Generator().manual_seed(8)) * sigmas[0]
+    want = kds.sample_res_multistep_ancestral(model, x.clone(), sigmas.clone(), extra_args={"seed": 3}, disable=True,
+                                              eta=0.8, s_noise=0.9)
+    got = _run("res_multistep", model, x, sigmas, extra_args={"seed": 3}, noise_mode="exact", eta=0.8, s_noise=0.9)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["eps", "flow"])
 @pytest.mark.parametrize("name", ["euler_ancestral", "dpmpp_2m_sde", "dpmpp_3m_sde"])
 def test_fast_noise_statistics_match_comfyui(comfyui, name, kind, reference_backend):
     """Fast noise is a different draw of the same process: over many seeds the per-element mean and
