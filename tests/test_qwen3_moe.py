@@ -246,3 +246,47 @@ def test_single_file_without_config_infers_shapes(tiny, tmp_path):
                   "head_dim", "num_experts", "moe_intermediate_size"):
         assert getattr(c, field) == getattr(want, field), field
     assert c.num_experts_per_tok == min(8, want.num_experts)
+
+
+def test_block_scaled_fp8_checkpoint_matches_dequantized(tiny, tmp_path):
+    """Qwen's official FP8 layout: every linear weight float8_e4m3fn with `weight_scale_inv` block scales
+    (quantization_config.weight_block_size in config.json); decoded at load, equal to the fp32 model
+    holding the same dequantized values."""
+    folder, _, _ = tiny
+    from safetensors.torch import load_file, save_file
+
+    block = 16
+    sd = load_file(str(folder / "model.safetensors"))
+    deq = {}
+    for k, v in list(sd.items()):
+        if k.endswith("proj.weight") and v.dim() == 2:
+            n, m = v.shape
+            bn, bm = -(-n // block), -(-m // block)
+            pad = torch.zeros(bn * block, bm * block)
+            pad[:n, :m] = v
+            blocks = pad.view(bn, block, bm, block)
+            s = blocks.abs().amax(dim=(1, 3)) / 448.0 + 1e-12
+            q = (blocks / s[:, None, :, None]).view(bn * block, bm * block)[:n, :m].to(torch.float8_e4m3fn)
+            sd[k] = q
+            sd[k + "_scale_inv"] = s
+            deq[k] = (q.float() * s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :m])
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block]}
+    for name, tensors, config in (("fp8", sd, cfg), ("ref", {k: deq.get(k, v) for k, v in sd.items()
+                                                           if not k.endswith("_scale_inv")}, None)):
+        d = tmp_path / name
+        d.mkdir()
+        save_file(tensors, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps(config or json.loads((folder / "config.json").read_text())))
+        (d / "tokenizer.json").write_text((folder / "tokenizer.json").read_text())
+    m8 = qwen3_moe.load(tmp_path / "fp8", dtype=torch.float32)
+    mr = qwen3_moe.load(tmp_path / "ref", dtype=torch.float32)
+    ids = torch.tensor([[5, 9, 17, 3, 40, 41, 7, 8, 22, 63, 1, 2, 30]])
+    with torch.no_grad():
+        a = m8.model(ids)["last_hidden_state"]
+        b = mr.model(ids)["last_hidden_state"]
+    assert (a - b).abs().max().item() < 1e-5
+    # and it is really a different model from the unquantized one
+    with torch.no_grad():
+        c = qwen3_moe.load(folder, dtype=torch.float32).model(ids)["last_hidden_state"]
+    assert (a - c).abs().max().item() > 1e-4
