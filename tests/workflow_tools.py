@@ -89,7 +89,8 @@ def check_value(node: str, name: str, spec, value, allow_missing_files: bool) ->
     elif kind == "COMBO":
         options = combo_options(spec)
         if value not in options:
-            is_file = isinstance(value, str) and value.lower().endswith(MODEL_FILE_SUFFIXES)
+            # a model file, or a model folder ("name/", as the MoE loader lists Hugging Face folders)
+            is_file = isinstance(value, str) and (value.lower().endswith(MODEL_FILE_SUFFIXES) or value.endswith("/"))
             if not (allow_missing_files and is_file):
                 return [f"{where}: {value!r} is not one of {options[:8]}{'...' if len(options) > 8 else ''}"]
     if kind in ("INT", "FLOAT"):
