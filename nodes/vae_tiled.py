@@ -1,0 +1,199 @@
+"""ComfyUI nodes: "VAE Decode (Low Memory, Metal)" and "VAE Encode (Low Memory, Metal)".
+
+Single-pass feathered tiling within a memory budget (nodes/vae_tiling.py), on the VAE object ComfyUI
+hands the node: SD/SDXL (4 ch) and Flux/SD3 (16 ch) KL VAEs, Wan 2.1 / Qwen-Image and Wan 2.2 causal
+video VAEs. Any other VAE falls back to ComfyUI's own tiled decode/encode with a log line.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import vae_tiling
+
+log = logging.getLogger("comfy_metal")
+
+SEAM_MODES = ["feather", "feather + shared statistics"]
+GIB = 1 << 30
+
+
+def _common_inputs():
+    return {
+        "memory_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 512.0, "step": 0.25,
+                                       "tooltip": "Working memory for the tiles in GiB (weights and the output "
+                                                  "come on top). 0 = auto from the device's free memory."}),
+        "overlap": ("INT", {"default": 0, "min": 0, "max": 128, "step": 1,
+                            "tooltip": "Tile overlap in latent pixels. 0 = auto (a quarter of the tile, up to 16)."}),
+        "temporal_chunk": ("INT", {"default": 0, "min": 0, "max": 4096, "step": 1,
+                                   "tooltip": "Video VAEs: latent frames per chunk. 0 = auto: the VAE's own causal "
+                                              "chunking with a per-tile temporal cache (exact in time, flat memory). "
+                                              "Only used when falling back to ComfyUI's tiled decode."}),
+        "temporal_overlap": ("INT", {"default": 0, "min": 0, "max": 64, "step": 1,
+                                     "tooltip": "Video VAEs: latent frames of overlap for ComfyUI's fallback tiled "
+                                                "decode. 0 = auto. The causal path needs none."}),
+        "seam_mode": (SEAM_MODES, {"default": SEAM_MODES[0],
+                                   "tooltip": "feather: one pass, each tile normalises itself, seams hidden by "
+                                              "feathered overlaps. shared statistics: GroupNorm VAEs gather each "
+                                              "GroupNorm's statistics over all tiles first (one extra pass)."}),
+    }
+
+
+class _Progress:
+    """comfy.utils.ProgressBar over tiles, created once the tile count is known."""
+
+    def __init__(self):
+        self.bar = None
+
+    def __call__(self, done, total):
+        try:
+            import comfy.utils
+
+            if self.bar is None:
+                self.bar = comfy.utils.ProgressBar(total)
+            self.bar.update_absolute(done, total)
+        except Exception:   # no ComfyUI (tests) or an old ProgressBar: the log still has the ETA
+            pass
+
+
+def _options(memory_budget_gb, overlap, seam_mode):
+    return vae_tiling.TilingOptions(
+        budget_bytes=int(memory_budget_gb * GIB),
+        overlap=overlap or None,
+        shared_stats=(seam_mode == SEAM_MODES[1]),
+        progress=_Progress(),
+    )
+
+
+def _load(vae, budget_bytes):
+    try:
+        import comfy.model_management as mm
+
+        mm.load_models_gpu([vae.patcher], memory_required=max(1, budget_bytes),
+                           force_full_load=getattr(vae, "disable_offload", False))
+    except Exception as e:   # no ComfyUI (a bare VAE object in tests) or an API that moved
+        if "comfy" not in str(e) and not isinstance(e, (ImportError, AttributeError)):
+            raise
+
+
+def _device_context(vae):
+    try:
+        import comfy.model_management as mm
+
+        return mm.cuda_device_context(vae.device)
+    except Exception:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+class MetalVAEDecodeTiled:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",), "vae": ("VAE",), **_common_inputs()}}
+
+    RETURN_TYPES = ("IMAGE",)
+    FUNCTION = "decode"
+    CATEGORY = "latent/metal"
+    DESCRIPTION = ("Decodes in one pass of overlapping feathered tiles within a memory budget; video VAEs "
+                   "decode causally chunk by chunk with a temporal cache per tile (memory flat in frames).")
+
+    def decode(self, samples, vae, memory_budget_gb=0.0, overlap=0, temporal_chunk=0, temporal_overlap=0,
+               seam_mode=SEAM_MODES[0]):
+        if getattr(vae, "first_stage_model", None) is None:
+            raise ValueError("VAE Decode (Low Memory, Metal): the VAE input is empty (the checkpoint has no VAE)")
+        latent = samples["samples"]
+        if getattr(latent, "is_nested", False):
+            latent = latent.unbind()[0]
+        if getattr(vae, "latent_dim", 2) == 2 and latent.ndim == 5:
+            latent = latent[:, :, 0]
+        codec = vae_tiling.codec_from_comfy(vae)
+        if codec is None:
+            return (self._fallback(vae, latent, overlap, temporal_chunk, temporal_overlap),)
+        if latent.shape[1] != codec.latent_channels:
+            raise ValueError(f"VAE Decode (Low Memory, Metal): the latent has {latent.shape[1]} channels "
+                             f"(shape {tuple(latent.shape)}) but this VAE expects {codec.latent_channels}")
+        opt = _options(memory_budget_gb, overlap, seam_mode)
+        budget = opt.budget_bytes or vae_tiling.auto_budget(codec.device)
+        opt.budget_bytes = budget
+        _load(vae, budget)
+        engine = vae_tiling.TiledVAE(codec, opt)
+        with _device_context(vae):
+            out = engine.decode(latent)
+        info = engine.info
+        log.info(f"comfy_metal: VAE decode {tuple(latent.shape)} -> {tuple(out.shape)} in {info.seconds:.1f}s: "
+                 f"{info.tiles} tiles of {info.tile} latent px (overlap {info.overlap}), {info.passes} pass(es)"
+                 + (", shared GroupNorm statistics" if info.shared_stats else "")
+                 + (f", {info.retries} OOM retries" if info.retries else "")
+                 + (", CPU fallback" if info.cpu_fallback else ""))
+        out = vae.process_output(out)
+        out = out.to(device=getattr(vae, "output_device", out.device),
+                     dtype=vae.vae_output_dtype() if hasattr(vae, "vae_output_dtype") else torch.float32)
+        images = out.movedim(1, -1)
+        if images.ndim == 5:
+            images = images.reshape(-1, *images.shape[-3:])
+        return (images,)
+
+    def _fallback(self, vae, latent, overlap, temporal_chunk, temporal_overlap):
+        log.info(f"comfy_metal: VAE Decode (Low Memory, Metal) has no tiling codec for "
+                 f"{type(vae.first_stage_model).__name__}; using ComfyUI's own tiled decode")
+        compression = vae.spacial_compression_decode()
+        tile = max(8, 512 // compression)
+        kwargs = dict(tile_x=tile, tile_y=tile, overlap=overlap or max(1, 64 // compression))
+        if latent.ndim == 5 and vae.temporal_compression_decode() is not None:
+            kwargs["tile_t"] = temporal_chunk or None
+            kwargs["overlap_t"] = temporal_overlap or None
+        images = vae.decode_tiled(latent, **kwargs)
+        if images.ndim == 5:
+            images = images.reshape(-1, *images.shape[-3:])
+        return images
+
+
+class MetalVAEEncodeTiled:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"pixels": ("IMAGE",), "vae": ("VAE",), **_common_inputs()}}
+
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "encode"
+    CATEGORY = "latent/metal"
+    DESCRIPTION = "Encodes in one pass of overlapping feathered tiles within a memory budget."
+
+    def encode(self, pixels, vae, memory_budget_gb=0.0, overlap=0, temporal_chunk=0, temporal_overlap=0,
+               seam_mode=SEAM_MODES[0]):
+        if getattr(vae, "first_stage_model", None) is None:
+            raise ValueError("VAE Encode (Low Memory, Metal): the VAE input is empty (the checkpoint has no VAE)")
+        if pixels.ndim not in (4, 5) or pixels.shape[-1] < 1:
+            raise ValueError(f"VAE Encode (Low Memory, Metal): expected an IMAGE [batch, height, width, channels], "
+                             f"got shape {tuple(pixels.shape)}")
+        codec = vae_tiling.codec_from_comfy(vae)
+        if codec is None or codec.encode is None:
+            log.info(f"comfy_metal: VAE Encode (Low Memory, Metal) has no tiling codec for "
+                     f"{type(vae.first_stage_model).__name__}; using ComfyUI's own tiled encode")
+            return ({"samples": vae.encode_tiled(pixels[..., :3], tile_x=512, tile_y=512, overlap=overlap * 8 or 64)},)
+        x = vae.vae_encode_crop_pixels(pixels).movedim(-1, 1)
+        if getattr(vae, "latent_dim", 2) == 3 and x.ndim < 5:
+            x = x.unsqueeze(2) if getattr(vae, "not_video", False) else x.movedim(1, 0).unsqueeze(0)
+        raw_encode = codec.encode
+        codec.encode = lambda t: raw_encode(vae.process_input(t))
+        opt = _options(memory_budget_gb, overlap, seam_mode)
+        opt.budget_bytes = opt.budget_bytes or vae_tiling.auto_budget(codec.device)
+        _load(vae, opt.budget_bytes)
+        engine = vae_tiling.TiledVAE(codec, opt)
+        with _device_context(vae):
+            out = engine.encode(x)
+        out = out.to(device=getattr(vae, "output_device", out.device),
+                     dtype=vae.vae_output_dtype() if hasattr(vae, "vae_output_dtype") else torch.float32)
+        if getattr(vae, "format_encoded", None) is not None:
+            out = vae.format_encoded(out)
+        return ({"samples": out},)
+
+
+NODE_CLASS_MAPPINGS = {
+    "MetalVAEDecodeTiled": MetalVAEDecodeTiled,
+    "MetalVAEEncodeTiled": MetalVAEEncodeTiled,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "MetalVAEDecodeTiled": "VAE Decode (Low Memory, Metal)",
+    "MetalVAEEncodeTiled": "VAE Encode (Low Memory, Metal)",
+}

@@ -1,0 +1,752 @@
+"""The tiling engine behind "VAE Decode (Low Memory, Metal)" and its encode counterpart.
+
+It works on any *codec*: a small adapter with `decode(z_tile)` / `encode(x_tile)` around a VAE's own
+modules (ComfyUI's VAE objects, diffusers' AutoencoderKL / AutoencoderKLWan, or a bare function), so
+the core is testable without ComfyUI.
+
+* One pass: the latent is cut into overlapping tiles (planned on the latent grid); each decoded tile
+  is weighted by a separable feather mask whose weights sum to exactly 1 over every output pixel
+  (complementary cosine ramps inside each overlap) and added into an fp32 accumulator by the
+  `vae_blend_accumulate` kernel (Metal on MPS). No normalisation buffer, no second or third pass.
+* Shared statistics (GroupNorm VAEs): a first pass over all tiles gathers, for every GroupNorm call,
+  the mean and variance of each group over the tiles' *core* regions (the cores partition the image,
+  so each pixel counts once: pixel-count weighted, combined with Chan's parallel formula); the
+  second pass normalises every tile with those whole-image statistics. The GroupNorms are wrapped
+  for the duration of the call only (instance-level forward override, restored in `finally`).
+* Video (causal 3D VAEs: Wan 2.1 / Qwen-Image, Wan 2.2): each spatial tile is decoded chunk by
+  chunk through the VAE's own decoder with its own temporal feature cache (`feat_cache`), and each
+  chunk goes straight into the accumulator, so working memory is flat in the number of frames.
+* Budget: the tile size comes from a linear cost model (peak = a + b * tile latent area) calibrated
+  by measuring the peak of two small tiles on the actual device (CUDA peak allocated; elsewhere the
+  live bytes of every tensor the decode allocates, tracked by a TorchDispatchMode).
+* Padding: on MPS with torch < 2.15 the VAE's constant/replicate F.pad calls on 4-D/5-D tensors go
+  through the `vae_pad` kernel (TorchFunctionMode, active only inside this call).
+* OOM: halve the tile and redo the pass (warning); below the minimum tile, decode on the CPU with a
+  clear message. The input latent is never modified.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+import weakref
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+log = logging.getLogger("comfy_metal")
+
+MIN_TILE = 8            # latent pixels: below this, OOM falls back to the CPU
+RAMP_FRACTION = 0.5     # the feather ramp spans the middle half of each overlap (the outer quarter of a
+                        # tile's overlap, where zero padding contaminates it, gets weight 0)
+
+# ---------------------------------------------------------------- tile planning and feather masks
+
+
+def plan_axis(size: int, tile: int, overlap: int) -> list[tuple[int, int]]:
+    """[(start, end)] tiles of length `tile` covering [0, size) with at least `overlap` overlap, evenly
+    spread (at most two tiles over any position: overlap is clamped to tile // 2)."""
+    size, tile = int(size), int(tile)
+    if size <= tile:
+        return [(0, size)]
+    overlap = max(0, min(int(overlap), tile // 2))
+    n = math.ceil((size - overlap) / (tile - overlap))
+    n = max(n, 2)
+    starts = [round(k * (size - tile) / (n - 1)) for k in range(n)]
+    return [(s, s + tile) for s in starts]
+
+
+def _ramp(length: int) -> torch.Tensor:
+    """Rising weights over an overlap of `length` output pixels; ramp(i) + ramp(length-1-i) == 1."""
+    if length <= 0:
+        return torch.zeros(0)
+    i = torch.arange(length, dtype=torch.float64) + 0.5
+    flat = (1.0 - RAMP_FRACTION) / 2 * length
+    u = ((i - flat) / max(length - 2 * flat, 1e-9)).clamp(0, 1)
+    return (0.5 - 0.5 * torch.cos(math.pi * u)).float()
+
+
+def axis_weights(plan: list[tuple[int, int]], k: int, scale: int) -> torch.Tensor:
+    """Feather weights of tile k along one axis, in output pixels (latent * scale). Complementary ramps
+    over each overlap with the neighbours, 1 elsewhere: the weights of all tiles sum to 1."""
+    s, e = plan[k]
+    w = torch.ones((e - s) * scale)
+    if k > 0:
+        ov = (plan[k - 1][1] - s) * scale
+        if ov > 0:
+            w[:ov] = _ramp(ov)
+    if k + 1 < len(plan):
+        ov = (e - plan[k + 1][0]) * scale
+        if ov > 0:
+            w[len(w) - ov:] = 1.0 - _ramp(ov)
+    return w
+
+
+def axis_core(plan: list[tuple[int, int]], k: int) -> tuple[int, int]:
+    """Tile k's core along one axis, relative to its start: the cores partition [0, size) (split at
+    the middle of each overlap)."""
+    s, e = plan[k]
+    lo = s if k == 0 else (s + plan[k - 1][1]) // 2
+    hi = e if k + 1 == len(plan) else (plan[k + 1][0] + e) // 2
+    return lo - s, hi - s
+
+
+@dataclasses.dataclass
+class Tile:
+    y: tuple[int, int]          # latent-grid rows [start, end)
+    x: tuple[int, int]
+    core_y: tuple[int, int]     # core, relative to the tile start, latent grid
+    core_x: tuple[int, int]
+    wy_index: int
+    wx_index: int
+
+
+def plan_tiles(h: int, w: int, tile_h: int, tile_w: int, overlap: int):
+    """Tiles over an h x w latent grid and the per-axis plans."""
+    py, px = plan_axis(h, tile_h, overlap), plan_axis(w, tile_w, overlap)
+    tiles = [Tile(py[i], px[j], axis_core(py, i), axis_core(px, j), i, j)
+             for i in range(len(py)) for j in range(len(px))]
+    return tiles, py, px
+
+
+# ---------------------------------------------------------------- memory measurement
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of live tensor storages allocated by ops under this mode (per device type): a
+    tracemalloc-style measurement that works on CPU and MPS alike."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _free(self, key):
+        n = self.live.pop(key, 0)
+        self.current -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                try:
+                    s = t.untyped_storage()
+                except Exception:
+                    continue
+                key = id(s)
+                if key in self.live:
+                    continue
+                n = s.nbytes()
+                self.live[key] = n
+                self.current += n
+                weakref.finalize(s, self._free, key)
+        if self.current > self.peak:
+            self.peak = self.current
+        return out
+
+
+@contextlib.contextmanager
+def measure_peak(device: torch.device):
+    """Yields a dict; after the block, dict["peak"] = peak bytes allocated inside it on `device`."""
+    result = {"peak": 0}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        yield result
+        torch.cuda.synchronize(device)
+        result["peak"] = torch.cuda.max_memory_allocated(device) - base
+        return
+    tracker = LiveTensorBytes()
+    with tracker:
+        yield result
+    result["peak"] = tracker.peak
+
+
+def auto_budget(device: torch.device) -> int:
+    """Bytes a decode may use when the node's budget is 0 (auto)."""
+    try:
+        if device.type == "mps":
+            rec = torch.mps.recommended_max_memory()
+            used = torch.mps.driver_allocated_memory()
+            return max(int((rec - used) * 0.6), 512 << 20)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return max(int(free * 0.7), 256 << 20)
+    except Exception:
+        pass
+    try:
+        import psutil
+
+        return max(int(psutil.virtual_memory().available * 0.4), 256 << 20)
+    except Exception:
+        return 2 << 30
+
+
+def is_oom(e: BaseException) -> bool:
+    if isinstance(e, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    msg = str(e).lower()
+    return isinstance(e, (RuntimeError, MemoryError)) and (
+        "out of memory" in msg or "can't allocate memory" in msg or "cannot allocate memory" in msg
+        or isinstance(e, MemoryError))
+
+
+# ---------------------------------------------------------------- scoped Metal padding
+
+
+def _torch_before(major: int, minor: int) -> bool:
+    try:
+        v = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return v < (major, minor)
+
+
+class MetalPadMode(TorchFunctionMode):
+    """Route F.pad(4-D/5-D, constant|replicate, non-negative pads) on the given device types through
+    the `vae_pad` kernel. Active only inside `with`; other calls pass through untouched."""
+
+    def __init__(self, device_types=("mps",)):
+        super().__init__()
+        self.device_types = set(device_types)
+        self.routed = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.pad or func is torch._C._nn.pad:
+            x = args[0] if args else kwargs.get("input")
+            pad = args[1] if len(args) > 1 else kwargs.get("pad")
+            mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
+            value = args[3] if len(args) > 3 else kwargs.get("value", None)
+            if (isinstance(x, torch.Tensor) and x.device.type in self.device_types and x.dim() in (4, 5)
+                    and mode in ("constant", "replicate") and pad is not None and all(int(p) >= 0 for p in pad)
+                    and (mode == "constant" or len(pad) == 2 * (x.dim() - 2))
+                    and (x.dim() == 5 or len(pad) <= 4)
+                    and x.dtype in (torch.float32, torch.float16, torch.bfloat16)):
+                from ..metal_kernels.vae import vae_pad
+
+                self.routed += 1
+                return vae_pad(x, tuple(int(p) for p in pad), mode=mode, value=float(value or 0.0))
+        return func(*args, **kwargs)
+
+
+def pad_mode_for(device: torch.device, force: bool | None = None):
+    """The scoped pad router when it is needed (MPS with torch < 2.15), or `force` says so."""
+    if force or (force is None and device.type == "mps" and _torch_before(2, 15)):
+        return MetalPadMode(device_types=(device.type,))
+    return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------- shared GroupNorm statistics
+
+
+class SharedGroupNormStats:
+    """Within `with`, every torch.nn.GroupNorm under `root` is wrapped (instance attribute `forward`,
+    removed on exit). mode "gather": normal per-tile GroupNorm, while each call's per-group
+    count/mean/M2 over the current tile's core region is accumulated. mode "apply": normalise with
+    the gathered whole-image statistics."""
+
+    def __init__(self, root: torch.nn.Module):
+        self.modules = [m for m in root.modules() if isinstance(m, torch.nn.GroupNorm)]
+        self.stats: dict[tuple[int, int], list] = {}
+        self.new_stats: dict[tuple[int, int], list] = {}
+        self.mode = "gather"
+        self.core = None          # ((y0, y1), (x0, x1), (tile_h, tile_w)) in latent-grid units
+        self._calls: dict[int, int] = {}
+        self._saved = []
+
+    def __bool__(self):
+        return bool(self.modules)
+
+    def __enter__(self):
+        for m in self.modules:
+            had = "forward" in m.__dict__
+            self._saved.append((m, had, m.__dict__.get("forward")))
+            m.forward = self._make_forward(m, m.forward)
+        return self
+
+    def __exit__(self, *exc):
+        for m, had, fwd in reversed(self._saved):
+            if had:
+                m.forward = fwd
+            else:
+                m.__dict__.pop("forward", None)
+        self._saved.clear()
+        return False
+
+    def start_tile(self, tile: Tile):
+        self.core = (tile.core_y, tile.core_x, (tile.y[1] - tile.y[0], tile.x[1] - tile.x[0]))
+        self._calls.clear()
+
+    def _region(self, x: torch.Tensor) -> torch.Tensor:
+        (cy0, cy1), (cx0, cx1), (th, tw) = self.core
+        h, w = x.shape[-2:]
+        return x[..., round(cy0 * h / th):round(cy1 * h / th), round(cx0 * w / tw):round(cx1 * w / tw)]
+
+    def _make_forward(self, m: torch.nn.GroupNorm, original):
+        def forward(x, *args, **kwargs):
+            idx = self._calls.get(id(m), 0)
+            self._calls[id(m)] = idx + 1
+            key = (id(m), idx)
+            if x.dim() < 4:   # e.g. attention norms on [N, C, h*w]: the tile geometry is unknown there
+                return original(x, *args, **kwargs)
+            if self.mode in ("gather", "refine") and self.core is not None:
+                self._gather(m, x, key)
+            if self.mode in ("apply", "refine") and key in self.stats and self.stats[key][0] > 0:
+                return self._apply(m, x, key)
+            return original(x, *args, **kwargs)
+        return forward
+
+    def next_pass(self, mode: str):
+        """Start a pass: "gather" (per-tile norm, collect), "refine" (normalise with the statistics so
+        far while collecting better ones), "apply" (normalise with the collected statistics)."""
+        if self.mode in ("gather", "refine") and self.new_stats:
+            self.stats = self.new_stats
+        self.new_stats = {}
+        self.mode = mode
+
+    def _gather(self, m, x, key):
+        g = m.num_groups
+        r = self._region(x)
+        n_b = r.numel() // max(1, r.shape[0] * g)
+        if n_b == 0:
+            return
+        v = r.reshape(r.shape[0], g, -1).float()
+        mean_b = v.mean(-1)
+        m2_b = ((v - mean_b[..., None]) ** 2).sum(-1)
+        if key not in self.new_stats:
+            self.new_stats[key] = [n_b, mean_b, m2_b]
+            return
+        n_a, mean_a, m2_a = self.new_stats[key]
+        n = n_a + n_b
+        delta = mean_b - mean_a
+        self.new_stats[key] = [n, mean_a + delta * (n_b / n), m2_a + m2_b + delta * delta * (n_a * n_b / n)]
+
+    def _apply(self, m, x, key):
+        n, mean, m2 = self.stats[key]
+        g = m.num_groups
+        shape = x.shape
+        var = m2 / n
+        v = x.reshape(shape[0], g, -1).float()
+        v = (v - mean[..., None].to(v.device)) * torch.rsqrt(var[..., None].to(v.device) + m.eps)
+        v = v.reshape(shape)
+        if m.affine and m.weight is not None:
+            bshape = (1, -1) + (1,) * (len(shape) - 2)
+            v = v * m.weight.to(device=v.device, dtype=torch.float32).view(bshape) \
+                + m.bias.to(device=v.device, dtype=torch.float32).view(bshape)
+        return v.to(x.dtype)
+
+
+# ---------------------------------------------------------------- codecs
+
+
+@dataclasses.dataclass
+class Codec:
+    """How to run one VAE on tiles.
+
+    decode(z) -> pixels for an image latent tile [N, C, h, w] (or a video tile, whole);
+    decode_stream(z) -> iterator of pixel chunks [N, C, tc, H, W] in time order (causal video VAEs,
+        each spatial tile with its own temporal cache); None for image VAEs;
+    encode(x) -> latent for a pixel tile (already in the VAE's input range).
+    scale: spatial pixels per latent pixel. module: the nn.Module holding the weights (GroupNorm
+    discovery, CPU fallback). device/dtype: where and in what the VAE runs.
+    """
+    name: str
+    scale: int
+    decode: Callable | None
+    encode: Callable | None = None
+    decode_stream: Callable | None = None
+    module: torch.nn.Module | None = None
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    video: bool = False
+    out_channels: int = 3
+    latent_channels: int = 4
+
+    def frames_out(self, t_latent: int) -> int:
+        return t_latent if not self.video else 1 + 4 * (t_latent - 1)
+
+
+def _module_device_dtype(module):
+    for p in module.parameters():
+        return p.device, p.dtype
+    return torch.device("cpu"), torch.float32
+
+
+def codec_from_diffusers(vae) -> Codec:
+    """diffusers AutoencoderKL (image) or AutoencoderKLWan (causal video)."""
+    device, dtype = _module_device_dtype(vae)
+    cls = type(vae).__name__
+    if cls == "AutoencoderKLWan":
+        import importlib
+
+        wan = importlib.import_module(type(vae).__module__)
+        patch = vae.config.patch_size
+
+        def stream(z):
+            x = vae.post_quant_conv(z)
+            counts = getattr(vae, "_cached_conv_counts", None)
+            n = counts["decoder"] if counts else sum(isinstance(m, wan.WanCausalConv3d) for m in vae.decoder.modules())
+            cache = [None] * n
+            for i in range(x.shape[2]):
+                out = vae.decoder(x[:, :, i:i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0))
+                if patch is not None:
+                    out = wan.unpatchify(out, patch_size=patch)
+                yield out.clamp(-1.0, 1.0)
+
+        def encode(x):
+            return vae.encode(x).latent_dist.mode()
+
+        scale = int(vae.spatial_compression_ratio) if hasattr(vae, "spatial_compression_ratio") else 8
+        return Codec("diffusers-wan", scale, decode=lambda z: vae.decode(z).sample, encode=encode,
+                     decode_stream=stream, module=vae, device=device, dtype=dtype, video=True,
+                     out_channels=3, latent_channels=vae.config.z_dim)
+    if cls in ("AutoencoderKL",):
+        scale = 2 ** (len(vae.config.block_out_channels) - 1)
+        return Codec("diffusers-kl", scale, decode=lambda z: vae.decode(z).sample,
+                     encode=lambda x: vae.encode(x).latent_dist.mode(), module=vae, device=device, dtype=dtype,
+                     out_channels=vae.config.out_channels, latent_channels=vae.config.latent_channels)
+    raise TypeError(f"no tiling codec for diffusers model {cls}")
+
+
+def codec_from_comfy(vae) -> Codec | None:
+    """A codec over a ComfyUI VAE object (comfy.sd.VAE) for the architectures we know; None otherwise
+    (the node then uses ComfyUI's own tiled decode)."""
+    fsm = getattr(vae, "first_stage_model", None)
+    if fsm is None:
+        return None
+    device = torch.device(getattr(vae, "device", "cpu"))
+    dtype = getattr(vae, "vae_dtype", torch.float32)
+    mod = type(fsm).__module__
+    cls = type(fsm).__name__
+    latent_dim = getattr(vae, "latent_dim", 2)
+    scale = vae.spacial_compression_decode() if hasattr(vae, "spacial_compression_decode") else 8
+    if getattr(vae, "handles_tiling", False) or getattr(fsm, "comfy_has_chunked_io", False):
+        return None
+    if latent_dim == 2 and cls in ("AutoencoderKL", "AutoencodingEngine", "AutoencodingEngineLegacy") \
+            and type(getattr(fsm, "decoder", None)).__name__ == "Decoder" \
+            and type(fsm.decoder).__module__.endswith("diffusionmodules.model") \
+            and getattr(fsm, "bn", None) is None and getattr(vae, "extra_1d_channel", None) is None:
+        return Codec("comfy-kl", int(scale), decode=lambda z: fsm.decode(z), encode=lambda x: fsm.encode(x),
+                     module=fsm, device=device, dtype=dtype, out_channels=getattr(vae, "output_channels", 3),
+                     latent_channels=vae.latent_channels)
+    if latent_dim == 3 and cls == "WanVAE" and mod.endswith("wan.vae"):
+        def stream(z):
+            import comfy.ldm.wan.vae as wan
+
+            cache = [None] * wan.count_cache_layers(fsm.decoder)
+            x = fsm.conv2(z)
+            chunks = [(0, 1)] + [(1 + 2 * (i - 1), min(1 + 2 * i, x.shape[2])) for i in range(1, 1 + x.shape[2] // 2)]
+            for a, b in chunks:
+                if a >= b:
+                    continue
+                out = fsm.decoder(x[:, :, a:b], feat_cache=cache, feat_idx=[0])
+                yield torch.cat(out, 2) if isinstance(out, (list, tuple)) else out
+        return Codec("comfy-wan21", int(scale), decode=lambda z: fsm.decode(z), encode=lambda x: fsm.encode(x),
+                     decode_stream=stream, module=fsm, device=device, dtype=dtype, video=True,
+                     out_channels=getattr(vae, "conv_out_channels", 3), latent_channels=vae.latent_channels)
+    if latent_dim == 3 and cls == "WanVAE" and mod.endswith("wan.vae2_2"):
+        def stream(z):
+            import comfy.ldm.wan.vae2_2 as wan
+
+            counter = getattr(wan, "count_conv3d", None)
+            cache = [None] * (counter(fsm.decoder) if counter else 256)
+            x = fsm.conv2(z)
+            for i in range(x.shape[2]):
+                out = fsm.decoder(x[:, :, i:i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0))
+                if isinstance(out, (list, tuple)):
+                    out = torch.cat(out, 2)
+                yield wan.unpatchify(out, patch_size=2)
+        return Codec("comfy-wan22", int(scale), decode=lambda z: fsm.decode(z), encode=lambda x: fsm.encode(x),
+                     decode_stream=stream, module=fsm, device=device, dtype=dtype, video=True,
+                     out_channels=3, latent_channels=vae.latent_channels)
+    return None
+
+
+def codec_from_fn(decode_fn, scale: int, encode_fn=None, module=None, device="cpu", dtype=torch.float32) -> Codec:
+    """A codec over bare functions (tests, custom VAEs)."""
+    return Codec("function", int(scale), decode=decode_fn, encode=encode_fn, module=module,
+                 device=torch.device(device), dtype=dtype)
+
+
+# ---------------------------------------------------------------- the engine
+
+
+@dataclasses.dataclass
+class TilingOptions:
+    budget_bytes: int = 0          # 0 = auto
+    tile: int | None = None        # latent pixels per side; None = from the budget
+    overlap: int | None = None     # latent pixels; None = auto (tile // 4, at least 4 latent px... capped)
+    shared_stats: bool = False
+    refine_passes: int = 0         # shared statistics: extra passes re-gathering under the gathered statistics
+    route_pads: bool | None = None  # None = auto (MPS, torch < 2.15)
+    progress: Callable[[int, int], None] | None = None   # (done, total)
+    output_device: torch.device | str | None = None       # None = compute device if it fits the budget, else CPU
+    calibrate: bool = True
+    cpu_fallback: bool = True
+
+
+@dataclasses.dataclass
+class RunInfo:
+    tile: int = 0
+    overlap: int = 0
+    tiles: int = 0
+    passes: int = 0
+    retries: int = 0
+    cpu_fallback: bool = False
+    seconds: float = 0.0
+    calibration: dict = dataclasses.field(default_factory=dict)
+    pads_routed: int = 0
+    shared_stats: bool = False
+
+
+def default_overlap(tile: int) -> int:
+    return max(2, min(tile // 4, 16))
+
+
+class TiledVAE:
+    """Tiled decode/encode of one codec. `decode(latent)` / `encode(pixels)` return fp32 tensors on
+    the output device; `info` describes the last run."""
+
+    def __init__(self, codec: Codec, options: TilingOptions | None = None):
+        self.codec = codec
+        self.opt = options or TilingOptions()
+        self.info = RunInfo()
+
+    # ---- cost model
+
+    def _measure_tile(self, fn, z: torch.Tensor) -> int:
+        with measure_peak(self.codec.device) as m, torch.inference_mode():
+            out = fn(z)
+            if isinstance(out, Iterator) or hasattr(out, "__next__"):
+                for _ in out:
+                    pass
+            del out
+        return int(m["peak"])
+
+    def calibrate(self, fn, sample: torch.Tensor, encode: bool = False) -> tuple[float, float]:
+        """(a, b) of peak = a + b * tile_area (latent pixels), from two small tiles on the device."""
+        f = self.codec.scale if encode else 1
+        h, w = sample.shape[-2] // f, sample.shape[-1] // f
+        sides = [s for s in (8, 16) if s <= max(h, w) or s == 8]
+        pts = []
+        for s in sides:
+            th, tw = min(s, h), min(s, w)
+            shape = list(sample.shape)
+            shape[-2], shape[-1] = th * f, tw * f
+            if self.codec.video and not encode:
+                shape[2] = min(shape[2], 2)   # first chunk + one steady-state chunk
+            z = torch.randn(shape, device=self.codec.device, dtype=self.codec.dtype)
+            pts.append((th * tw, self._measure_tile(fn, z)))
+        if len(pts) == 1 or pts[1][0] == pts[0][0]:
+            a, b = 0.0, pts[0][1] / max(1, pts[0][0])
+        else:
+            (p1, m1), (p2, m2) = pts
+            b = max((m2 - m1) / (p2 - p1), m2 / p2 * 0.5)
+            a = max(0.0, m2 - b * p2)
+        self.info.calibration = {"points": pts, "a": a, "b": b}
+        return a, b
+
+    def _tile_for_budget(self, fn, sample, budget: int, h: int, w: int, encode=False) -> int:
+        a, b = self.calibrate(fn, sample, encode=encode)
+        area = max((budget * 0.85 - a) / max(b, 1e-9), MIN_TILE * MIN_TILE)
+        side = int(math.sqrt(area))
+        if side >= max(h, w):
+            return max(h, w)
+        # one short axis: give its unused area to the other
+        if h < side:
+            side = max(side, int(area // h))
+        elif w < side:
+            side = max(side, int(area // w))
+        return max(MIN_TILE, side)
+
+    # ---- public
+
+    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+        return self._run(latent, encode=False)
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels: [N, C, H, W] or [N, C, T, H, W] in the VAE's input range, H and W multiples of scale."""
+        return self._run(pixels, encode=True)
+
+    def _run(self, x: torch.Tensor, encode: bool) -> torch.Tensor:
+        c = self.codec
+        fn = c.encode if encode else (c.decode_stream or c.decode)
+        if fn is None:
+            raise ValueError(f"the {c.name} VAE has no {'encoder' if encode else 'decoder'}")
+        t_start = time.perf_counter()
+        self.info = RunInfo()
+        f = c.scale
+        if encode:
+            h, w = x.shape[-2] // f, x.shape[-1] // f
+            if h * f != x.shape[-2] or w * f != x.shape[-1]:
+                raise ValueError(f"encode: pixel size {tuple(x.shape[-2:])} must be a multiple of {f}")
+        else:
+            h, w = x.shape[-2:]
+        budget = self.opt.budget_bytes or auto_budget(c.device)
+        tile = self.opt.tile
+        if tile is None:
+            tile = self._tile_for_budget(fn, x, budget, h, w, encode=encode) if self.opt.calibrate else 64
+        tile = max(1, min(int(tile), max(h, w)))
+        device = c.device
+        while True:
+            try:
+                out = self._pass_all(x, fn, tile, encode, device)
+                break
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                e = None
+                if device.type == "cpu" and tile <= MIN_TILE:
+                    raise
+                if tile > MIN_TILE:
+                    new = max(MIN_TILE, tile // 2)
+                    log.warning(f"comfy_metal: VAE {'encode' if encode else 'decode'} ran out of memory with "
+                                f"{tile}px latent tiles; retrying with {new}px tiles")
+                    tile = new
+                    self.info.retries += 1
+                    _empty_cache(device)
+                    continue
+                if not self.opt.cpu_fallback:
+                    raise
+                log.warning(f"comfy_metal: VAE {'encode' if encode else 'decode'} does not fit on {device} even "
+                            f"with {tile}px latent tiles; decoding on the CPU (slow, but the latent is kept)")
+                self.info.cpu_fallback = True
+                device = torch.device("cpu")
+                _empty_cache(c.device)
+        self.info.seconds = time.perf_counter() - t_start
+        return out
+
+    def _pass_all(self, x, fn, tile, encode, device):
+        c = self.codec
+        f = c.scale
+        module_moved = False
+        if device != c.device and c.module is not None:
+            c.module.to(device=device, dtype=torch.float32)
+            module_moved = True
+        dtype = c.dtype if device == c.device else torch.float32
+        try:
+            h, w = (x.shape[-2] // f, x.shape[-1] // f) if encode else x.shape[-2:]
+            overlap = self.opt.overlap if self.opt.overlap is not None else default_overlap(tile)
+            th, tw = min(tile, h), min(tile, w)
+            if self.opt.tile is None and h < tile:      # spend the unused area on the long axis
+                tw = min(w, max(tw, tile * tile // max(h, 1)))
+            elif self.opt.tile is None and w < tile:
+                th = min(h, max(th, tile * tile // max(w, 1)))
+            tiles, py, px = plan_tiles(h, w, th, tw, overlap)
+            self.info.tile, self.info.overlap, self.info.tiles = tile, overlap, len(tiles)
+            shared = None
+            if self.opt.shared_stats and c.module is not None and not c.video:
+                shared = SharedGroupNormStats(c.module)
+                if not shared:
+                    log.info("comfy_metal: the VAE has no GroupNorm; shared statistics are not needed")
+                    shared = None
+            self.info.shared_stats = shared is not None
+            passes = (["gather"] + ["refine"] * self.opt.refine_passes + ["apply"]) if shared is not None else ["apply"]
+            total_steps = len(tiles) * len(passes)
+            step = [0]
+            t0 = time.perf_counter()
+            out = None
+            pads = pad_mode_for(device, self.opt.route_pads)
+            with contextlib.ExitStack() as stack:
+                if shared is not None:
+                    stack.enter_context(shared)
+                stack.enter_context(torch.inference_mode())
+                stack.enter_context(pads)
+                for pass_name in passes:
+                    if shared is not None:
+                        shared.next_pass(pass_name)
+                    acc = None
+                    for tile_ in tiles:
+                        if shared is not None:
+                            shared.start_tile(tile_)
+                        acc = self._one_tile(x, fn, tile_, py, px, encode, device, dtype, acc,
+                                             write=(pass_name == "apply"))
+                        step[0] += 1
+                        self._progress(step[0], total_steps, t0)
+                    self.info.passes += 1
+                    out = acc
+            if isinstance(pads, MetalPadMode):
+                self.info.pads_routed = pads.routed
+            return out
+        finally:
+            if module_moved:
+                c.module.to(device=c.device, dtype=c.dtype)
+
+    def _progress(self, done, total, t0):
+        if self.opt.progress is not None:
+            self.opt.progress(done, total)
+        elapsed = time.perf_counter() - t0
+        if total > 1 and (done == total or done % max(1, total // 10) == 0):
+            eta = elapsed / done * (total - done)
+            log.info(f"comfy_metal: VAE tile {done}/{total}, {elapsed:.1f}s elapsed, ETA {eta:.1f}s")
+
+    def _out_device(self, device, nbytes):
+        if self.opt.output_device is not None:
+            return torch.device(self.opt.output_device)
+        budget = self.opt.budget_bytes or auto_budget(device)
+        return device if nbytes <= budget * 0.25 else torch.device("cpu")
+
+    def _one_tile(self, x, fn, t: Tile, py, px, encode, device, dtype, acc, write: bool):
+        f = self.codec.scale
+        (y0, y1), (x0, x1) = t.y, t.x
+        if encode:
+            src = x[..., y0 * f:y1 * f, x0 * f:x1 * f]
+            oscale = 1
+        else:
+            src = x[..., y0:y1, x0:x1]
+            oscale = f
+        src = src.to(device=device, dtype=dtype)
+        wy = axis_weights(py, t.wy_index, oscale)
+        wx = axis_weights(px, t.wx_index, oscale)
+        outs = fn(src)
+        if not (isinstance(outs, Iterator) or hasattr(outs, "__next__")):
+            outs = iter([outs])
+        t_off = 0
+        for chunk in outs:
+            if not write:
+                t_off += chunk.shape[2] if chunk.dim() == 5 else 1
+                continue
+            if acc is None:
+                full_h, full_w = py[-1][1] * oscale, px[-1][1] * oscale
+                shape = list(chunk.shape[:2])
+                if chunk.dim() == 5:
+                    streaming = not encode and self.codec.decode_stream is not None
+                    shape.append(self.codec.frames_out(x.shape[2]) if streaming else chunk.shape[2])
+                shape += [full_h, full_w]
+                nbytes = math.prod(shape) * 4
+                acc = torch.zeros(shape, dtype=torch.float32, device=self._out_device(device, nbytes))
+            if chunk.shape[-2:] != (len(wy), len(wx)):
+                raise RuntimeError(f"the VAE returned a tile of {tuple(chunk.shape[-2:])} pixels for a "
+                                   f"{(y1 - y0, x1 - x0)} latent tile; expected {(len(wy), len(wx))}")
+            if chunk.dim() == 5 and t_off + chunk.shape[2] > acc.shape[2]:
+                raise RuntimeError(f"the VAE produced more frames ({t_off + chunk.shape[2]}) than expected ({acc.shape[2]})")
+            from ..metal_kernels.vae import vae_blend_accumulate
+
+            chunk = chunk.to(acc.device)
+            off = (t_off, y0 * oscale, x0 * oscale) if chunk.dim() == 5 else (y0 * oscale, x0 * oscale)
+            vae_blend_accumulate(acc, chunk, wy.to(acc.device), wx.to(acc.device), off)
+            t_off += chunk.shape[2] if chunk.dim() == 5 else 1
+            del chunk
+        return acc
+
+
+def _empty_cache(device):
+    import gc
+
+    gc.collect()
+    try:
+        if device.type == "mps":
+            torch.mps.empty_cache()
+        elif device.type == "cuda":
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
