@@ -92,6 +92,44 @@ def test_flux_fp8_matches_stock_loader(comfyui, loader_mod, flux_files):
     assert rel < 1e-3, rel
 
 
+def test_wan_fp8_matches_stock_loader(comfyui, loader_mod):
+    """A second architecture: a tiny Wan 2.1 t2v (Conv3d patch embedding, 5-D video latents)."""
+    import comfy.ldm.wan.model
+    import comfy.ops
+    from safetensors.torch import save_file
+
+    quant = __import__(loader_mod.__name__.rsplit(".", 1)[0] + ".fp8_quantize", fromlist=["x"])
+    ops_mod = __import__(loader_mod.__name__.rsplit(".", 1)[0] + ".fp8_ops", fromlist=["x"])
+    folder = comfyui.models_dir("diffusion_models")
+    net = comfy.ldm.wan.model.WanModel(model_type="t2v", dim=128, ffn_dim=256, num_heads=1, num_layers=2,
+                                       dtype=torch.float32, operations=comfy.ops.manual_cast)
+    fm.fill_module_(net, seed=2)
+    src = folder / "tiny_wan_bf16.safetensors"
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in net.state_dict().items()}, str(src))
+    del net
+    dst = folder / "tiny_wan_fp8.safetensors"
+    if dst.exists():
+        dst.unlink()
+    summary = quant.quantize_file(str(src), str(dst), "e4m3fn")
+    assert len(summary.errors) >= 10, summary.text()
+    comfyui.refresh_models()
+    (ours,) = loader_mod.MetalFP8ModelLoader().load(dst.name, "auto", "fp32")
+    (stock,) = comfyui.nodes.UNETLoader().load_unet(dst.name, "default")
+    assert type(ours.model).__name__ == type(stock.model).__name__ == "WAN21"
+    # The oracle really is ComfyUI's own FP8 path (its QuantizedTensor weights), not our op set.
+    assert sum(type(getattr(m, "weight", None)).__name__ == "QuantizedTensor" for m in stock.model.modules()) \
+        == len(summary.errors)
+    assert sum(1 for _ in ops_mod.fp8_modules(ours.model)) == len(summary.errors)
+    g = torch.Generator().manual_seed(0)
+    pos, neg = [[torch.randn(1, 9, 4096, generator=g), {}]], [[torch.randn(1, 9, 4096, generator=g), {}]]
+    latent = {"samples": torch.zeros(1, 16, 2, 8, 8)}
+    outs = [comfyui.nodes.KSampler().sample(m, 3, 3, 3.0, "euler", "simple", pos, neg, latent)[0]["samples"].float()
+            for m in (ours, stock)]
+    rel = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
+    print(f"wan fp8 ours vs stock: rel {rel:.2e}")
+    assert torch.isfinite(outs[0]).all() and rel < 1e-3
+
+
 def test_memory_accounting_sees_fp8_bytes(comfyui, loader_mod, flux_files):
     import comfy.model_management as mm
 
