@@ -543,6 +543,24 @@ def test_ksampler_dropdown_has_metal_entries(comfyui):
     assert comfy.samplers.SAMPLER_NAMES == before
 
 
+def test_object_info_lists_metal_samplers(comfyui):
+    """What the UI sees: KSampler, KSamplerAdvanced and KSamplerSelect offer <name>_metal; MetalSamplerSelect
+    is a node with its four inputs returning SAMPLER."""
+    metal = [f"{n}_metal" for n in S.SAMPLER_NAMES]
+    for node in ("KSampler", "KSamplerAdvanced"):
+        info = comfyui.object_info(node)[node]
+        options = info["input"]["required"]["sampler_name"][0]
+        assert all(m in options for m in metal) and "euler" in options, node
+    select = comfyui.object_info("KSamplerSelect")["KSamplerSelect"]
+    raw = select["input"]["required"]["sampler_name"]
+    options = raw[1]["options"] if raw[0] == "COMBO" else raw[0]
+    assert all(m in options for m in metal)
+    ours = comfyui.object_info("MetalSamplerSelect")["MetalSamplerSelect"]
+    assert set(ours["input"]["required"]) == {"sampler_name", "noise_mode", "eta", "s_noise"}
+    assert ours["output"] == ["SAMPLER"]
+    assert ours["input"]["required"]["sampler_name"][0] == list(S.SAMPLER_NAMES)
+
+
 @pytest.mark.parametrize("kind", ["eps", "flow"])
 @pytest.mark.parametrize("name", ["euler", "dpmpp_2m_sde"])
 def test_ksampler_end_to_end_same_latent(comfyui, tiny_unets, name, kind, monkeypatch, reference_backend):
