@@ -176,3 +176,81 @@ MOE_GEMM_FOR_X(half, half, MOE_LOAD_PLAIN)
 MOE_GEMM_FOR_X(bfloat, bfloat, MOE_LOAD_PLAIN)
 MOE_GEMM_FOR_X(e4m3, uchar, MOE_LOAD_E4M3)
 MOE_GEMM_FOR_X(e5m2, uchar, MOE_LOAD_E5M2)
+
+// moe_grouped_gemm_<W>_<X>: tiled grouped GEMM for prefill over pairs sorted by expert.
+//   out[r, n] = scale[e, n] * sum_h W[e, n, h] * x[r, h] + bias[e, n] for the rows r of each tile.
+//   The tile table (built on the device by the launcher, fixed size ceil(P/32) + E) gives each row
+//   tile its expert, first row and row count (<= 32, one expert per tile; 0 rows = an unused tile).
+//   A threadgroup of 256 threads computes 32 rows x 32 columns: 32-wide K steps staged in
+//   threadgroup memory, each weight element read once per tile instead of once per row.
+#define MOE_TM 32
+#define MOE_TN 32
+#define MOE_TK 32
+
+#define MOE_GROUPED_KERNEL(NAME, WT, XT, LOAD)                                                      \
+kernel void NAME(device const XT* x [[buffer(0)]],                                                  \
+                 device const long* tile_expert [[buffer(1)]],                                      \
+                 device const long* tile_row0 [[buffer(2)]],                                        \
+                 device const long* tile_rows [[buffer(3)]],                                        \
+                 device const WT* w [[buffer(4)]],                                                  \
+                 device const float* scale [[buffer(5)]],                                           \
+                 device const float* bias [[buffer(6)]],                                            \
+                 device float* out [[buffer(7)]],                                                   \
+                 constant long& ncols [[buffer(8)]],                                                \
+                 constant long& kdim [[buffer(9)]],                                                 \
+                 constant long& scale_stride_e [[buffer(10)]],                                      \
+                 constant long& scale_stride_n [[buffer(11)]],                                      \
+                 constant long& has_bias [[buffer(12)]],                                            \
+                 uint tid [[thread_index_in_threadgroup]],                                          \
+                 uint group [[threadgroup_position_in_grid]]) {                                     \
+    threadgroup float xs[MOE_TM][MOE_TK + 1];                                                       \
+    threadgroup float ws[MOE_TN][MOE_TK + 1];                                                       \
+    const long col_tiles = (ncols + MOE_TN - 1) / MOE_TN;                                           \
+    const long t = long(group) / col_tiles;                                                         \
+    const long n0 = (long(group) % col_tiles) * MOE_TN;                                             \
+    const long rows = tile_rows[t];                                                                 \
+    if (rows <= 0) return;                  /* whole group leaves together: no barrier divergence */ \
+    const long e = tile_expert[t];                                                                  \
+    const long r0 = tile_row0[t];                                                                   \
+    const long my_row = long(tid) / 8;                                                              \
+    const long my_col = (long(tid) % 8) * 4;                                                        \
+    float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;                                       \
+    for (long k0 = 0; k0 < kdim; k0 += MOE_TK) {                                                    \
+        for (long i = tid; i < MOE_TM * MOE_TK; i += 256) {                                         \
+            const long r = i / MOE_TK, c = i % MOE_TK;                                              \
+            xs[r][c] = (r < rows && k0 + c < kdim) ? float(x[(r0 + r) * kdim + k0 + c]) : 0.0f;     \
+            ws[r][c] = (n0 + r < ncols && k0 + c < kdim) ? LOAD(w, (e * ncols + n0 + r) * kdim + k0 + c) : 0.0f; \
+        }                                                                                           \
+        threadgroup_barrier(mem_flags::mem_threadgroup);                                            \
+        for (long c = 0; c < MOE_TK; ++c) {                                                         \
+            const float xv = xs[my_row][c];                                                         \
+            acc0 += xv * ws[my_col][c];                                                             \
+            acc1 += xv * ws[my_col + 1][c];                                                         \
+            acc2 += xv * ws[my_col + 2][c];                                                         \
+            acc3 += xv * ws[my_col + 3][c];                                                         \
+        }                                                                                           \
+        threadgroup_barrier(mem_flags::mem_threadgroup);                                            \
+    }                                                                                               \
+    if (my_row < rows) {                                                                            \
+        const float accs[4] = {acc0, acc1, acc2, acc3};                                             \
+        for (long j = 0; j < 4; ++j) {                                                              \
+            const long n = n0 + my_col + j;                                                         \
+            if (n < ncols) {                                                                        \
+                float v = accs[j] * scale[e * scale_stride_e + n * scale_stride_n];                 \
+                if (has_bias != 0) v += bias[e * ncols + n];                                        \
+                out[(r0 + my_row) * ncols + n] = v;                                                 \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+}
+
+#define MOE_GROUPED_FOR_X(WNAME, WT, LOAD)                                                          \
+MOE_GROUPED_KERNEL(moe_grouped_gemm_##WNAME##_float, WT, float, LOAD)                               \
+MOE_GROUPED_KERNEL(moe_grouped_gemm_##WNAME##_half, WT, half, LOAD)                                 \
+MOE_GROUPED_KERNEL(moe_grouped_gemm_##WNAME##_bfloat, WT, bfloat, LOAD)
+
+MOE_GROUPED_FOR_X(float, float, MOE_LOAD_PLAIN)
+MOE_GROUPED_FOR_X(half, half, MOE_LOAD_PLAIN)
+MOE_GROUPED_FOR_X(bfloat, bfloat, MOE_LOAD_PLAIN)
+MOE_GROUPED_FOR_X(e4m3, uchar, MOE_LOAD_E4M3)
+MOE_GROUPED_FOR_X(e5m2, uchar, MOE_LOAD_E5M2)

@@ -24,7 +24,8 @@ import torch
 from . import dispatch
 from .registry import KernelSpec, register
 
-__all__ = ["moe_route", "moe_experts_gemm", "moe_group", "moe_grouped_linear", "moe_experts_forward"]
+__all__ = ["moe_route", "moe_experts_gemm", "moe_grouped_gemm", "moe_group", "moe_grouped_linear",
+           "moe_experts_forward"]
 
 MSL_TYPE = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
 FP8_FORMATS = {"e4m3fn": "e4m3", "e5m2": "e5m2"}
@@ -32,6 +33,7 @@ MAX_EXPERTS = 1024          # moe.metal MOE_MAX_EXPERTS
 GEMM_ROWS = 8               # moe.metal MOE_ROWS
 GEMM_GROUP = 256            # threads per group of moe_experts_gemm: 8 simdgroups = 8 output columns
 DECODE_MAX_PAIRS = 64       # token-expert pairs up to which the unsorted per-pair kernel is used
+TILED_MIN_ROWS_PER_EXPERT = 8   # sorted rows per expert (on average) from which the tiled grouped kernel runs
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -262,6 +264,114 @@ moe_experts_gemm = register(KernelSpec(
 ))
 
 
+# ---------------------------------------------------------------------- tiled grouped GEMM (prefill)
+
+TILE = 32   # MOE_TM = MOE_TN in moe.metal
+
+
+def _check_grouped(xs, offsets, weight):
+    if weight.dim() != 3:
+        raise ValueError(f"moe_grouped_gemm: weight must be an [experts, out, in] bank, got shape {tuple(weight.shape)}")
+    if xs.dim() != 2 or xs.shape[1] != weight.shape[2]:
+        raise ValueError(f"moe_grouped_gemm: xs must be [rows, {weight.shape[2]}], got {tuple(xs.shape)}")
+    if xs.dtype not in MSL_TYPE:
+        raise TypeError(f"moe_grouped_gemm: xs dtype {xs.dtype} is not supported")
+    if offsets.dim() != 1 or offsets.shape[0] != weight.shape[0]:
+        raise ValueError(f"moe_grouped_gemm: offsets must have one entry per expert ({weight.shape[0]}), "
+                         f"got shape {tuple(offsets.shape)}")
+
+
+def row_experts_from_offsets(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """Expert of each sorted row from cumulative counts (sync-free)."""
+    return torch.searchsorted(offsets.to(torch.int64), torch.arange(rows, device=offsets.device), right=True)
+
+
+def moe_grouped_gemm_reference(xs, offsets, weight, scale=None, bias=None, fmt=None):
+    """Rows xs [P, K] sorted by expert (offsets = cumulative rows per expert) times their expert's
+    weight: fp32 [P, N] = scale[e] * weight[e] @ xs[p] + bias[e]."""
+    _check_grouped(xs, offsets, weight)
+    return moe_experts_gemm_reference(xs, row_experts_from_offsets(offsets, xs.shape[0]), weight, scale, bias, fmt=fmt)
+
+
+def tile_table(offsets: torch.Tensor, rows: int):
+    """(tile_expert, tile_row0, tile_rows) int64 [ceil(rows/32) + E]: each expert's rows cut into tiles
+    of <= 32; unused tiles have 0 rows. Fixed size, built with device ops only."""
+    E = offsets.shape[0]
+    off = offsets.to(torch.int64)
+    counts = torch.diff(off, prepend=off.new_zeros(1))
+    starts = off - counts
+    tiles = (counts + TILE - 1) // TILE
+    tile_end = torch.cumsum(tiles, 0)
+    T = (rows + TILE - 1) // TILE + E
+    t = torch.arange(T, device=off.device)
+    e = torch.searchsorted(tile_end, t, right=True)
+    valid = e < E
+    ec = e.clamp(max=E - 1)
+    local = t - (tile_end[ec] - tiles[ec])
+    row0 = starts[ec] + local * TILE
+    nrows = (counts[ec] - local * TILE).clamp(0, TILE) * valid
+    return ec.contiguous(), row0.contiguous(), nrows.contiguous()
+
+
+def moe_grouped_gemm_metal(lib, xs, offsets, weight, scale=None, bias=None, fmt=None):
+    _check_grouped(xs, offsets, weight)
+    E, N, K = weight.shape
+    P = xs.shape[0]
+    f8 = _fp8_format(weight, fmt)
+    wname = FP8_FORMATS[f8] if f8 else MSL_TYPE[weight.dtype]
+    w = weight.contiguous()
+    if f8 and w.dtype != torch.uint8:
+        w = w.view(torch.uint8)
+    s, se, sn = _scale_table(scale, E, N, xs.device)
+    b = bias.to(device=xs.device, dtype=torch.float32).contiguous() if bias is not None else \
+        torch.zeros(1, dtype=torch.float32, device=xs.device)
+    out = torch.empty((P, N), dtype=torch.float32, device=xs.device)
+    if P and N:
+        te, tr0, tn = tile_table(offsets, P)
+        groups = te.shape[0] * ((N + TILE - 1) // TILE)
+        kernel = getattr(lib, f"moe_grouped_gemm_{wname}_{MSL_TYPE[xs.dtype]}")
+        kernel(xs.contiguous(), te, tr0, tn, w, s, b, out, N, K, se, sn, int(bias is not None),
+               threads=groups * 256, group_size=256)
+    return out
+
+
+def _grouped_cases(device):
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for E, N, K, counts, wdt, xdt, fmt, sc, with_bias in [
+        (3, 33, 40, [5, 0, 37], torch.float32, torch.float32, None, "expert", True),
+        (4, 7, 65, [1, 2, 3, 70], torch.uint8, torch.bfloat16, "e4m3fn", "row", False),
+        (2, 40, 31, [33, 31], torch.bfloat16, torch.float16, None, None, True),
+        (5, 9, 16, [0, 0, 0, 0, 0], torch.float32, torch.float32, None, None, False),
+    ]:
+        P = sum(counts)
+        if wdt == torch.uint8:
+            w = torch.randn(E, N, K, generator=gen).to(torch.float8_e4m3fn).view(torch.uint8)
+        else:
+            w = (torch.randn(E, N, K, generator=gen) * 0.2).to(wdt)
+        xs = torch.randn(P, K, generator=gen).to(xdt)
+        offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+        scale = {None: None, "expert": torch.rand(E, generator=gen) + 0.5,
+                 "row": torch.rand(E, N, generator=gen) + 0.5}[sc]
+        bias = torch.randn(E, N, generator=gen) if with_bias else None
+        args = [t.to(device) if isinstance(t, torch.Tensor) else t for t in (xs, offsets, w, scale, bias)]
+        out.append((tuple(args), {"fmt": fmt}))
+    return out
+
+
+moe_grouped_gemm = register(KernelSpec(
+    name="moe_grouped_gemm",
+    source="moe.metal",
+    entry_points={f"moe_grouped_gemm_{w}_{x}": ("tensor",) * 8 + ("int",) * 5
+                  for w in ("float", "half", "bfloat", "e4m3", "e5m2") for x in MSL_TYPE.values()},
+    reference=moe_grouped_gemm_reference,
+    metal=moe_grouped_gemm_metal,
+    self_check_cases=_grouped_cases,
+    atol=1e-4,
+    rtol=1e-4,
+))
+
+
 # ------------------------------------------------------------------------------- sync-free grouping
 
 def moe_group(experts: torch.Tensor, num_experts: int):
@@ -331,10 +441,15 @@ def moe_grouped_linear(xs, sorted_experts, offsets, weight, scale=None, bias=Non
     dev = xs.device
     s = scale
     backend = _gemm_backend(dev)
+    tiled = backend != "reference" and xs.shape[0] >= TILED_MIN_ROWS_PER_EXPERT * E
     if f8 is None:
         if backend != "emulator" and _grouped_mm_ok(weight):
             return _grouped_mm(xs, sorted_experts, offsets, weight, s, bias)
+        if tiled:
+            return moe_grouped_gemm(xs, offsets, weight, s, bias, fmt=fmt)
         return moe_experts_gemm(xs, sorted_experts, weight, s, bias, fmt=fmt)
+    if tiled:
+        return moe_grouped_gemm(xs, offsets, weight, s, bias, fmt=fmt)
     if backend != "reference" or xs.shape[0] < E:
         return moe_experts_gemm(xs, sorted_experts, weight, s, bias, fmt=fmt)
     cd = compute_dtype if compute_dtype in (torch.bfloat16, torch.float32, torch.float16) else torch.float32

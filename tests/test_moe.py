@@ -222,6 +222,39 @@ def test_experts_gemm_kernel_in_emulator(emu_lib, E, N, K, P, x_div, wkind, xdt,
 
 
 @needs_clang
+@pytest.mark.parametrize("E,N,K,counts,wkind,xdt,scale,bias", [
+    (1, 1, 1, [1], "float", torch.float32, None, False),
+    (3, 33, 40, [5, 0, 37], "float", torch.float32, "expert", True),
+    (4, 7, 65, [1, 2, 3, 70], "e4m3fn", torch.bfloat16, "row", False),
+    (2, 40, 31, [33, 31], "bfloat", torch.float16, None, True),
+    (5, 17, 100, [0, 9, 0, 64, 2], "e5m2", torch.float32, "scalar", True),
+    (3, 5, 16, [0, 0, 0], "half", torch.float32, None, False),
+])
+def test_grouped_gemm_kernel_in_emulator(emu_lib, E, N, K, counts, wkind, xdt, scale, bias):
+    gen = torch.Generator().manual_seed(E * 100 + N + K)
+    src = torch.randn(E, N, K, generator=gen)
+    fmt = None
+    if wkind in ("e4m3fn", "e5m2"):
+        fmt = wkind
+        w = src.to(torch.float8_e4m3fn if fmt == "e4m3fn" else torch.float8_e5m2).view(torch.uint8)
+    else:
+        w = (src * 0.3).to({"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}[wkind])
+    P = sum(counts)
+    xs = torch.randn(P, K, generator=gen).to(xdt)
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    s = {None: None, "scalar": torch.tensor(0.75), "expert": torch.rand(E, generator=gen) + 0.5,
+         "row": torch.rand(E, N, generator=gen) + 0.5}[scale]
+    b = torch.randn(E, N, generator=gen) if bias else None
+    got = moe.moe_grouped_gemm_metal(emu_lib, xs, offsets, w, s, b, fmt=fmt)
+    want = moe.moe_grouped_gemm_reference(xs, offsets, w, s, b, fmt=fmt)
+    assert got.shape == want.shape == (P, N)
+    if P:
+        assert (got - want).abs().max().item() <= 1e-4 * (1 + want.abs().max().item())
+    te, tr0, tn = moe.tile_table(offsets, P)
+    assert int(tn.sum()) == P and te.shape[0] == -(-P // moe.TILE) + E
+
+
+@needs_clang
 @pytest.mark.parametrize("T", [1, 23])
 def test_experts_forward_through_dispatch_in_emulator(emulator_backend, T):
     """The whole layer with COMFY_METAL_BACKEND=emulator: self-checks pass, the kernels run (decode
@@ -238,13 +271,13 @@ def test_experts_forward_through_dispatch_in_emulator(emulator_backend, T):
     with SyncsOutsideEmulator() as c:
         got = moe.moe_experts_forward(x, e, w, gu_q.view(torch.uint8), dn, fmt="e4m3fn", gate_up_scale=gs)
     assert c.total == 0, c.counts
-    assert dispatch.last_backend["moe_experts_gemm"] == "emulator"
+    assert dispatch.last_backend["moe_experts_gemm" if T == 1 else "moe_grouped_gemm"] == "emulator"
     want = _loop_experts(x, e, w, gu_q.float() * gs[:, None, None], dn)
     assert (got - want).abs().max().item() < 1e-4
 
 
 @needs_clang
 def test_self_checks_pass_in_emulator(emulator_backend):
-    for name in ("moe_route", "moe_experts_gemm"):
+    for name in ("moe_route", "moe_experts_gemm", "moe_grouped_gemm"):
         backend, reason = dispatch.choose(REGISTRY[name], torch.device("cpu"))
         assert backend == "emulator", reason
