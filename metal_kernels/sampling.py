@@ -342,12 +342,14 @@ _MAX_THREADS = 1 << 18
 _GROUP = 256
 
 
-def _launch_lincomb(lib, terms, noise: NoiseArg = None, noise_coef: float = 0.0, flags=None, step: int = -1):
-    """out = sum(c * t for t, c in terms) + noise_coef * noise, one kernel; terms[0] sets shape/dtype."""
+def _launch_lincomb(lib, terms, noise: NoiseArg = None, noise_coef: float = 0.0, flags=None, step: int = -1,
+                    dtype=None):
+    """out = sum(c * t for t, c in terms) + noise_coef * noise, one kernel; terms[0] sets the shape, `dtype`
+    (default terms[0]'s) the computation's storage type."""
     if not 1 <= len(terms) <= 4:
         raise ValueError(f"sampler kernel: {len(terms)} input tensors (1 to 4 supported)")
     first = terms[0][0]
-    dtype = first.dtype
+    dtype = first.dtype if dtype is None else dtype
     ins = [t.to(dtype).contiguous() for t, _ in terms]
     coef = [float(c) for _, c in terms] + [0.0] * (4 - len(terms))
     x = ins[0]
@@ -503,7 +505,7 @@ def euler_ancestral_metal(lib, x, denoised, sigma, sigma_next, noise=None, *, et
     _check_same("sampler_euler_ancestral_step", x, denoised=denoised)
     plan = _ancestral_plan(sigma, sigma_next, eta, s_noise, flow)
     if plan is None:
-        return _launch_lincomb(lib, [(denoised, 1.0)], flags=flags, step=step)
+        return _launch_lincomb(lib, [(denoised, 1.0)], flags=flags, step=step, dtype=x.dtype)
     cx, cd, cn = plan
     return _launch_lincomb(lib, [(x, cx), (denoised, cd)], noise, cn, flags, step)
 
@@ -591,7 +593,7 @@ def dpmpp_2m_sde_metal(lib, x, denoised, old_denoised, sigma, sigma_next, h_last
     if solver_type not in ("heun", "midpoint"):
         raise ValueError("solver_type must be 'heun' or 'midpoint'")
     if sigma_next == 0:
-        return _launch_lincomb(lib, [(denoised, 1.0)], flags=flags, step=step)
+        return _launch_lincomb(lib, [(denoised, 1.0)], flags=flags, step=step, dtype=x.dtype)
     h, h_eta, alpha_t = _sde_common(sigma, sigma_next, eta, flow)
     cx = sigma_next / sigma * math.exp(-h * eta)
     cd = alpha_t * -math.expm1(-h_eta)
@@ -659,7 +661,7 @@ def dpmpp_3m_sde_metal(lib, x, denoised, denoised_1, denoised_2, sigma, sigma_ne
                        eta=1.0, s_noise=1.0, flow=False, flags=None, step=-1):
     _check_same("sampler_dpmpp_3m_sde_step", x, denoised=denoised, denoised_1=denoised_1, denoised_2=denoised_2)
     if sigma_next == 0:
-        return _launch_lincomb(lib, [(denoised, 1.0)], flags=flags, step=step)
+        return _launch_lincomb(lib, [(denoised, 1.0)], flags=flags, step=step, dtype=x.dtype)
     h, h_eta, alpha_t = _sde_common(sigma, sigma_next, eta, flow)
     cx = sigma_next / sigma * math.exp(-h * eta)
     cd = alpha_t * -math.expm1(-h_eta)
