@@ -7,12 +7,17 @@ Kernels (moe.metal, each with a pure-torch reference of the same signature):
   moe_experts_gemm(x, row_expert, weight, scale=None, bias=None, x_div=1, fmt=None) -> fp32 [P, N]
       out[p] = scale[e] * weight[e] @ x[p // x_div] + bias[e] with e = row_expert[p]; weight is a
       [E, N, K] bank in fp32/fp16/bf16 or FP8 (uint8 bytes or float8 dtype, `fmt` e4m3fn/e5m2).
-      At decode time it runs all top-k experts of a token in one dispatch; in prefill it is the
-      grouped kernel over pairs sorted by expert (used for FP8 banks on MPS).
+      At decode time it runs all top-k experts of a token in one dispatch (one simdgroup per output
+      column, 4 weights per lane per step).
+  moe_grouped_gemm(xs, offsets, weight, scale=None, bias=None, fmt=None) -> fp32 [P, N]
+      prefill: rows sorted by expert (offsets = cumulative rows per expert) through a tiled grouped
+      GEMM (32x32 tiles, one expert per tile, K staged in threadgroup memory; the tile table is built
+      on the device with a fixed size). Used for FP8 banks on MPS, and for plain banks where
+      torch._grouped_mm is unavailable.
 
 Orchestration (pure torch, no host syncs: no .item(), nonzero, bincount or host loop over experts):
   moe_group(experts, num_experts) -> (order, sorted_experts, offsets)
-  moe_grouped_linear(xs, sorted_experts, offsets, weight, ...) -> [P, N]
+  moe_grouped_linear(xs, sorted_experts, offsets, weight, ...) -> [P, N]  (picks _grouped_mm / kernels)
   moe_experts_forward(x, experts, weights, gate_up, down, activation=...) -> [T, H]
 """
 from __future__ import annotations
