@@ -88,10 +88,17 @@ def _noise_scale(model_sampling) -> float:
 # --------------------------------------------------------------------------------------------
 
 def _trange(n, disable):
+    """ComfyUI's console progress bar where it exists (tqdm elsewhere); the UI's bar runs off the callback."""
     try:
         from comfy.utils import model_trange
 
         return model_trange(n, disable=disable)
+    except Exception:
+        pass
+    try:
+        from tqdm.auto import trange
+
+        return trange(n, disable=disable)
     except Exception:
         return range(n)
 
