@@ -290,3 +290,24 @@ def test_block_scaled_fp8_checkpoint_matches_dequantized(tiny, tmp_path):
     with torch.no_grad():
         c = qwen3_moe.load(folder, dtype=torch.float32).model(ids)["last_hidden_state"]
     assert (a - c).abs().max().item() > 1e-4
+
+
+def test_bf16_checkpoint_loads_in_bf16_close_to_transformers(tmp_path):
+    hf = moe_testutil.make_qwen3_moe(tmp_path, seed=5, dtype=torch.bfloat16)
+    ours = qwen3_moe.load(tmp_path, dtype=torch.bfloat16)
+    assert ours.model.dtype == torch.bfloat16 and ours.model.layers[0].mlp.gate_up.dtype == torch.bfloat16
+    ids = torch.tensor([[5, 9, 17, 3, 40, 41, 7, 8, 22, 63, 1, 2, 30]])
+    with torch.no_grad():
+        want = hf.model(ids).last_hidden_state.float()
+        got = ours.model(ids)["last_hidden_state"].float()
+    rel = (got - want).abs().mean() / want.abs().mean()
+    assert rel.item() < 0.02, rel.item()
+    # and the fp32 load of the same bf16 file is the oracle's fp32 upcast
+    ours32 = qwen3_moe.load(tmp_path, dtype=torch.float32)
+    from transformers import Qwen3MoeForCausalLM
+
+    hf32 = Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()  # fresh fp32 RoPE buffers
+    with torch.no_grad():
+        want32 = hf32.model(ids).last_hidden_state
+        got32 = ours32.model(ids)["last_hidden_state"]
+    assert (got32 - want32).abs().max().item() < 1e-4
