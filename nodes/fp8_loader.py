@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 import time
 
 import torch
@@ -177,9 +178,11 @@ def load_text_encoder(path, clip_type="stable_diffusion", device="gpu", compute_
 
 def _clip_types() -> list[str]:
     try:
-        import nodes
-
-        return list(nodes.CLIPLoader.INPUT_TYPES()["required"]["type"][0])
+        # ComfyUI's own nodes.py, already imported by ComfyUI before it loads packs. Looked up, not
+        # imported: outside ComfyUI a bare `import nodes` could pick up an unrelated folder (even this
+        # pack's own nodes/ when run from the repo root).
+        comfy_nodes = sys.modules["nodes"]
+        return list(comfy_nodes.CLIPLoader.INPUT_TYPES()["required"]["type"][0])
     except Exception:
         return ["stable_diffusion", "sd3", "flux", "wan", "hidream", "qwen_image", "lumina2", "ltxv", "mochi"]
 

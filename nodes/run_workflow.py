@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import os
@@ -483,8 +484,9 @@ class HeadlessComfyUI:
 
         import comfy.utils
         import execution
-        import nodes
         import server
+
+        nodes = importlib.import_module("nodes")   # ComfyUI's nodes.py (its folder is first on sys.path)
 
         self.execution, self.nodes = execution, nodes
         self.loop = asyncio.new_event_loop()
