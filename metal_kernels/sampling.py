@@ -857,10 +857,3 @@ sampler_dpmpp_3m_sde_step = _spec("sampler_dpmpp_3m_sde_step", dpmpp_3m_sde_ref,
 sampler_lcm_step = _spec("sampler_lcm_step", lcm_ref, lcm_metal, _cases_lcm)
 sampler_res_multistep_step = _spec("sampler_res_multistep_step", res_multistep_ref, res_multistep_metal,
                                    _cases_res_multistep)
-
-# Minimum bytes a fused step must move, in units of the latent's size (reads + the one write), by
-# step kind; used by the bench.
-STEP_TENSORS = {
-    "euler": 3, "euler_ancestral": 3, "heun": 3 + 4, "dpmpp_2m": 4, "dpmpp_2m_sde": 4,
-    "dpmpp_3m_sde": 5, "lcm": 2, "res_multistep": 4,
-}
