@@ -366,12 +366,20 @@ class MetalMoEExpertsPatch:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"clip": ("CLIP",)}}
+        return {"required": {"clip": ("CLIP",),
+                             "device": (["keep", "gpu"], {"default": "keep", "tooltip":
+                                        "gpu: run this text encoder on the GPU (ComfyUI keeps text encoders "
+                                        "on the CPU on Macs)"})}}
 
-    def patch(self, clip):
+    def patch(self, clip, device="keep"):
         from . import moe_experts
 
-        return (moe_experts.patch_clip(clip),)
+        patched = moe_experts.patch_clip(clip)
+        if device == "gpu":
+            if patched is clip:
+                patched = clip.clone()
+            patched.patcher.load_device = resolve_device("gpu")
+        return (patched,)
 
 
 NODE_CLASS_MAPPINGS = {

@@ -136,6 +136,12 @@ def test_gpt_oss_fp8_experts_stay_fp8_and_match_default_ops(comfyui):
     assert (got - want).abs().max().item() < 1e-4
 
 
+def comfyui_device():
+    import comfy.model_management
+
+    return comfy.model_management.get_torch_device()
+
+
 def test_experts_patch_node_on_a_comfy_clip(comfyui):
     """MetalMoEExpertsPatch on a comfy.sd.CLIP holding ComfyUI's GPT-OSS encoder: same conditioning,
     no host syncs left in the encode, the original CLIP untouched."""
@@ -162,7 +168,9 @@ def test_experts_patch_node_on_a_comfy_clip(comfyui):
                          model_options={"load_device": torch.device("cpu"), "offload_device": torch.device("cpu"),
                                         "dtype": torch.float32})
     node = comfyui.nodes.NODE_CLASS_MAPPINGS["MetalMoEExpertsPatch"]()
-    (patched,) = node.patch(clip)
+    (patched,) = node.patch(clip, "keep")
+    (on_gpu,) = node.patch(clip, "gpu")   # ComfyUI's device (the CPU in this harness)
+    assert on_gpu.patcher.load_device == comfyui_device()
     ours = [k for k in patched.patcher.object_patches if k.endswith(".experts.forward")]
     assert patched is not clip and len(ours) == TINY["num_hidden_layers"]
     assert not [k for k in clip.patcher.object_patches if k.endswith(".experts.forward")]
