@@ -234,6 +234,31 @@ def test_sampler_in_emulator_matches_reference(name, kind, monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["heun", "dpmpp_3m_sde", "euler_ancestral"])
+def test_low_precision_latent_in_emulator(name, dtype, monkeypatch):
+    """fp16 / bf16 latents: the kernels store in the latent's dtype and compute in fp32, like the references."""
+    reason = _emulator_reason()
+    if reason:
+        pytest.skip(reason)
+    model = ToyDenoiser(ToyEPS())
+    sigmas = toy_schedule("eps", 4)
+    x = (torch.randn(1, 4, 3, 5, generator=torch.Generator().manual_seed(4)) * sigmas[0]).to(dtype)
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "reference")
+    dispatch.reset()
+    want = _run(name, model, x, sigmas, noise_mode="fast")
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+    dispatch.reset()
+    try:
+        got = _run(name, model, x, sigmas, noise_mode="fast")
+        assert dispatch.last_backend[f"sampler_{name}_step"] == "emulator"
+    finally:
+        dispatch.reset()
+    assert got.dtype == want.dtype == dtype
+    tol = 1e-2 if dtype == torch.float16 else 5e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 def _syncs(name, steps, **kw):
     model = ToyDenoiser(ToyEPS())
     sigmas = toy_schedule("eps", steps)
