@@ -311,3 +311,22 @@ def test_bf16_checkpoint_loads_in_bf16_close_to_transformers(tmp_path):
         want32 = hf32.model(ids).last_hidden_state
         got32 = ours32.model(ids)["last_hidden_state"]
     assert (got32 - want32).abs().max().item() < 1e-4
+
+
+def test_chat_template_from_tokenizer_config_and_plain_fallback():
+    tok_json = moe_testutil.tiny_tokenizer_json(64)
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+                "{% endif %}")
+    t = qwen3_moe.Tokenizer(tok_json, {"chat_template": template, "eos_token": "<|im_end|>"})
+    text = t.apply_chat_template("a cat", "be brief")
+    assert text == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\na cat<|im_end|>\n"
+                    "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert t.eos_ids()[0] == t.token_id("<|im_end|>")
+    plain = qwen3_moe.Tokenizer(tok_json)
+    assert plain.apply_chat_template("a cat") == "<|im_start|>user\na cat<|im_end|>\n<|im_start|>assistant\n"
+    broken = qwen3_moe.Tokenizer(tok_json, {"chat_template": "{% if %}"})
+    assert broken.apply_chat_template("a cat") == plain.apply_chat_template("a cat")
+    with pytest.raises(qwen3_moe.ModelLoadError, match="not a valid tokenizer.json"):
+        qwen3_moe.Tokenizer("{not json")
