@@ -45,3 +45,23 @@ def test_catches_ui_link_type_mismatch_and_widget_count():
     ui["nodes"][0]["outputs"][0]["type"] = "CLIP"
     problems = "\n".join(wt.validate_ui(ui, INFO))
     assert "extra widget values" in problems and "types differ" in problems
+
+
+def test_linked_widget_and_model_folder_values():
+    info = dict(INFO)
+    info["Text"] = {"input": {"required": {"text": ("STRING", {"multiline": True})}},
+                    "input_order": {"required": ["text"]}, "output": ["STRING"], "output_name": ["STRING"]}
+    info["Encode"] = {"input": {"required": {"text": ("STRING", {"multiline": True}), "model": ("MODEL",),
+                                             "folder": (["(none)"],)}},
+                      "input_order": {"required": ["text", "model", "folder"]}, "output": ["LATENT"],
+                      "output_name": ["LATENT"]}
+    api = {"1": {"class_type": "Loader", "inputs": {"name": "a.safetensors"}},
+           "2": {"class_type": "Text", "inputs": {"text": "a cat"}},
+           "3": {"class_type": "Encode", "inputs": {"text": ["2", 0], "model": ["1", 0], "folder": "Some-LM/"}},
+           "4": {"class_type": "Save", "inputs": {"samples": ["3", 0], "prefix": "out"}}}
+    ui = wt.ui_from_api(api, info)
+    encode = next(n for n in ui["nodes"] if n["type"] == "Encode")
+    assert encode["widgets_values"][0] == ""          # a linked STRING widget keeps a string value
+    assert wt.validate_ui(ui, info) == [] and wt.validate_api(api, info) == []
+    assert wt.api_from_ui(ui, info) == api
+    assert wt.validate_api(api, info, allow_missing_files=False)  # the folder is not an option

@@ -40,8 +40,9 @@ FLUX_CFG = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=
 # Wan 2.2 14B T2V shaped (the Wan 2.1 architecture, t2v, 16 latent channels); heads = dim // 128.
 WAN_CFG = dict(model_type="t2v", patch_size=(1, 2, 2), in_dim=16, dim=128, ffn_dim=64, freq_dim=256,
                text_dim=UMT5XXL["d_model"], out_dim=16, num_heads=1, num_layers=1)
-# Wan 2.2 TI2V 5B shaped (48 latent channels): the quantize-and-save source.
-WAN22_5B_CFG = dict(WAN_CFG, in_dim=48, out_dim=48)
+# Wan 2.2 TI2V 5B shaped (48 latent channels): the quantize-and-save source. Real text width (4096): the
+# file needs no "config" metadata, which a saved copy would not carry.
+WAN22_5B_CFG = dict(WAN_CFG, in_dim=48, out_dim=48, text_dim=4096)
 
 
 def tiny_text_encoder_configs() -> dict:
@@ -258,7 +259,7 @@ def place_models(comfyui, names: dict) -> dict:
     write("wan_low", "diffusion_models", lambda p: write_scaled_fp8(p, wan_state_dict(seed=22), wan_metadata()))
     write("wan5b_fp16", "diffusion_models",
           lambda p: save_file({k: v.to(torch.float16).contiguous() for k, v in wan_state_dict(WAN22_5B_CFG, 23).items()},
-                              str(p), metadata=wan_metadata(WAN22_5B_CFG)))
+                              str(p)))
     write("clip_l", "text_encoders", lambda p: save_file(_bf16(clip_l_state_dict()), str(p)))
     write("t5xxl", "text_encoders", lambda p: save_file(_bf16(t5_state_dict("t5_config_xxl.json", T5XXL)), str(p)))
 

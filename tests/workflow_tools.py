@@ -6,7 +6,11 @@ computed from the classes (no ComfyUI needed); for core nodes it comes from a re
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import numbers
+import sys
+import types
 
 CONNECTION_ONLY = object()
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
@@ -28,11 +32,31 @@ def node_info_from_class(name: str, cls, display_name: str | None = None) -> dic
     }
 
 
+@contextlib.contextmanager
+def _folder_paths_without_comfyui():
+    """Loader nodes list model files via ComfyUI's folder_paths in INPUT_TYPES. Without ComfyUI, a
+    stand-in module answers with no files (file COMBOs are then empty; validation with
+    allow_missing_files accepts model file names). Does nothing when folder_paths is importable."""
+    if "folder_paths" in sys.modules or importlib.util.find_spec("folder_paths") is not None:
+        yield
+        return
+    stand_in = types.ModuleType("folder_paths")
+    stand_in.get_filename_list = lambda kind: []
+    stand_in.get_folder_paths = lambda kind: []
+    sys.modules["folder_paths"] = stand_in
+    try:
+        yield
+    finally:
+        if sys.modules.get("folder_paths") is stand_in:
+            del sys.modules["folder_paths"]
+
+
 def pack_object_info() -> dict:
     import comfy_metal
 
-    return {name: node_info_from_class(name, cls, comfy_metal.NODE_DISPLAY_NAME_MAPPINGS.get(name))
-            for name, cls in comfy_metal.NODE_CLASS_MAPPINGS.items()}
+    with _folder_paths_without_comfyui():
+        return {name: node_info_from_class(name, cls, comfy_metal.NODE_DISPLAY_NAME_MAPPINGS.get(name))
+                for name, cls in comfy_metal.NODE_CLASS_MAPPINGS.items()}
 
 
 def input_kind(spec) -> str:
@@ -288,6 +312,8 @@ def ui_from_api(prompt: dict, object_info: dict, notes: list[str] = (), titles: 
                 if default is None and kind == "COMBO":
                     opts = combo_options(spec)
                     default = opts[0] if opts else ""
+                elif default is None:  # the frontend keeps a value of the widget's type for a linked widget
+                    default = {"INT": 0, "FLOAT": 0.0, "STRING": "", "BOOLEAN": False}.get(kind)
                 n["widgets_values"].append(default if linked or value is None else value)
                 if has_control_after_generate(spec):
                     n["widgets_values"].append("fixed")
