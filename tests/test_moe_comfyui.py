@@ -184,3 +184,37 @@ def test_experts_patch_node_on_a_comfy_clip(comfyui):
     assert (got - want).abs().max().item() < 1e-4
     assert c_patched.total < c_default.total, (c_patched.counts, c_default.counts)
     assert c_patched.counts["aten::nonzero"] == 0 and c_patched.counts["aten::_local_scalar_dense"] == 0, c_patched.counts
+
+
+def test_gpt_oss_sync_free_experts_in_emulator(comfyui, monkeypatch):
+    """The patched GPT-OSS experts with COMFY_METAL_BACKEND=emulator: the per-pair kernel (few tokens) and the
+    tiled grouped kernel (more tokens) run the real MSL and match ComfyUI's default ops."""
+    import comfy.ops
+    from comfy_metal.metal_kernels import dispatch, emulator
+    from comfy_metal.nodes import moe_experts
+
+    if not emulator.available():
+        pytest.skip("the MSL emulator needs clang-19, which is not installed")
+    sd = _state_dict()
+    default = _lens_model(comfy.ops.mixed_precision_ops({}, torch.float32, full_precision_mm=True))
+    default.load_sd(dict(sd))
+    ours = _lens_model(moe_experts.make_operations({}, torch.float32))
+    ours.load_sd(dict(sd))
+    mlps = [layer.mlp for layer in ours.transformer.layers]
+    dmlps = [layer.mlp for layer in default.transformer.layers]
+    gen = torch.Generator().manual_seed(1)
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+    dispatch.reset()
+    try:
+        for T, kernel in ((5, "moe_experts_gemm"), (30, "moe_grouped_gemm")):   # 15 pairs / 90 pairs over 7 experts
+            x = torch.randn(1, T, TINY["hidden_size"], generator=gen)
+            for mlp, dmlp in zip(mlps, dmlps):
+                experts = mlp.experts
+                flat = x.reshape(-1, TINY["hidden_size"])
+                scores, idx = mlp.router(flat)
+                got = moe_experts.experts_forward(experts, flat, idx, scores)
+                assert dispatch.last_backend[kernel] == "emulator"
+                want = dmlp.experts(flat, idx, scores)
+                assert (got - want).abs().max().item() < 1e-4
+    finally:
+        dispatch.reset()
