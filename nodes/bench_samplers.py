@@ -173,7 +173,8 @@ def bench(quick: bool = False) -> list[Table]:
                 model = _Denoiser()
                 run = lambda mode: ours(model, x.clone(), sigmas, extra_args={"seed": 1}, disable=True,  # noqa: E731
                                         noise_mode=mode)
-                run("fast")  # warm-up: kernel self-check / compile, allocator
+                for _ in range(1 if big else 2):
+                    run("fast")  # warm-up: kernel self-check / compile, allocator, thread pool
                 fast = _time_per_step(lambda: run("fast"), steps, device, repeats)
                 exact = _time_per_step(lambda: run("exact"), steps, device, repeats) if (name in NOISY and kds) else \
                     (fast if name not in NOISY else float("nan"))
