@@ -196,11 +196,14 @@ def _first_device(args, kwargs) -> torch.device:
     return torch.device("cpu")
 
 
+def _decision_key(spec: KernelSpec, device: torch.device) -> tuple:
+    return (spec.name, device.type, _env_backend(), frozenset(_forced_reference()))
+
+
 def choose(spec: KernelSpec, device: torch.device) -> tuple[str, str]:
     """(backend, reason) for `spec` on `device`: backend is metal, emulator or reference."""
-    env_backend = _env_backend()
-    forced = _forced_reference()
-    key = (spec.name, device.type, env_backend, frozenset(forced))
+    key = _decision_key(spec, device)
+    _, _, env_backend, forced = key
     with _lock:
         if key in _decisions:
             return _decisions[key]
@@ -230,13 +233,35 @@ def choose(spec: KernelSpec, device: torch.device) -> tuple[str, str]:
     return decision
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, getattr(torch, "OutOfMemoryError", ())) or "out of memory" in str(e).lower()
+
+
 def call(spec: KernelSpec, args, kwargs):
     device = _first_device(args, kwargs)
     backend, _ = choose(spec, device)
     last_backend[spec.name] = backend
     if backend == "reference":
         return spec.reference(*args, **kwargs)
-    return spec.metal(_library_for(spec, backend), *args, **kwargs)
+    if backend == "emulator":                 # tests: a kernel error must surface, never be papered over
+        return spec.metal(_library_for(spec, backend), *args, **kwargs)
+    try:
+        return spec.metal(_library_for(spec, backend), *args, **kwargs)
+    except Exception as e:
+        # Bad input (the reference would raise the same) and out-of-memory (callers such as the tiled
+        # VAE retry smaller) propagate. Anything else -- a launch the self-check did not cover -- turns
+        # this kernel off for the process with one warning, and this call gets the reference.
+        # (Only errors raised at launch are seen here; GPU faults surface later, at a sync.)
+        if isinstance(e, (TypeError, ValueError)) or _out_of_memory(e):
+            raise
+        key = _decision_key(spec, device)
+        with _lock:
+            _decisions[key] = ("reference", f"the Metal launch raised {type(e).__name__}: {e}")
+        _log_once(key + ("runtime",), logging.WARNING,
+                  f"comfy_metal: {spec.name} on {device.type} now uses reference: the Metal launch raised "
+                  f"{type(e).__name__}: {e}")
+        last_backend[spec.name] = "reference"
+        return spec.reference(*args, **kwargs)
 
 
 # The backend each kernel used on its last call (for node badges and run summaries).

@@ -100,3 +100,49 @@ def test_library_source_puts_common_first_and_includes_every_file():
     src = dispatch.library_source()
     for n in names:
         assert f"---- {n} ----" in src
+
+
+def test_metal_launch_that_raises_later_falls_back_once(monkeypatch, caplog):
+    """On MPS a kernel whose launch raises after a passed self-check turns itself off (one warning) and
+    the call gets the reference; bad input still raises."""
+    monkeypatch.setattr(dispatch, "_library_for", lambda spec, backend: object())
+    monkeypatch.setattr(dispatch, "self_check", lambda spec, backend, device: None)
+    monkeypatch.setattr(dispatch, "_first_device", lambda args, kwargs: torch.device("mps"))
+    calls = []
+
+    def launch(lib, x):
+        calls.append(x)
+        if x.numel() == 0:
+            raise ValueError("x: empty")
+        raise RuntimeError("Metal: no function named softmax_rows_double")
+
+    spec = _broken_spec("late_failure", launch)
+    monkeypatch.setitem(registry.REGISTRY, spec.name, spec)
+    with pytest.raises(ValueError, match="empty"):
+        dispatch.call(spec, (torch.ones(0),), {})
+    assert dispatch.choose(spec, torch.device("mps"))[0] == "metal"
+    with caplog.at_level(logging.WARNING, logger="comfy_metal"):
+        out = dispatch.call(spec, (torch.ones(4),), {})
+        again = dispatch.call(spec, (torch.ones(4),), {})
+    assert torch.equal(out, torch.full((4,), 2.0)) and torch.equal(again, out)
+    assert len(calls) == 2                                  # the second call went straight to the reference
+    assert dispatch.last_backend["late_failure"] == "reference"
+    backend, reason = dispatch.choose(spec, torch.device("mps"))
+    assert backend == "reference" and "RuntimeError" in reason
+    warnings = [r.getMessage() for r in caplog.records if "late_failure" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_out_of_memory_in_a_metal_launch_propagates(monkeypatch):
+    monkeypatch.setattr(dispatch, "_library_for", lambda spec, backend: object())
+    monkeypatch.setattr(dispatch, "self_check", lambda spec, backend, device: None)
+    monkeypatch.setattr(dispatch, "_first_device", lambda args, kwargs: torch.device("mps"))
+
+    def launch(lib, x):
+        raise RuntimeError("MPS backend out of memory (MPS allocated: 20 GB)")
+
+    spec = _broken_spec("oom_kernel", launch)
+    monkeypatch.setitem(registry.REGISTRY, spec.name, spec)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        dispatch.call(spec, (torch.ones(4),), {})
+    assert dispatch.choose(spec, torch.device("mps"))[0] == "metal"
