@@ -9,6 +9,7 @@ __all__ = ["softmax"]
 
 MSL_TYPE = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
 MAX_ROW = 262_144
+MAX_LAUNCH_THREADS = 1 << 31   # [[threadgroup_position_in_grid]] and the grid are 32-bit: launch in row chunks
 
 
 def _check(x: torch.Tensor, temperature: float) -> None:
@@ -34,15 +35,18 @@ def group_size_for(ncols: int) -> int:
 
 def softmax_metal(lib, x: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     _check(x, temperature)
-    if x.shape[-1] > MAX_ROW:
+    if x.dim() == 0 or x.shape[-1] > MAX_ROW:
         return softmax_reference(x, temperature)
-    x2 = x.contiguous().view(-1, x.shape[-1]) if x.dim() else x.contiguous().view(1, 1)
+    x2 = x.contiguous().view(-1, x.shape[-1])
     rows, ncols = x2.shape
     y = torch.empty_like(x2)
     if rows and ncols:
         g = group_size_for(ncols)
         kernel = getattr(lib, f"softmax_rows_{MSL_TYPE[x.dtype]}")
-        kernel(x2, y, ncols, float(1.0 / temperature), threads=rows * g, group_size=g)
+        chunk = max(1, MAX_LAUNCH_THREADS // g)
+        for r0 in range(0, rows, chunk):       # row slices bind as buffer + offset
+            r1 = min(rows, r0 + chunk)
+            kernel(x2[r0:r1], y[r0:r1], ncols, float(1.0 / temperature), threads=(r1 - r0) * g, group_size=g)
     return y.view(x.shape)
 
 

@@ -141,6 +141,19 @@ def test_removed_threadgroup_barrier_is_caught(which):
     assert any(p is not None for p in problems), "a missing barrier went unnoticed"
 
 
+def test_softmax_launches_in_row_chunks_past_the_32_bit_grid(monkeypatch):
+    """Huge row counts are split into launches of < 2^31 threads (here shrunk to a few rows each): every
+    chunk binds its own buffer offset and the result is unchanged; a 0-d tensor takes the reference."""
+    monkeypatch.setattr(softmax_module, "MAX_LAUNCH_THREADS", 64)
+    gen = torch.Generator().manual_seed(2)
+    lib = emulator.compile_library(SOFTMAX_SRC)
+    for shape in ((5, 7), (3, 40)):            # 32 threads per row: 2-row chunks; 64: 1-row chunks
+        x = torch.randn(shape, generator=gen) * 3
+        got = softmax_module.softmax_metal(lib, x)
+        assert dispatch.default_compare(softmax_module.softmax.spec, got, softmax_module.softmax_reference(x)) is None
+    assert softmax_module.softmax_metal(lib, torch.tensor(2.0)).item() == 1.0
+
+
 def test_softmax_partial_simd_reduction_is_caught():
     src = mutate(SOFTMAX_SRC, "return float2(m, simd_sum(s));",
                  "return float2(m, s + simd_shuffle_xor(s, 1) + simd_shuffle_xor(s, 2));")
