@@ -241,8 +241,16 @@ def ones1(device) -> torch.Tensor:
     return t
 
 
-def _scale_buffer(mode: int, s, device) -> torch.Tensor:
-    return s.contiguous() if mode else ones1(device)
+def _launch(kernel, src: torch.Tensor, out: torch.Tensor, mode: int, s) -> None:
+    """One launch of a decode/encode kernel over contiguous `src` into `out` (same shape); the scale
+    is per row of dim 0."""
+    n = src.numel()
+    if n == 0:
+        return
+    rows = src.shape[0] if src.dim() else 1
+    threads, group = _grid(n)
+    scale = s.contiguous() if mode else ones1(src.device)
+    kernel(src.reshape(-1), out.view(-1), scale, n, n // rows, mode, threads, threads=threads, group_size=group)
 
 
 def fp8_decode_metal(lib, data: torch.Tensor, fmt: str | None = None, scale=None,
@@ -254,15 +262,7 @@ def fp8_decode_metal(lib, data: torch.Tensor, fmt: str | None = None, scale=None
     if raw.storage_offset() % 4:                     # the kernel loads 4 bytes at a time
         raw = raw.clone()
     out = torch.empty(raw.shape, dtype=out_dtype, device=raw.device)
-    n = raw.numel()
-    if n == 0:
-        return out
-    rows = raw.shape[0] if raw.dim() else 1
-    row_len = n // rows
-    threads, group = _grid(n)
-    kernel = getattr(lib, f"fp8_decode_{fmt}_{MSL_TYPE[out_dtype]}")
-    kernel(raw.reshape(-1), out.view(-1), _scale_buffer(mode, s, raw.device), n, row_len, mode, threads,
-           threads=threads, group_size=group)
+    _launch(getattr(lib, f"fp8_decode_{fmt}_{MSL_TYPE[out_dtype]}"), raw, out, mode, s)
     return out
 
 
@@ -272,15 +272,7 @@ def fp8_encode_metal(lib, x: torch.Tensor, fmt: str, scale=None) -> torch.Tensor
     mode, s = scale_mode(scale, tuple(x.shape), x.device, "fp8_encode: scale")
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    n = x.numel()
-    if n == 0:
-        return out
-    rows = x.shape[0] if x.dim() else 1
-    row_len = n // rows
-    threads, group = _grid(n)
-    kernel = getattr(lib, f"fp8_encode_{MSL_TYPE[x.dtype]}_{fmt}")
-    kernel(x.reshape(-1), out.view(-1), _scale_buffer(mode, s, x.device), n, row_len, mode, threads,
-           threads=threads, group_size=group)
+    _launch(getattr(lib, f"fp8_encode_{MSL_TYPE[x.dtype]}_{fmt}"), x, out, mode, s)
     return out
 
 

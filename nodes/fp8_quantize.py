@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import re
 import tempfile
 
 import torch
 
+from ..metal_kernels.fp8 import FP8_MAX
 from .fp8_formats import FP8_DTYPES, FORMAT_OF_DTYPE, CheckpointError
 
-log = logging.getLogger("comfy_metal")
-
-FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
 # Layers that stay in high precision: the first and last projections and embeddings, norms,
 # modulation-free small layers. Matched against the weight key (dots and underscores included).
 KEEP_PATTERNS = [
