@@ -88,16 +88,29 @@ class DeviceNoise:
 
     keys: tuple[int, ...]
     weights: tuple[float, ...]
+    # Optional per-run store of the normals the reference path drew for the previous increment (a
+    # schedule's consecutive increments share one endpoint's path); never changes the values.
+    cache: Optional["NormalCache"] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if len(self.keys) != 2 * len(self.weights):
             raise ValueError(f"DeviceNoise: {len(self.keys)} keys for {len(self.weights)} weights (need 2 per weight)")
 
     def scaled(self, c: float) -> "DeviceNoise":
-        return DeviceNoise(self.keys, tuple(w * c for w in self.weights))
+        return DeviceNoise(self.keys, tuple(w * c for w in self.weights), self.cache)
 
     def __len__(self) -> int:
         return len(self.weights)
+
+
+class NormalCache:
+    """The node normals of the last reference-path materialisation (CPU/CUDA only; Metal draws in-kernel)."""
+
+    MAX_BYTES = 256 << 20
+
+    def __init__(self):
+        self.key = None
+        self.rows: dict = {}
 
 
 def iid_noise(seed: int, step: int) -> DeviceNoise:
@@ -123,6 +136,7 @@ class BrownianBridge:
     def __init__(self, seed: int):
         self.seed = int(seed)
         self._keys: dict[int, tuple[int, int]] = {}
+        self.normal_cache = NormalCache()
 
     @property
     def length(self) -> float:
@@ -164,7 +178,7 @@ class BrownianBridge:
             if w != 0.0:
                 keys.extend(self._node_keys(node))
                 weights.append(w)
-        return DeviceNoise(tuple(keys), tuple(weights))
+        return DeviceNoise(tuple(keys), tuple(weights), self.normal_cache)
 
 
 def _i32(v: int) -> int:
@@ -204,26 +218,46 @@ def _element_hashes(start: int, count: int, device) -> torch.Tensor:
 _BATCH_ELEMENTS = 1 << 23  # (nodes x elements) per vectorised batch: 32 MiB of int32
 
 
+def _normals(hidx: torch.Tensor, keys: list) -> torch.Tensor:
+    """(K, n) standard normals for K key pairs (keys: 2K uint32 values) at the hashed elements."""
+    k = len(keys) // 2
+    kt = torch.tensor([_i32(v) for v in keys], dtype=torch.int32, device=hidx.device).view(k, 2).t()
+    h = _hash32_i32_(hidx.unsqueeze(0) ^ kt.reshape(2 * k, 1))  # rows 0..k-1: first keys, k..: second
+    h = h.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32)
+    u1, u2 = h[:k], h[k:]
+    z = u1.add_(0.5).mul_(1.0 / 16777216.0).log_().mul_(-2.0).sqrt_()
+    return z.mul_(u2.mul_(6.2831853071795864 / 16777216.0).cos_())
+
+
 def device_noise_reference(noise: DeviceNoise, shape, device, dtype=torch.float32) -> torch.Tensor:
     """The DeviceNoise materialised with torch ops (same bits as the kernel), float32 math. All nodes
-    are hashed in one (2K, chunk) pass and combined with one matrix-vector product."""
+    are hashed in one (2K, chunk) pass and combined with one matrix-vector product; with a cache
+    (BrownianBridge increments), normals of nodes shared with the previous increment are reused."""
     numel = math.prod(shape)
     k = len(noise.weights)
     if k == 0 or numel == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    out = torch.empty(numel, dtype=torch.float32, device=device)
-    keys = torch.tensor([_i32(v) for v in noise.keys], dtype=torch.int32, device=device).view(k, 2).t()
-    keys = keys.reshape(2 * k, 1)  # rows 0..k-1: first keys, k..2k-1: second keys
     weights = torch.tensor(noise.weights, dtype=torch.float32, device=device)
+    cache = noise.cache
+    if cache is not None and numel * k * 4 <= NormalCache.MAX_BYTES and numel * 2 * k <= 4 * _BATCH_ELEMENTS:
+        key = (numel, str(device))
+        if cache.key != key:
+            cache.key, cache.rows = key, {}
+        pairs = [(noise.keys[2 * i], noise.keys[2 * i + 1]) for i in range(k)]
+        missing = [p for p in pairs if p not in cache.rows]
+        fresh = {}
+        if missing:
+            z = _normals(_element_hashes(0, numel, device), [v for p in missing for v in p])
+            fresh = dict(zip(missing, z))
+        rows = [cache.rows[p] if p in cache.rows else fresh[p] for p in pairs]
+        cache.rows = dict(zip(pairs, rows))
+        out = torch.mv(torch.stack(rows).t(), weights)
+        return out.view(shape).to(dtype)
+    out = torch.empty(numel, dtype=torch.float32, device=device)
     chunk = max(1, _BATCH_ELEMENTS // (2 * k))
-    two_pi = 6.2831853071795864
     for start in range(0, numel, chunk):
         count = min(chunk, numel - start)
-        h = _hash32_i32_(_element_hashes(start, count, device).unsqueeze(0) ^ keys)
-        h = h.bitwise_right_shift_(8).bitwise_and_(0xFFFFFF).to(torch.float32)
-        u1, u2 = h[:k], h[k:]
-        z = u1.add_(0.5).mul_(1.0 / 16777216.0).log_().mul_(-2.0).sqrt_()
-        z.mul_(u2.mul_(two_pi / 16777216.0).cos_())
+        z = _normals(_element_hashes(start, count, device), list(noise.keys))
         torch.mv(z.t(), weights, out=out[start:start + count])
     return out.view(shape).to(dtype)
 
