@@ -156,3 +156,18 @@ def test_device_noise_kernel_in_emulator(emulator_backend, dtype):
         want = K.device_noise_reference(spec_noise, like.shape, "cpu", dtype)
         tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
         torch.testing.assert_close(got.float(), want.float(), atol=tol * 4, rtol=tol)
+
+
+def test_reference_normal_cache_changes_nothing():
+    """Consecutive increments reuse the previous increment's node normals on the reference path:
+    bit-identical to drawing every node afresh, also after a shape change."""
+    sig = [14.6, 9.1, 5.5, 3.1, 1.6, 0.7, 0.2, 0.03]
+    bridge = K.BrownianBridge(3)
+    for shape in [(2, 4, 9, 7), (3, 5)]:
+        for s, t in zip(sig, sig[1:]):
+            inc = bridge.increment(s, t)
+            assert inc.cache is bridge.normal_cache
+            cached = K.device_noise_reference(inc, shape, "cpu")
+            fresh = K.device_noise_reference(K.DeviceNoise(inc.keys, inc.weights), shape, "cpu")
+            assert torch.equal(cached, fresh)
+        assert 0 < len(bridge.normal_cache.rows) <= 70
