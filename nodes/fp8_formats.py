@@ -128,6 +128,9 @@ def read_header(path) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
     for key, info in header.items():
         try:
             dtype, shape, (begin, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+            begin, end = int(begin), int(end)
+            if any(s < 0 for s in shape):
+                raise ValueError("negative dimension")
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{name}: tensor {key}: corrupt header entry {info!r} "
                                   "(expected dtype, shape and data_offsets)") from None
@@ -143,7 +146,7 @@ def read_header(path) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
                                   f"{want} bytes, data_offsets give {end - begin}")
         if end > data_size:
             raise CheckpointError(f"{name}: truncated file: tensor {key} ends at byte {data_start + end}, but the file "
-                                  f"has only {size} bytes (expected at least {data_start + max(e['data_offsets'][1] for e in header.values())})")
+                                  f"has only {size} bytes (expected at least {data_start + end})")
         entries[key] = TensorEntry(key, dtype, shape, begin, end)
     return entries, dict(metadata), data_start
 

@@ -374,6 +374,18 @@ def test_truncated_file_names_tensor(tmp_path):
         fp8_formats.open_checkpoint(p)
 
 
+@pytest.mark.parametrize("entry", [{"dtype": "F32", "shape": [2], "data_offsets": ["0", None]},
+                                   {"dtype": "F32", "shape": [-2], "data_offsets": [0, -8]},
+                                   {"dtype": "F32", "shape": [2], "data_offsets": [0]}])
+def test_malformed_header_entry_is_a_checkpoint_error(tmp_path, entry):
+    p = tmp_path / "odd.safetensors"
+    # a valid tensor after the malformed one: the message must come from the malformed entry itself
+    header = json.dumps({"bad": entry, "ok": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    p.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
+    with pytest.raises(fp8_formats.CheckpointError, match="odd.safetensors: tensor bad: corrupt header entry"):
+        fp8_formats.open_checkpoint(p)
+
+
 def test_corrupt_header(tmp_path):
     p = tmp_path / "bad.safetensors"
     p.write_bytes(struct.pack("<Q", 10) + b"{not json}" + b"\0" * 16)
