@@ -400,11 +400,14 @@ def _grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        x = torch.ones(4, 8, dtype=dtype, device=device_type)
-        w = torch.ones(2, 16, 8, dtype=dtype, device=device_type)
-        offs = torch.tensor([1, 4], dtype=torch.int32, device=device_type)
-        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-        return tuple(y.shape) == (4, 16)
+        gen = torch.Generator().manual_seed(0)
+        xc = torch.randint(-3, 4, (5, 8), generator=gen).to(dtype)
+        wc = torch.randint(-3, 4, (3, 16, 8), generator=gen).to(dtype)
+        offs = torch.tensor([1, 1, 5], dtype=torch.int32)
+        y = torch._grouped_mm(xc.to(device_type), wc.to(device_type).transpose(-2, -1),
+                              offs=offs.to(device_type)).cpu().float()
+        want = torch.cat([xc[:1].float() @ wc[0].float().T, xc[1:].float() @ wc[2].float().T])
+        return tuple(y.shape) == (5, 16) and bool(torch.equal(y, want))   # small integers: exact
     except Exception:
         return False
 
