@@ -285,17 +285,18 @@ def ui_from_api(prompt: dict, object_info: dict, notes: list[str] = (), titles: 
     for k in prompt:
         depth_of(k)
     order = sorted(prompt, key=lambda k: (depth[k], ids[k]))
-    row_in_col: dict[int, int] = {}
+    y_in_col: dict[int, int] = {}
     ui_nodes, links = [], []
     by_id = {}
     for order_index, k in enumerate(order):
         node = prompt[k]
         info = object_info[node["class_type"]]
         col = depth[k]
-        row = row_in_col.get(col, 0)
-        row_in_col[col] = row + 1
-        n = {"id": ids[k], "type": node["class_type"], "pos": [40 + 380 * col, 60 + 260 * row],
-             "size": [340, 200], "flags": {}, "order": order_index, "mode": 0,
+        height = _node_height(info, node)
+        y = y_in_col.get(col, 60)
+        y_in_col[col] = y + height + 50
+        n = {"id": ids[k], "type": node["class_type"], "pos": [80 + 380 * col, y],
+             "size": [340, height], "flags": {}, "order": order_index, "mode": 0,
              "inputs": [], "outputs": [], "properties": {"Node name for S&R": node["class_type"]},
              "widgets_values": []}
         if k in titles:
@@ -337,12 +338,28 @@ def ui_from_api(prompt: dict, object_info: dict, notes: list[str] = (), titles: 
                 links.append([link_id, src["id"], value[1], n["id"], slot, ltype])
     next_id = max(by_id) + 1 if by_id else 1
     for i, text in enumerate(notes):
-        ui_nodes.append({"id": next_id + i, "type": "Note", "pos": [40, -260 - 240 * i], "size": [700, 220],
+        ui_nodes.append({"id": next_id + i, "type": "Note", "pos": [80, -260 - 240 * i], "size": [700, 220],
                          "flags": {}, "order": len(ui_nodes), "mode": 0, "inputs": [], "outputs": [],
                          "properties": {}, "widgets_values": [text], "color": "#432", "bgcolor": "#653"})
     return {"last_node_id": max(n["id"] for n in ui_nodes) if ui_nodes else 0, "last_link_id": link_id,
-            "nodes": ui_nodes, "links": links, "groups": [], "config": {}, "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}},
+            "nodes": ui_nodes, "links": links, "groups": [], "config": {},
+            # the initial view shows the Note nodes (stacked above the graph) and the first rows of nodes
+            "extra": {"ds": {"scale": 0.8, "offset": [0, 330 + 240 * max(len(notes) - 1, 0)]}},
             "version": 0.4}
+
+
+def _node_height(info: dict, node: dict) -> int:
+    """About the height the frontend gives a node: title, one row per socket, widgets (multiline text is tall)."""
+    linked = {n for n, v in node["inputs"].items() if isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)}
+    sockets = sum(1 for n, s, _ in ordered_inputs(info) if input_kind(s) not in WIDGET_TYPES or n in linked)
+    rows = max(sockets, len(info["output"]))
+    widgets = 0
+    for name, spec, _ in widget_inputs(info):
+        if name in linked:
+            continue
+        opts = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+        widgets += 110 if (input_kind(spec) == "STRING" and opts.get("multiline")) else 24
+    return 40 + 22 * rows + widgets
 
 
 def _required(info, name) -> bool:
