@@ -68,6 +68,14 @@ def test_double_is_rejected():
                                                                   "  x[i] = 2.0f;")) == []
 
 
+def test_unsuffixed_float_literal_is_flagged():
+    """0.5 is float on Metal but double in the emulator's C++: the emulator would test other numerics."""
+    probs = lint_source(kernel("device float* x [[buffer(0)]]", "  x[i] = x[i] * 0.5 + 1e-6;"))
+    assert len(probs) == 2 and "0.5" in probs[0] and "1e-6" in probs[1] and "line 4" in probs[0]
+    assert lint_source(kernel("device float* x [[buffer(0)]]",
+                              "  x[i] = x[i] * 0.5f + 1e-6f + float(half(1.5h)); // 0.25 in a comment")) == []
+
+
 @pytest.mark.parametrize("decl,ok", [
     ("threadgroup float a[8192];", True),                      # exactly 32 KiB
     ("threadgroup float a[8193];", False),

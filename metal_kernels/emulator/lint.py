@@ -6,7 +6,8 @@
 * only known attributes: ``buffer(n)``, ``host_name("...")``, ``kernel``,
   ``max_total_threads_per_threadgroup(n)``, the thread-position attributes, and
   the harmless standard ``maybe_unused`` / ``fallthrough`` / ``likely`` / ``unlikely``;
-* no ``double`` anywhere;
+* no ``double`` anywhere, and no unsuffixed floating literal (``0.5`` is float on Metal but double
+  in the emulator's C++; write ``0.5f``);
 * kernel-scope threadgroup memory <= 32 KiB per kernel (sizes from literal /
   ``constexpr`` / ``#define`` dimensions; template kernels per instantiation);
 * ``max_total_threads_per_threadgroup(n)`` and literal group-size constants
@@ -49,6 +50,9 @@ _KIND_TEXT = {"tensor": "a tensor (declare a pointer: device T*)", "int": "a Pyt
               "int[]": "a list of ints (declare constant long*)",
               "float[]": "a list of floats (declare constant float*)",
               "tensor[]": "a list of tensors (declare an array of pointers)"}
+
+
+_FLOAT_LITERAL_RE = re.compile(r"(?<![\w.])(?:\d+\.\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+)(?![\w.])")
 
 
 def _type_size(t: str) -> int | None:
@@ -268,6 +272,12 @@ def lint_source(src: str, arg_kinds: dict[str, list[str]] | None = None) -> list
     # --- double
     for m in re.finditer(r"\bdouble\b", body_text):
         problems.append(f"{at(m.start())}: `double` is not supported by Metal (use float)")
+
+    # --- unsuffixed floating literals: Metal has no double and makes them float, the emulator's C++
+    # makes them double (a different rounding of every expression they touch): write 0.5f / 0.5h.
+    for m in _FLOAT_LITERAL_RE.finditer(body_text):
+        problems.append(f"{at(m.start())}: floating literal {m.group(0)} has no f/h suffix (float on Metal, "
+                        f"double in the emulator); write {m.group(0)}f")
 
     consts, named = _constants(body_text, src)
     # --- literal group sizes
