@@ -124,7 +124,7 @@ def test_linear_gemv_path_equals_decode_path(m, dtype):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
 
 
-def test_embedding_decodes_only_rows_and_conv_decodes():
+def test_embedding_decodes_only_rows_and_conv_decodes(monkeypatch):
     sd = fm.tiny_state(seed=4)
     ops = fp8_ops.make_fp8_ops(standalone=True)
     net = fm.TinyNet(ops)
@@ -134,7 +134,16 @@ def test_embedding_decodes_only_rows_and_conv_decodes():
         qsd[k], qsd[k.replace("weight", "weight_scale")] = q, s
     net.load_state_dict(qsd, strict=False)
     ids = torch.tensor([[3, 0, 49, 3]])
+    decode, gemv = fp8_ops._kernels()
+    decoded_shapes = []
+
+    def recording_decode(data, *args, **kwargs):
+        decoded_shapes.append(tuple(data.shape))
+        return decode(data, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_ops, "_kernels", lambda: (recording_decode, gemv))
     emb = net.embed(ids, out_dtype=torch.float32)
+    assert decoded_shapes == [(4, net.embed.embedding_dim)]     # the 4 looked-up rows, not the table
     wd = net.embed.fp8_decoded_weight(dtype=torch.float32)
     torch.testing.assert_close(emb, wd[ids], rtol=0, atol=0)
     img = torch.randn(1, 3, 9, 7)
