@@ -90,10 +90,13 @@ def gemv_metal(lib, x, weight, bias=None, *, fmt=None, scale=None, out_dtype=Non
             y = y + bias.to(device=device, dtype=torch.float32)
         return y.to(out_dtype)
     w = w.contiguous()                        # a no-op for the usual contiguous weight
-    vec = K % 4 == 0 and w.storage_offset() % 4 == 0
+    # The _k4 kernels load 4 weights and 4 x values as one vector, which must be aligned to its size.
+    # A weight memory-mapped from a safetensors file can start anywhere: take the scalar kernel then
+    # (copying the weight on every call would cost more than the vector loads gain).
+    vec = K % 4 == 0 and w.data_ptr() % (4 * w.element_size()) == 0
     kernel = getattr(lib, f"gemv_{kind}{'_k4' if vec else ''}")
     xf = x2.to(torch.float32).contiguous()
-    if vec and xf.storage_offset() % 4:       # the _k4 kernels load x as float4 (16-byte aligned)
+    if vec and xf.data_ptr() % 16:            # x is small: copy it into a fresh (aligned) buffer
         xf = xf.clone()
     s_buf = s.contiguous() if mode else ones1(device)
     b_buf = bias.to(device=device, dtype=torch.float32).contiguous() if bias is not None else ones1(device)  # unread
@@ -114,9 +117,14 @@ def gemv_metal(lib, x, weight, bias=None, *, fmt=None, scale=None, out_dtype=Non
 def _cases(device):
     gen = torch.Generator().manual_seed(3)
     out = []
+    # Every entry point (each weight type, scalar K and K % 4 == 0 "_k4") is exercised once: the
+    # self-check is the only thing standing between an entry point and the user's model on a Mac.
     for (M, K, N), wkind, smode, with_bias in [((1, 33, 5), "e4m3fn", "row", True), ((3, 7, 6), torch.float16, None, False),
                                                ((8, 36, 9), "e5m2", "tensor", True), ((2, 40, 3), torch.bfloat16, "row", False),
-                                               ((5, 12, 1), torch.float32, "tensor", True)]:
+                                               ((5, 12, 1), torch.float32, "tensor", True),
+                                               ((1, 64, 7), "e4m3fn", "row", False), ((2, 13, 5), "e5m2", None, True),
+                                               ((4, 28, 6), torch.float16, "tensor", True), ((1, 9, 4), torch.bfloat16, None, True),
+                                               ((3, 11, 5), torch.float32, "row", False)]:
         x = torch.randn(M, K, generator=gen)
         if isinstance(wkind, str):
             # clearing bit 6 keeps |w| < 2: no inf/NaN codes, sums without catastrophic cancellation
