@@ -15,7 +15,7 @@ if ! command -v clang-19 >/dev/null 2>&1; then
   elif [ "$(uname -s)" = "Darwin" ] && command -v brew >/dev/null 2>&1; then
     brew list llvm@19 >/dev/null 2>&1 || brew install llvm@19
     export PATH="$(brew --prefix llvm@19)/bin:$PATH"
-    [ -e "$(brew --prefix llvm@19)/bin/clang-19" ] || export COMFY_METAL_CLANG="$(brew --prefix llvm@19)/bin/clang"
+    [ -e "$(brew --prefix llvm@19)/bin/clang-19" ] || export COMFY_METAL_EMU_CLANG="$(brew --prefix llvm@19)/bin/clang"
   fi
 fi
 
