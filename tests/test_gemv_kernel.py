@@ -238,3 +238,38 @@ def test_kernels_bench_tables(monkeypatch):
     assert [r[1] for r in storage.rows] == [4, 2, 2, 1, 1]
     for t in tables:
         assert t.title in t.render()
+
+
+@pytest.mark.skipif(not __import__("comfy_metal.metal_kernels.emulator", fromlist=["available"]).available(),
+                    reason="clang-19 not found: the MSL emulator cannot run")
+def test_misaligned_weight_storage_takes_the_scalar_kernel():
+    """A weight memory-mapped from a safetensors file can start at any byte (storage_offset 0, base
+    off alignment): the vector (_k4) kernels would do misaligned vector loads, so the glue must pick
+    the scalar kernel, and the result must still match."""
+    from comfy_metal.metal_kernels import dispatch as dispatch_module
+    from comfy_metal.metal_kernels.emulator import compile_library
+
+    lib = compile_library(dispatch_module.library_source())
+    launched = []
+
+    class Recording:
+        def __getattr__(self, name):
+            launched.append(name)
+            return getattr(lib, name)
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 32, generator=gen)
+    for dtype in (torch.float32, torch.float16):
+        size = torch.tensor([], dtype=dtype).element_size()
+        raw = bytearray((7 * 32 + 4) * size)
+        w = next(t for t in (torch.frombuffer(raw, dtype=dtype, offset=o * size, count=7 * 32) for o in range(4))
+                 if t.data_ptr() % (4 * size) != 0).view(7, 32)
+        w.copy_(torch.randn(7, 32, generator=gen))
+        assert w.storage_offset() == 0
+        launched.clear()
+        torch.testing.assert_close(gemv_metal(Recording(), x, w), gemv_reference(x, w), atol=1e-4, rtol=1e-3)
+        assert launched and not launched[0].endswith("_k4"), launched
+        aligned = w.clone()
+        launched.clear()
+        gemv_metal(Recording(), x, aligned)
+        assert launched[0].endswith("_k4"), launched
