@@ -37,10 +37,11 @@ for _name in ("fp8", "linear", "sampling", "vae", "moe"):
 capabilities = probe.capabilities
 
 
-def status(device=None) -> dict:
-    """Capability probe plus each kernel's backend and the reason for it (runs pending self-checks)."""
+def status(device=None, run_pending: bool = True) -> dict:
+    """Capability probe plus each kernel's backend and the reason for it (runs pending self-checks
+    unless run_pending=False: see dispatch.kernel_status)."""
     return {
         "capabilities": probe.capabilities(),
         "backend_setting": dispatch._env_backend(),
-        "kernels": dispatch.kernel_status(device),
+        "kernels": dispatch.kernel_status(device, run_pending=run_pending),
     }

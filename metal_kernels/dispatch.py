@@ -268,9 +268,14 @@ def call(spec: KernelSpec, args, kwargs):
 last_backend: dict[str, str] = {}
 
 
-def kernel_status(device: torch.device | str | None = None) -> dict[str, dict]:
+PENDING_REASON = "not self-checked yet: runs at the kernel's first use (or run the Comfy Metal Status node)"
+
+
+def kernel_status(device: torch.device | str | None = None, run_pending: bool = True) -> dict[str, dict]:
     """Each kernel's backend and reason on `device` (default: MPS if present, else CPU).
-    Runs the self-checks that have not run yet."""
+    Runs the self-checks that have not run yet; with run_pending=False, MPS kernels not decided yet
+    are reported as backend "pending" instead (for callers off ComfyUI's execution thread: MPS work
+    from a second thread can race the running prompt)."""
     from .probe import mps_available
 
     if device is None:
@@ -278,7 +283,12 @@ def kernel_status(device: torch.device | str | None = None) -> dict[str, dict]:
     device = torch.device(device)
     out = {}
     for name, spec in sorted(REGISTRY.items()):
-        backend, reason = choose(spec, device)
+        with _lock:
+            known = _decisions.get(_decision_key(spec, device))
+        if known is None and not run_pending and device.type == "mps":
+            backend, reason = "pending", PENDING_REASON
+        else:
+            backend, reason = known or choose(spec, device)
         out[name] = {"backend": backend, "reason": reason, "device": device.type,
                      "entry_points": sorted(spec.entry_points), "source": spec.source}
     return out

@@ -3,8 +3,9 @@
 Routes (added to ComfyUI's own server when the pack is imported inside ComfyUI; same origin, JSON):
 
   GET  /comfy_metal/status    capability probe, COMFY_METAL_BACKEND, each kernel's backend and the
-                              reason for it (runs pending self-checks in a worker thread, not on the
-                              event loop), the last backend per kernel, the per-node records, memory.
+                              reason for it (in a worker thread, not on the event loop; no MPS work:
+                              undecided MPS kernels show as "pending"), the last backend per kernel,
+                              the per-node records, memory.
   GET  /comfy_metal/memory    device memory only (cheap; the frontend polls it during a run).
   POST /comfy_metal/settings  {"force_reference": true|false}: the ONLY write route. It sets (or
                               restores) COMFY_METAL_BACKEND=reference in this server process only;
@@ -257,11 +258,13 @@ def set_force_reference(enabled: bool) -> bool:
 
 
 def status_payload() -> dict:
-    """Everything the panel shows. Runs the kernels' pending self-checks: call it off the event loop."""
+    """Everything the panel shows; call it off the event loop. It runs no MPS work (the route's worker
+    thread would race the prompt ComfyUI is executing on the GPU): MPS kernels not self-checked yet
+    show as "pending" until their first use or the MetalStatus node, which runs on the executor."""
     from .. import metal_kernels
     from ..metal_kernels import dispatch
 
-    status = metal_kernels.status()
+    status = metal_kernels.status(run_pending=False)
     with _lock:
         nodes = {k: dict(v) for k, v in node_backends.items()}
     return {

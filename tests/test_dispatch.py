@@ -146,3 +146,21 @@ def test_out_of_memory_in_a_metal_launch_propagates(monkeypatch):
     with pytest.raises(RuntimeError, match="out of memory"):
         dispatch.call(spec, (torch.ones(4),), {})
     assert dispatch.choose(spec, torch.device("mps"))[0] == "metal"
+
+
+def test_status_without_running_pending_mps_self_checks(monkeypatch):
+    """The status route's worker thread must not start MPS work next to a running prompt: undecided MPS
+    kernels are reported as pending, decided ones with their decision."""
+    def no_self_check(spec, backend, device):
+        raise AssertionError("a self-check ran")
+
+    monkeypatch.setattr(dispatch, "self_check", no_self_check)
+    mps = torch.device("mps")
+    with dispatch._lock:
+        dispatch._decisions[dispatch._decision_key(registry.REGISTRY["softmax"], mps)] = ("metal", "passed its self-check")
+    kernels = dispatch.kernel_status(mps, run_pending=False)
+    assert kernels["softmax"]["backend"] == "metal"
+    assert kernels["fp8_decode"]["backend"] == "pending" and "first use" in kernels["fp8_decode"]["reason"]
+    assert set(kernels) == set(registry.REGISTRY)
+    # CPU decisions need no self-check: reported as usual
+    assert dispatch.kernel_status("cpu", run_pending=False)["fp8_decode"]["backend"] == "reference"
