@@ -115,6 +115,14 @@ test("status summary counts Metal kernels", () => {
   assert.equal(statusSummary({ kernels: { a: { backend: "reference" } }, force_reference: true }),
     "All 1 kernels on the reference (reference forced)");
   assert.equal(statusSummary({ kernels: { a: { backend: "emulator" } } }), "All 1 kernels on Metal/emulator");
+  // MPS kernels the status route has not self-checked (it runs no GPU work next to a prompt)
+  assert.equal(statusSummary({ kernels: { a: { backend: "pending" }, b: { backend: "pending" } } }),
+    "2 kernels not self-checked yet (each checks at first use)");
+  assert.equal(statusSummary({ kernels: { a: { backend: "metal" }, b: { backend: "pending" } } }),
+    "1 of 2 kernels on Metal; 1 not self-checked yet");
+  assert.equal(statusSummary({ kernels: { a: { backend: "reference" }, b: { backend: "pending" } } }),
+    "0 of 2 kernels on Metal; 1 not self-checked yet");
+  assert.equal(kernelRows({ a: { backend: "pending" } })[0].label, "Pending");
 });
 
 test("panel HTML shows kernels, nodes, capabilities and escapes text", () => {

@@ -18,6 +18,8 @@ export const BACKEND_STYLES = Object.freeze({
   reference: { label: "Reference", fgColor: "#1a1a1a", bgColor: "#f2b233" },
   mixed: { label: "Mixed", fgColor: "#ffffff", bgColor: "#c2571a" },
   none: { label: "no kernels", fgColor: "#dddddd", bgColor: "#555555" },
+  // /comfy_metal/status: an MPS kernel whose self-check has not run yet (it runs at first use)
+  pending: { label: "Pending", fgColor: "#1a1a1a", bgColor: "#b0bec5" },
 });
 
 export function isPackNode(className) {
@@ -128,10 +130,13 @@ export function statusSummary(status) {
   const rows = kernelRows(status?.kernels);
   if (rows.length === 0) return "No kernels registered";
   const fast = rows.filter((r) => r.backend === "metal" || r.backend === "emulator").length;
+  const pending = rows.filter((r) => r.backend === "pending").length;
   const setting = status?.force_reference ? " (reference forced)" : "";
-  if (fast === rows.length) return `All ${rows.length} kernels on ${rows.every((r) => r.backend === "metal") ? "Metal" : "Metal/emulator"}${setting}`;
-  if (fast === 0) return `All ${rows.length} kernels on the reference${setting}`;
-  return `${fast} of ${rows.length} kernels on Metal${setting}`;
+  if (pending === rows.length) return `${rows.length} kernels not self-checked yet (each checks at first use)${setting}`;
+  const waiting = pending ? `; ${pending} not self-checked yet` : "";
+  if (pending === 0 && fast === rows.length) return `All ${rows.length} kernels on ${rows.every((r) => r.backend === "metal") ? "Metal" : "Metal/emulator"}${setting}`;
+  if (fast === 0 && pending === 0) return `All ${rows.length} kernels on the reference${setting}`;
+  return `${fast} of ${rows.length} kernels on Metal${waiting}${setting}`;
 }
 
 export function escapeHtml(s) {
