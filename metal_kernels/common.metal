@@ -2,8 +2,9 @@
 // .metal file, into one library: every symbol here must be unique and prefixed (fp8_, bf16_, ...).
 // Other domains append their helpers below the marked sections.
 //
-// Everything here is pure integer bit manipulation on purpose: Metal compiles with fast math, where
-// isnan()/isinf() may be folded away and float denormals may be flushed; integer code is exact.
+// Everything here is pure integer bit manipulation on purpose: torch.mps.compile_shader uses safe math
+// by default, but PYTORCH_MPS_FAST_MATH=1 (and Metal's own default) turn on fast math, where
+// isnan()/isinf() may be folded away and float denormals may be flushed; integer code is exact in both.
 #include <metal_stdlib>
 using namespace metal;
 

@@ -66,8 +66,9 @@ FP8_DECODE_KERNEL(fp8_decode_e5m2_float, fp8_e5m2_to_float, float)
 FP8_DECODE_KERNEL(fp8_decode_e5m2_half, fp8_e5m2_to_float, half)
 FP8_DECODE_KERNEL(fp8_decode_e5m2_bfloat, fp8_e5m2_to_float, bfloat)
 
-// v / s, correctly rounded (fast math allows a 2.5-ulp `/`, which can move a value across an fp8
-// rounding boundary). A NaN input skips the division so its sign survives, as on the CPU.
+// v / s, correctly rounded even under fast math (PYTORCH_MPS_FAST_MATH=1), where `/` may be 2.5 ulp off
+// and move a value across an fp8 rounding boundary. A NaN input skips the division so its sign
+// survives, as on the CPU.
 inline float fp8_scaled(float v, float s, long scale_mode) {
     if (scale_mode == 0 || (as_type<uint>(v) & 0x7FFFFFFFu) > 0x7F800000u) return v;
     return precise::divide(v, s);
