@@ -8,8 +8,7 @@ import pytest
 from comfy_metal import metal_kernels  # noqa: F401  (imports every domain module: fills the registry)
 from comfy_metal.metal_kernels import dispatch, registry
 
-emulator = pytest.importorskip("comfy_metal.metal_kernels.emulator",
-                               reason="the MSL emulator package is not importable")
+from comfy_metal.metal_kernels import emulator  # noqa: E402  (part of the pack: an import error is a failure)
 if not emulator.available():
     pytest.skip("the MSL emulator needs clang-19, which is not installed", allow_module_level=True)
 from comfy_metal.metal_kernels.emulator.lint import lint_source  # noqa: E402
