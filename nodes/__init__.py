@@ -8,16 +8,29 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 
 # Feature modules, in the order their nodes appear.
 FEATURE_MODULES = ("fp8_loader", "samplers", "vae_tiled", "moe_encoder", "status")
 
 NODE_CLASS_MAPPINGS: dict = {}
 NODE_DISPLAY_NAME_MAPPINGS: dict = {}
+# feature module -> why it did not load (its nodes are missing; the others work)
+FAILED_FEATURES: dict[str, str] = {}
 
-for _module_name in FEATURE_MODULES:
-    if importlib.util.find_spec(f".{_module_name}", __name__) is None:
-        continue
-    _module = importlib.import_module(f".{_module_name}", __name__)
-    NODE_CLASS_MAPPINGS.update(getattr(_module, "NODE_CLASS_MAPPINGS", {}))
-    NODE_DISPLAY_NAME_MAPPINGS.update(getattr(_module, "NODE_DISPLAY_NAME_MAPPINGS", {}))
+
+def _load_features(names) -> None:
+    for module_name in names:
+        if importlib.util.find_spec(f".{module_name}", __name__) is None:
+            continue
+        try:
+            module = importlib.import_module(f".{module_name}", __name__)
+        except Exception as e:  # one broken feature must not take every node of the pack down
+            FAILED_FEATURES[module_name] = f"{type(e).__name__}: {e}"
+            logging.getLogger("comfy_metal").exception("comfy_metal: the %s nodes failed to load", module_name)
+            continue
+        NODE_CLASS_MAPPINGS.update(getattr(module, "NODE_CLASS_MAPPINGS", {}))
+        NODE_DISPLAY_NAME_MAPPINGS.update(getattr(module, "NODE_DISPLAY_NAME_MAPPINGS", {}))
+
+
+_load_features(FEATURE_MODULES)

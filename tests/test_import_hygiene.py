@@ -100,3 +100,27 @@ def test_no_bare_nodes_import_and_no_module_level_comfyui_import():
                 if top in COMFYUI_MODULES or top == "comfy_metal":
                     problems.append(f"{rel}:{node.lineno}: module-level import of {name}")
     assert problems == [], "\n".join(problems)
+
+
+def test_a_broken_feature_module_leaves_the_other_nodes_loaded(monkeypatch, caplog):
+    import importlib as real_importlib
+    import logging
+
+    from comfy_metal import nodes
+
+    real_import_module = real_importlib.import_module
+
+    def import_module(name, package=None):
+        if name == ".samplers":
+            raise RuntimeError("boom in samplers")
+        return real_import_module(name, package)
+
+    monkeypatch.setattr(nodes.importlib, "import_module", import_module)
+    monkeypatch.setattr(nodes, "NODE_CLASS_MAPPINGS", {})
+    monkeypatch.setattr(nodes, "NODE_DISPLAY_NAME_MAPPINGS", {})
+    monkeypatch.setattr(nodes, "FAILED_FEATURES", {})
+    with caplog.at_level(logging.ERROR, logger="comfy_metal"):
+        nodes._load_features(nodes.FEATURE_MODULES)
+    assert "MetalFP8ModelLoader" in nodes.NODE_CLASS_MAPPINGS and "MetalStatus" in nodes.NODE_CLASS_MAPPINGS
+    assert nodes.FAILED_FEATURES == {"samplers": "RuntimeError: boom in samplers"}
+    assert any("samplers nodes failed to load" in r.getMessage() for r in caplog.records)
