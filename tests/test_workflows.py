@@ -176,6 +176,22 @@ def tiny_text_encoders(comfyui, monkeypatch):
     wm.shrink_text_encoders(monkeypatch, comfy.sd)
 
 
+@pytest.fixture
+def dispatch(comfyui):
+    """The kernel dispatch module of the pack copy ComfyUI loaded; its record of backends is cleared."""
+    import importlib
+
+    d = importlib.import_module(comfyui.pack_module.__name__ + ".metal_kernels.dispatch")
+    d.last_backend.clear()
+    return d
+
+
+def ran(dispatch, *kernels) -> None:
+    """Each kernel ran (on some backend) during the workflow: the pack's capability really executed."""
+    missing = [k for k in kernels if k not in dispatch.last_backend]
+    assert not missing, f"kernels {missing} did not run; ran: {dict(dispatch.last_backend)}"
+
+
 def first(result, node_id, slot=0):
     """The value a node returned on `slot` (the executor keeps a list per output: one item per run)."""
     (value,) = result.node_outputs[node_id][slot]
@@ -199,15 +215,16 @@ def _check_image(path: pathlib.Path, size=(32, 32), frames=1):
     assert px.std() > 0.5, f"{path.name} is a flat image"
 
 
-def test_fp8_flux_t2i_executes(comfyui, models, tiny_text_encoders):
+def test_fp8_flux_t2i_executes(comfyui, models, tiny_text_encoders, dispatch):
     _, api = load("fp8_flux_t2i")
     result = comfyui.run_prompt(shrink(api))
     (png,) = _output_files(comfyui, result, "10")
     _check_image(png)
     assert type(first(result, "1")).__name__ == "MetalFP8ModelPatcher"
+    ran(dispatch, "fp8_decode", "sampler_euler_step", "vae_blend_accumulate")
 
 
-def test_fp8_wan22_t2v_executes(comfyui, models, tiny_text_encoders):
+def test_fp8_wan22_t2v_executes(comfyui, models, tiny_text_encoders, dispatch):
     _, api = load("fp8_wan22_t2v")
     result = comfyui.run_prompt(shrink(api))
     (webp,) = _output_files(comfyui, result, "13")
@@ -215,18 +232,20 @@ def test_fp8_wan22_t2v_executes(comfyui, models, tiny_text_encoders):
     assert tuple(first(result, "12").shape) == (5, 32, 32, 3)
     assert type(first(result, "1")).__name__ == "MetalFP8ModelPatcher"
     assert type(first(result, "2")).__name__ == "MetalFP8ModelPatcher"
+    ran(dispatch, "fp8_decode", "sampler_euler_step", "vae_blend_accumulate")
 
 
-def test_moe_t2i_prompt_enhancer_executes(comfyui, models, tiny_text_encoders):
+def test_moe_t2i_prompt_enhancer_executes(comfyui, models, tiny_text_encoders, dispatch):
     _, api = load("moe_t2i_prompt_enhancer")
     result = comfyui.run_prompt(shrink(api))
     (png,) = _output_files(comfyui, result, "15")
     _check_image(png)
     text = first(result, "2")
     assert isinstance(text, str) and text.strip() and text != api["2"]["inputs"]["prompt"]
+    ran(dispatch, "moe_route", "fp8_decode", "sampler_dpmpp_2m_step", "vae_blend_accumulate")
 
 
-def test_quantize_and_save_executes_and_refuses_to_overwrite(comfyui, models):
+def test_quantize_and_save_executes_and_refuses_to_overwrite(comfyui, models, dispatch):
     import comfy_metal.nodes.fp8_formats as fmt
     from safetensors import safe_open
 
@@ -235,6 +254,7 @@ def test_quantize_and_save_executes_and_refuses_to_overwrite(comfyui, models):
     target.unlink(missing_ok=True)
     result = comfyui.run_prompt(shrink(api))
     assert result.outputs["2"]["text"] == [target.name]
+    ran(dispatch, "fp8_encode")
     with safe_open(str(target), "pt") as f:
         keys = list(f.keys())
         fp8 = [k for k in keys if f.get_slice(k).get_dtype() in ("F8_E4M3", "U8") and k.endswith(".weight")]
@@ -412,3 +432,63 @@ def test_comfyui_frontend_loads_ui_workflows_into_their_api_twins(comfyui_path, 
         assert got == api, f"{name}: the frontend's prompt differs from {name}.api.json\n{got}"
     bad = [m for m in console if any(w in m.lower() for w in ("validat", "invalid", "missing", "comfy_metal", "metal"))]
     assert bad == [], bad
+
+
+# --------------------------------------------------- whole workflows on the real MSL (emulator)
+
+@pytest.fixture
+def emulator(comfyui, dispatch, monkeypatch):
+    """COMFY_METAL_BACKEND=emulator for the pack copy in ComfyUI: every kernel runs its real MSL source
+    and launch glue on the CPU through the project's MSL emulator."""
+    import importlib
+
+    emu = importlib.import_module(comfyui.pack_module.__name__ + ".metal_kernels.emulator")
+    if not emu.available():
+        reason = "the MSL emulator is unavailable (clang-19 missing): emulator workflow runs skipped"
+        print(reason)
+        pytest.skip(reason)
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+    dispatch.reset()
+    yield dispatch
+    monkeypatch.delenv("COMFY_METAL_BACKEND")
+    dispatch.reset()
+
+
+def test_fp8_flux_t2i_on_the_emulator_matches_the_reference_run(comfyui, models, tiny_text_encoders, dispatch,
+                                                                 monkeypatch):
+    _, api = load("fp8_flux_t2i")
+    prompt = shrink(api)
+    reference = first(comfyui.run_prompt(prompt, execute=["9"]), "9").float()
+    assert set(dispatch.last_backend.values()) == {"reference"}
+    import importlib
+
+    emu = importlib.import_module(comfyui.pack_module.__name__ + ".metal_kernels.emulator")
+    if not emu.available():
+        pytest.skip("the MSL emulator is unavailable (clang-19 missing)")
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+    dispatch.reset()
+    dispatch.last_backend.clear()
+    try:
+        result = comfyui.run_prompt(prompt)
+        image = first(result, "9").float()
+        ran(dispatch, "fp8_decode", "sampler_euler_step", "vae_blend_accumulate")
+        assert set(dispatch.last_backend.values()) == {"emulator"}, dict(dispatch.last_backend)
+    finally:
+        monkeypatch.delenv("COMFY_METAL_BACKEND")
+        dispatch.reset()
+    (png,) = _output_files(comfyui, result, "10")
+    _check_image(png)
+    err = (image - reference).abs()
+    print(f"flux workflow, emulator vs reference: max {err.max():.2e}, mean {err.mean():.2e}")
+    assert err.max() < 1e-3 and err.mean() < 1e-4
+
+
+def test_moe_t2i_prompt_enhancer_on_the_emulator(comfyui, models, tiny_text_encoders, emulator):
+    _, api = load("moe_t2i_prompt_enhancer")
+    result = comfyui.run_prompt(shrink(api))
+    (png,) = _output_files(comfyui, result, "15")
+    _check_image(png)
+    assert first(result, "2").strip()
+    ran(emulator, "moe_route", "moe_grouped_gemm", "moe_experts_gemm", "gemv", "fp8_decode",
+        "sampler_dpmpp_2m_step", "vae_blend_accumulate")
+    assert set(emulator.last_backend.values()) == {"emulator"}, dict(emulator.last_backend)
