@@ -76,6 +76,19 @@ def test_unsuffixed_float_literal_is_flagged():
                               "  x[i] = x[i] * 0.5f + 1e-6f + float(half(1.5h)); // 0.25 in a comment")) == []
 
 
+def test_pointer_without_address_space_is_flagged():
+    pre = "inline float first(float* p) { return p[0]; }\ninline void put(thread float& r, device const half4* q) { r = q[0].x; }\n"
+    probs = lint_source(kernel("device float* x [[buffer(0)]]", "  const uint* u = (const uint*)x;\n  x[i] = first(x) + float(u[0] & 1u);", pre=pre))
+    assert len(probs) == 2, probs          # (the two on line 6 read the same: reported once)
+    assert "line 3" in probs[0] and "float*" in probs[0] and "address space" in probs[0]
+    assert "line 6" in probs[1] and "uint*" in probs[1]
+    # qualified pointers, references, casts, address-of, multiplication and bitwise and are fine
+    assert lint_source(kernel("device float* x [[buffer(0)]]",
+                              "  thread float* p = &x[0];\n  device const uint* u = (device const uint*)x;\n"
+                              "  threadgroup float t[4];\n  t[0] = float(u[0] & 1u) * x[1];\n  x[i] = *p + t[0];",
+                              pre="inline float g(constant float& s, const device half* h) { return s * float(h[0]); }\n")) == []
+
+
 @pytest.mark.parametrize("decl,ok", [
     ("threadgroup float a[8192];", True),                      # exactly 32 KiB
     ("threadgroup float a[8193];", False),

@@ -8,6 +8,8 @@
   the harmless standard ``maybe_unused`` / ``fallthrough`` / ``likely`` / ``unlikely``;
 * no ``double`` anywhere, and no unsuffixed floating literal (``0.5`` is float on Metal but double
   in the emulator's C++; write ``0.5f``);
+* every pointer / reference to a built-in type has an address space (``device``, ``constant``,
+  ``thread``, ``threadgroup``): the emulator defines them away, Metal rejects a pointer without one;
 * kernel-scope threadgroup memory <= 32 KiB per kernel (sizes from literal /
   ``constexpr`` / ``#define`` dimensions; template kernels per instantiation);
 * ``max_total_threads_per_threadgroup(n)`` and literal group-size constants
@@ -52,6 +54,10 @@ _KIND_TEXT = {"tensor": "a tensor (declare a pointer: device T*)", "int": "a Pyt
               "tensor[]": "a list of tensors (declare an array of pointers)"}
 
 
+_ADDRESS_SPACES = {"device", "constant", "thread", "threadgroup", "threadgroup_imageblock", "ray_data", "object_data"}
+# A pointer or reference to a built-in scalar/vector type (`float* p`, `const half4& v`, `(uint*)q`).
+_SCALAR_PTR_RE = re.compile(r"(?<![\w:.])(?:bool|char|uchar|short|ushort|int|uint|long|ulong|half|float|bfloat|"
+                            r"u?int(?:8|16|32|64)_t)(?:2|3|4)?\s*(?:const\s*)?[*&](?![&=])")
 _FLOAT_LITERAL_RE = re.compile(r"(?<![\w.])(?:\d+\.\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+)(?![\w.])")
 
 
@@ -278,6 +284,16 @@ def lint_source(src: str, arg_kinds: dict[str, list[str]] | None = None) -> list
     for m in _FLOAT_LITERAL_RE.finditer(body_text):
         problems.append(f"{at(m.start())}: floating literal {m.group(0)} has no f/h suffix (float on Metal, "
                         f"double in the emulator); write {m.group(0)}f")
+
+    # --- pointers / references without an address space: Metal rejects them ("pointer type must have
+    # explicit address space qualifier"); the emulator's shim defines address spaces away.
+    for m in _SCALAR_PTR_RE.finditer(body_text):
+        words = re.findall(r"[A-Za-z_]\w*|\S", body_text[max(0, m.start() - 120):m.start()])
+        while words and words[-1] in ("const", "volatile"):
+            words.pop()
+        if not words or words[-1] not in _ADDRESS_SPACES:
+            problems.append(f"{at(m.start())}: `{' '.join(m.group(0).split())}` has no address space: Metal needs "
+                            f"device / constant / thread / threadgroup on every pointer and reference")
 
     consts, named = _constants(body_text, src)
     # --- literal group sizes
