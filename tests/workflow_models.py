@@ -76,17 +76,19 @@ def _fill(module, seed, std=0.05):
     return fm.fill_module_(module, seed=seed, std=std)
 
 
-def write_scaled_fp8(path: pathlib.Path, sd: dict, metadata: dict | None = None) -> None:
-    """The "fp8_scaled" layout of Comfy-Org's repackaged FP8 files: float8_e4m3fn weights, a per-tensor
-    `scale_weight` per layer, and the `scaled_fp8` marker tensor."""
+def write_scaled_fp8(path: pathlib.Path, sd: dict, metadata: dict | None = None, rest_dtype=torch.bfloat16) -> None:
+    """The "fp8_scaled" layout of Comfy-Org's repackaged FP8 files: float8_e4m3fn Linear weights with a
+    per-tensor `scale_weight` each, the `scaled_fp8` marker tensor; embeddings, norms, biases in `rest_dtype`."""
+    fp8 = {k for k in fm.fp8_layers(sd) if sd[k].dim() == 2 and not any(s in k for s in ("embed", "shared.",
+                                                                                          "relative_attention"))}
     out = {}
     for k, v in sd.items():
-        if k in fm.fp8_layers(sd) and v.dim() == 2:
+        if k in fp8:
             q, scale = fm.quantize_ref(v.float())
             out[k] = q
             out[k[: -len(".weight")] + ".scale_weight"] = scale.reshape(1)
         else:
-            out[k] = v.to(torch.bfloat16) if v.is_floating_point() else v
+            out[k] = v.to(rest_dtype) if v.is_floating_point() else v
     out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
     save_file({k: t.contiguous() for k, t in out.items()}, str(path), metadata=metadata or {})
 
@@ -261,13 +263,13 @@ def place_models(comfyui, names: dict) -> dict:
           lambda p: save_file({k: v.to(torch.float16).contiguous() for k, v in wan_state_dict(WAN22_5B_CFG, 23).items()},
                               str(p)))
     write("clip_l", "text_encoders", lambda p: save_file(_bf16(clip_l_state_dict()), str(p)))
-    write("t5xxl", "text_encoders", lambda p: save_file(_bf16(t5_state_dict("t5_config_xxl.json", T5XXL)), str(p)))
+    # the T5 / UMT5 files have the layout of the real *_fp8_e4m3fn_scaled files (ComfyUI converts it itself)
+    write("t5xxl", "text_encoders", lambda p: write_scaled_fp8(p, t5_state_dict("t5_config_xxl.json", T5XXL)))
 
     def umt5(p):
-        # fp32: ComfyUI runs the encoder in the file's dtype, and bf16 matmuls are slow on CPUs
-        sd = {k: v.contiguous() for k, v in t5_state_dict("umt5_config_xxl.json", UMT5XXL, seed=7).items()}
+        sd = t5_state_dict("umt5_config_xxl.json", UMT5XXL, seed=7)
         sd["spiece_model"] = torch.frombuffer(bytearray(tiny_spiece_model()), dtype=torch.uint8)
-        save_file(sd, str(p))
+        write_scaled_fp8(p, sd, rest_dtype=torch.float32)  # fp32 rest: bf16 matmuls are slow on CPUs
 
     write("umt5xxl", "text_encoders", umt5)
     write("flux_vae", "vae", lambda p: save_file(_bf16(flux_vae_state_dict()), str(p)))
