@@ -8,7 +8,8 @@ With COMFYUI_PATH (fixture `comfyui`; skipped with the reason printed otherwise)
 output from the live ComfyUI equals the committed files (no drift), every node type / widget value /
 link is valid per the live object_info, and every API-format workflow executes through ComfyUI's
 real executor on tiny random models of the right architectures placed under the file names the
-workflow expects. The test copy of a prompt only shrinks sizes (width, height, length, steps and the
+workflow expects, and ComfyUI's own frontend (headless Chromium) loads each UI workflow into exactly
+its API twin (screenshots go to $COMFY_METAL_WORKFLOW_SHOTS if set). The test copy of a prompt only shrinks sizes (width, height, length, steps and the
 step split of the two-expert Wan sampler); node types and the graph are the committed ones. Text
 encoders shrink through ComfyUI's own `<name>_model_config` option (see workflow_models).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import pathlib
 import sys
 
@@ -418,8 +420,9 @@ def test_comfyui_frontend_loads_ui_workflows_into_their_api_twins(comfyui_path, 
         req = urllib.request.Request(f"{server.url}/settings/Comfy.TutorialCompleted", data=b"true",
                                      headers={"Content-Type": "application/json"}, method="POST")
         urllib.request.urlopen(req, timeout=30).close()
-        results = asyncio.run(_frontend(server.url, chromium, workflows, tmp_path / "shots"))
-    print(f"screenshots: {tmp_path / 'shots'}")
+        shots = pathlib.Path(os.environ.get("COMFY_METAL_WORKFLOW_SHOTS") or tmp_path / "shots")
+        results = asyncio.run(_frontend(server.url, chromium, workflows, shots))
+    print(f"screenshots: {shots}")
     assert results.pop("__exceptions__") == []
     console = results.pop("__console__")
     for name in NAMES:

@@ -194,10 +194,9 @@ def moe_t2i_prompt_enhancer() -> tuple[dict, list[str], dict]:
         "MoE prompt enhancer -> Flux text-to-image (Comfy Metal).\n\n"
         "- Load MoE Text Encoder (Metal) loads the Qwen3-MoE model with sync-free expert dispatch on the GPU; "
         "Prompt Enhancer (MoE, Metal) rewrites the short prompt with it (greedy at temperature 0).\n"
-        "- The enhanced text is encoded by Flux's own text encoders (CLIP-L + T5-XXL). No released image "
-        "model was trained on Qwen3-MoE hidden states, so the MoE model's own CLIP output (its "
-        "conditioning) is not fed to Flux here; it fits models whose context width equals the MoE "
-        "hidden size only after training such a model.\n"
+        "- The enhanced text is encoded by Flux's own text encoders (CLIP-L + T5-XXL). The MoE loader's CLIP "
+        "output (hidden states [tokens, 2048] for Qwen3-30B-A3B, no pooled vector) would need an image model "
+        "trained on that conditioning; no released model is, so here the MoE model only enhances the prompt.\n"
         "- SamplerCustomAdvanced with Metal Sampler Select (dpmpp_2m, fast device-side noise).\n"
         "- VAE Decode (Low Memory, Metal) for the decode.",
     ]
