@@ -495,3 +495,40 @@ def test_moe_t2i_prompt_enhancer_on_the_emulator(comfyui, models, tiny_text_enco
     ran(emulator, "moe_route", "moe_grouped_gemm", "moe_experts_gemm", "gemv", "fp8_decode",
         "sampler_dpmpp_2m_step", "vae_blend_accumulate")
     assert set(emulator.last_backend.values()) == {"emulator"}, dict(emulator.last_backend)
+
+
+# ------------------------------------------------------------------------------- headless run
+
+def test_quantize_and_save_runs_headless_unchanged(comfyui, comfyui_path, tmp_path):
+    """`python -m comfy_metal run workflows/quantize_and_save.api.json --models DIR` (the committed file,
+    nothing shrunk) writes the FP8 file into DIR/diffusion_models and a successful summary."""
+    import subprocess
+
+    from safetensors.torch import save_file
+
+    import comfyui_env
+    import torch
+    import workflow_models as wm
+
+    _, api = load("quantize_and_save")
+    models = tmp_path / "models"
+    (models / "diffusion_models").mkdir(parents=True)
+    src = models / "diffusion_models" / api["1"]["inputs"]["unet_name"]
+    save_file({k: v.to(torch.float16).contiguous() for k, v in wm.wan_state_dict(wm.WAN22_5B_CFG, 23).items()},
+              str(src))
+    env = comfyui_env.comfy_subprocess_env()
+    env["COMFYUI_PATH"] = str(comfyui_path)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "comfy_metal", "run", str(bw.WORKFLOWS_DIR / "quantize_and_save.api.json"),
+                           "--models", str(models), "--out", str(out)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["success"] is True, summary.get("error")
+    saved = models / "diffusion_models" / (api["2"]["inputs"]["filename"] + ".safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(saved), "pt") as f:
+        fp8 = [k for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"]
+    assert len(fp8) >= 8, fp8
+    assert summary["nodes"]["2"]["class"] == "MetalFP8SaveModel"
