@@ -11,7 +11,8 @@
 //   with e = row_expert[p]. One dispatch runs every (token, expert) pair: at decode time the K
 //   experts of one token (x_div = K shares the token's row between its K pairs); in prefill the
 //   pairs sorted by expert, so consecutive rows read the same expert's weight rows from cache.
-//   W is fp32/fp16/bf16 or FP8 bytes (e4m3fn / e5m2, decoded in-register). One simdgroup per output
+//   W is fp32/fp16/bf16 or FP8 bytes (e4m3fn / e5m2, decoded in-register with common.metal's exact
+//   integer decoders). One simdgroup per output
 //   column and block of MOE_ROWS rows, each lane reading 4 consecutive weights per step (then a scalar
 //   tail); the scale is global, per expert or per expert row (strides); lanes stride the reduction dimension (coalesced weight
 //   reads); all indices are 64-bit.
@@ -21,39 +22,9 @@ using namespace metal;
 #define MOE_MAX_EXPERTS 1024
 #define MOE_ROWS 8
 
-inline float moe_fp8_e4m3_to_float(uchar b) {
-    const uint sign = b >> 7;
-    const uint exp = (b >> 3) & 0xF;
-    const uint man = b & 0x7;
-    float v;
-    if (exp == 0xF && man == 0x7) {
-        v = NAN;
-    } else if (exp == 0) {
-        v = float(man) * 0.001953125f;            // man / 8 * 2^-6
-    } else {
-        v = (1.0f + float(man) * 0.125f) * exp2(float(int(exp) - 7));
-    }
-    return sign ? -v : v;
-}
-
-inline float moe_fp8_e5m2_to_float(uchar b) {
-    const uint sign = b >> 7;
-    const uint exp = (b >> 2) & 0x1F;
-    const uint man = b & 0x3;
-    float v;
-    if (exp == 0x1F) {
-        v = man == 0 ? INFINITY : NAN;
-    } else if (exp == 0) {
-        v = float(man) * 0.0000152587890625f;     // man / 4 * 2^-14
-    } else {
-        v = (1.0f + float(man) * 0.25f) * exp2(float(int(exp) - 15));
-    }
-    return sign ? -v : v;
-}
-
 #define MOE_LOAD_PLAIN(w, i) float(w[i])
-#define MOE_LOAD_E4M3(w, i) moe_fp8_e4m3_to_float(w[i])
-#define MOE_LOAD_E5M2(w, i) moe_fp8_e5m2_to_float(w[i])
+#define MOE_LOAD_E4M3(w, i) fp8_e4m3fn_to_float(w[i])
+#define MOE_LOAD_E5M2(w, i) fp8_e5m2_to_float(w[i])
 
 #define MOE_ROUTE_KERNEL(NAME, T)                                                               \
 kernel void NAME(device const T* logits [[buffer(0)]],                                          \
@@ -131,7 +102,7 @@ kernel void NAME(device const XT* x [[buffer(0)]],                              
     const long n = (long(group) % col_blocks) * simds + simd_id;                                \
     const long r0 = (long(group) / col_blocks) * MOE_ROWS;                                      \
     if (n >= ncols) return;                                                                     \
-    const long r1 = min(rows, r0 + MOE_ROWS);                                                       \
+    const long r1 = (r0 + MOE_ROWS < rows) ? r0 + MOE_ROWS : rows;  /* ternary: min(long, long) is not in every MSL */ \
     /* runs of consecutive rows with the same expert share every weight load (sorted prefill) */    \
     long r = r0;                                                                                    \
     while (r < r1) {                                                                                \

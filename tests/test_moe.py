@@ -255,6 +255,27 @@ def test_grouped_gemm_kernel_in_emulator(emu_lib, E, N, K, counts, wkind, xdt, s
 
 
 @needs_clang
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+def test_fp8_banks_decode_every_code_exactly_in_emulator(emu_lib, fmt):
+    """All 256 byte codes as weights, x one-hot: both kernels output each code's value exactly (the
+    shared integer decoders of common.metal): subnormals, max finite, e5m2 infinities and NaNs."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    K = 3
+    w = torch.zeros(1, 256, K, dtype=torch.uint8)
+    w[0, :, 1] = codes
+    x = torch.zeros(2, K)
+    x[:, 1] = 1.0
+    want = codes.view(torch.float8_e4m3fn if fmt == "e4m3fn" else torch.float8_e5m2).float()
+    one = torch.tensor([2], dtype=torch.int32)
+    for got in (moe.moe_experts_gemm_metal(emu_lib, x, torch.zeros(2, dtype=torch.int64), w, fmt=fmt),
+                moe.moe_grouped_gemm_metal(emu_lib, x, one, w, fmt=fmt)):
+        for row in got:
+            assert torch.equal(row.isnan(), want.isnan())
+            finite = ~want.isnan()
+            assert torch.equal(row[finite], want[finite]), (row[finite] - want[finite]).abs().max()
+
+
+@needs_clang
 @pytest.mark.parametrize("T", [1, 23])
 def test_experts_forward_through_dispatch_in_emulator(emulator_backend, T):
     """The whole layer with COMFY_METAL_BACKEND=emulator: self-checks pass, the kernels run (decode
