@@ -226,30 +226,53 @@ def moe_experts_gemm_metal(lib, x, row_expert, weight, scale=None, bias=None, x_
     return out
 
 
+def _case_bank(E, N, K, wkind, gen):
+    """An [E, N, K] expert bank of the given kind: float/half/bfloat values, or e4m3fn/e5m2 FP8 bytes
+    (uint8) with the fmt to pass."""
+    src = torch.randn(E, N, K, generator=gen)
+    if wkind in FP8_FORMATS:
+        f8 = torch.float8_e4m3fn if wkind == "e4m3fn" else torch.float8_e5m2
+        return src.to(f8).view(torch.uint8), wkind
+    return (src * 0.2).to({"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}[wkind]), None
+
+
+def _case_scale(kind, E, N, gen):
+    return {None: None, "scalar": torch.tensor(0.75), "expert": torch.rand(E, generator=gen) + 0.5,
+            "row": torch.rand(E, N, generator=gen) + 0.5}[kind]
+
+
+_X_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}
+
+# One case per (weight kind, activation type): every entry point of moe_experts_gemm is self-checked.
+# Small odd shapes; K covers the scalar tail only, one 128-wide step + tail (129, 140, 150) and
+# several steps + tail (300); P > MOE_ROWS (9, 11) gives several row blocks; x_div shares rows.
+_GEMM_CASES = [  # E, N, K, P, x_div, weight, x, scale, bias
+    (5, 7, 33, 3, 3, "float", "float", None, True),
+    (2, 3, 17, 4, 2, "float", "half", "expert", False),
+    (3, 5, 129, 5, 1, "float", "bfloat", "row", True),
+    (4, 17, 20, 6, 1, "half", "float", "expert", True),
+    (3, 6, 45, 2, 1, "half", "half", "scalar", False),
+    (2, 9, 7, 7, 7, "half", "bfloat", "row", True),
+    (3, 5, 150, 4, 2, "bfloat", "float", "scalar", False),
+    (2, 4, 11, 3, 1, "bfloat", "half", None, True),
+    (3, 13, 40, 11, 1, "bfloat", "bfloat", "expert", False),
+    (7, 9, 65, 4, 2, "e4m3fn", "float", "row", True),
+    (2, 6, 33, 5, 1, "e4m3fn", "half", "expert", False),
+    (3, 6, 300, 5, 5, "e4m3fn", "bfloat", "expert", False),
+    (3, 7, 19, 3, 3, "e5m2", "float", None, True),
+    (2, 5, 31, 9, 1, "e5m2", "half", None, False),
+    (4, 3, 140, 6, 2, "e5m2", "bfloat", "row", True),
+]
+
+
 def _gemm_cases(device):
     gen = torch.Generator().manual_seed(2)
     out = []
-    for E, N, K, P, x_div, wdt, xdt, fmt, with_scale, with_bias in [
-        (5, 7, 33, 3, 3, torch.float32, torch.float32, None, False, True),
-        (3, 13, 40, 11, 1, torch.bfloat16, torch.bfloat16, None, True, False),
-        (7, 9, 65, 4, 2, torch.uint8, torch.float32, "e4m3fn", "row", True),
-        (2, 5, 31, 9, 1, torch.uint8, torch.float16, "e5m2", False, False),
-        (4, 17, 20, 6, 1, torch.float16, torch.float32, None, True, True),
-        (3, 6, 300, 5, 5, torch.uint8, torch.bfloat16, "e4m3fn", True, False),
-    ]:
-        if wdt == torch.uint8:
-            src = torch.randn(E, N, K, generator=gen)
-            f8 = torch.float8_e4m3fn if fmt == "e4m3fn" else torch.float8_e5m2
-            w = src.to(f8).view(torch.uint8)
-        else:
-            w = (torch.randn(E, N, K, generator=gen) * 0.2).to(wdt)
-        x = torch.randn(P // x_div, K, generator=gen).to(xdt)
+    for E, N, K, P, x_div, wkind, xkind, sc, with_bias in _GEMM_CASES:
+        w, fmt = _case_bank(E, N, K, wkind, gen)
+        x = torch.randn(P // x_div, K, generator=gen).to(_X_DTYPES[xkind])
         row_e = torch.randint(0, E, (P,), generator=gen)
-        scale = None
-        if with_scale == "row":
-            scale = torch.rand(E, N, generator=gen) + 0.5
-        elif with_scale:
-            scale = torch.rand(E, generator=gen) + 0.5
+        scale = _case_scale(sc, E, N, gen)
         bias = torch.randn(E, N, generator=gen) if with_bias else None
         args = [t.to(device) if isinstance(t, torch.Tensor) else t for t in (x, row_e, w, scale, bias)]
         out.append((tuple(args), {"x_div": x_div, "fmt": fmt}))
@@ -340,24 +363,38 @@ def moe_grouped_gemm_metal(lib, xs, offsets, weight, scale=None, bias=None, fmt=
     return out
 
 
+# One case per (weight kind, activation type): every entry point of moe_grouped_gemm is self-checked.
+# Small odd shapes: experts with no rows, experts with more than one 32-row tile (37, 70), N across
+# two column tiles (33, 40), K not a multiple of the 32-wide K step; and one case with no rows at all.
+_GROUPED_CASES = [  # E, N, K, rows per expert, weight, x, scale, bias
+    (3, 33, 40, [5, 0, 37], "float", "float", "expert", True),
+    (2, 5, 9, [3, 4], "float", "half", None, False),
+    (3, 11, 33, [0, 6, 1], "float", "bfloat", "row", True),
+    (2, 7, 20, [4, 3], "half", "float", "expert", True),
+    (3, 6, 17, [2, 0, 5], "half", "half", "scalar", False),
+    (1, 9, 35, [7], "half", "bfloat", "row", True),
+    (2, 3, 50, [1, 5], "bfloat", "float", None, True),
+    (2, 40, 31, [33, 31], "bfloat", "half", None, True),
+    (4, 5, 12, [2, 2, 2, 2], "bfloat", "bfloat", "expert", False),
+    (3, 8, 70, [3, 0, 4], "e4m3fn", "float", "row", True),
+    (2, 5, 23, [6, 1], "e4m3fn", "half", None, False),
+    (4, 7, 65, [1, 2, 3, 70], "e4m3fn", "bfloat", "row", False),
+    (2, 9, 41, [3, 3], "e5m2", "float", "expert", True),
+    (3, 4, 16, [1, 1, 1], "e5m2", "half", None, False),
+    (2, 6, 33, [5, 2], "e5m2", "bfloat", "row", True),
+    (5, 9, 16, [0, 0, 0, 0, 0], "float", "float", None, False),
+]
+
+
 def _grouped_cases(device):
     gen = torch.Generator().manual_seed(3)
     out = []
-    for E, N, K, counts, wdt, xdt, fmt, sc, with_bias in [
-        (3, 33, 40, [5, 0, 37], torch.float32, torch.float32, None, "expert", True),
-        (4, 7, 65, [1, 2, 3, 70], torch.uint8, torch.bfloat16, "e4m3fn", "row", False),
-        (2, 40, 31, [33, 31], torch.bfloat16, torch.float16, None, None, True),
-        (5, 9, 16, [0, 0, 0, 0, 0], torch.float32, torch.float32, None, None, False),
-    ]:
+    for E, N, K, counts, wkind, xkind, sc, with_bias in _GROUPED_CASES:
         P = sum(counts)
-        if wdt == torch.uint8:
-            w = torch.randn(E, N, K, generator=gen).to(torch.float8_e4m3fn).view(torch.uint8)
-        else:
-            w = (torch.randn(E, N, K, generator=gen) * 0.2).to(wdt)
-        xs = torch.randn(P, K, generator=gen).to(xdt)
+        w, fmt = _case_bank(E, N, K, wkind, gen)
+        xs = torch.randn(P, K, generator=gen).to(_X_DTYPES[xkind])
         offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
-        scale = {None: None, "expert": torch.rand(E, generator=gen) + 0.5,
-                 "row": torch.rand(E, N, generator=gen) + 0.5}[sc]
+        scale = _case_scale(sc, E, N, gen)
         bias = torch.randn(E, N, generator=gen) if with_bias else None
         args = [t.to(device) if isinstance(t, torch.Tensor) else t for t in (xs, offsets, w, scale, bias)]
         out.append((tuple(args), {"fmt": fmt}))
