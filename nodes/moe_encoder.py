@@ -12,6 +12,7 @@ the sync-free grouped path (nodes/moe_experts.py).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
@@ -19,6 +20,7 @@ import re
 
 import torch
 
+from ..metal_kernels import dispatch as kernel_dispatch
 from . import qwen3_moe
 
 log = logging.getLogger("comfy_metal")
@@ -51,6 +53,37 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
     return DTYPES[dtype]
+
+
+# ------------------------------------------------------------------------------- backend records
+
+# The registry's kernels the MoE model can run: router, per-pair and grouped experts, dense GEMV.
+MOE_NODE_KERNELS = ("moe_route", "moe_experts_gemm", "moe_grouped_gemm", "gemv")
+
+
+@contextlib.contextmanager
+def recording_kernels(node_class: str | None):
+    """Record (nodes/status.py: the node badge) the backends of the MoE kernels that run inside the
+    block. node_class None: the record belongs to the executing node (the encode runs inside ComfyUI's
+    CLIPTextEncode). Only kernels called in the block are listed: their `last_backend` entries are set
+    aside first, and put back afterwards for those the block did not call. Never raises."""
+    last = kernel_dispatch.last_backend
+    before = {name: last.pop(name) for name in MOE_NODE_KERNELS if name in last}
+    done = False
+    try:
+        yield
+        done = True
+    finally:
+        ran = [name for name in MOE_NODE_KERNELS if name in last]
+        for name, backend in before.items():
+            last.setdefault(name, backend)
+        if done:
+            try:
+                from .status import record_node_backend
+            except Exception as e:          # a badge must never break the encode
+                log.debug("comfy_metal: no backend record for %s: %s", node_class, e)
+            else:
+                record_node_backend(node_class, ran)
 
 
 # --------------------------------------------------------------------------- CLIP building blocks
@@ -111,7 +144,8 @@ def _model_class():
             self.execution_device = None
 
         def encode_token_weights(self, token_weight_pairs):
-            return encode_tokens(self.lm, token_weight_pairs, self.layer, self.execution_device)
+            with recording_kernels(None):     # runs inside CLIPTextEncode: the record goes to that node
+                return encode_tokens(self.lm, token_weight_pairs, self.layer, self.execution_device)
 
         def load_sd(self, sd):
             return [], list(sd.keys())
@@ -348,10 +382,11 @@ class MetalPromptEnhancer:
             progress = comfy.utils.ProgressBar(max_new_tokens)
         except ImportError:
             pass
-        out = lm.generate(torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_p=top_p, seed=seed,
-                          eos_ids=tok.tokenizer.eos_ids() + lm.config.eos_ids(),
-                          on_token=(lambda i, t: progress.update(1)) if progress is not None else None)
+        with recording_kernels("MetalPromptEnhancer"):
+            out = lm.generate(torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_p=top_p, seed=seed,
+                              eos_ids=tok.tokenizer.eos_ids() + lm.config.eos_ids(),
+                              on_token=(lambda i, t: progress.update(1)) if progress is not None else None)
         text = tok.tokenizer.decode(out, skip_special_tokens=True)
         text = re.sub(r"<think>.*?(</think>|$)", "", text, flags=re.S)   # Qwen3 reasoning blocks, if any
         return (text.strip(),)

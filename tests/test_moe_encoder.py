@@ -72,6 +72,34 @@ def test_chat_template_and_prompt_enhancer_match_transformers_greedy(tiny):
     assert sampled == again
 
 
+def test_encode_and_enhancer_record_their_kernel_backends(tiny):
+    """Node badges: an encode (inside CLIPTextEncode: node_class None, the executing node's id) and the
+    prompt enhancer each leave a status record listing the MoE kernels that ran, with their backend; a
+    kernel that did not run keeps its last backend and is not listed."""
+    from comfy_metal.nodes import status
+
+    folder, _ = tiny
+    (clip,) = moe_encoder.MetalMoETextEncoderLoader().load("", device="cpu", dtype="fp32", path=str(folder))
+    status.clear_records()
+    dispatch.last_backend["moe_grouped_gemm"] = "metal"          # from an earlier node, say
+    clip.encode_from_tokens_scheduled(clip.tokenize("a red cat on the mat"))
+    records, index = status.records_since(0)
+    assert len(records) == 1 and index == 1, records
+    rec = records[0]
+    assert rec["node_class"] is None and rec["node_id"] is None          # no ComfyUI executor here
+    assert "moe_route" in rec["kernels"] and "moe_grouped_gemm" not in rec["kernels"], rec["kernels"]
+    assert set(rec["kernels"]) <= set(moe_encoder.MOE_NODE_KERNELS)
+    assert rec["kernels"]["moe_route"]["backend"] == dispatch.last_backend["moe_route"]
+    assert rec["backend"] in ("reference", "emulator", "metal")
+    assert dispatch.last_backend["moe_grouped_gemm"] == "metal"        # put back: it did not run
+    moe_encoder.MetalPromptEnhancer().enhance(clip, "a cat", "", 2, 0.0, 1.0, 0)
+    records, _ = status.records_since(index)
+    assert [r["node_class"] for r in records] == ["MetalPromptEnhancer"]
+    assert "moe_route" in records[0]["kernels"]
+    dispatch.last_backend.pop("moe_grouped_gemm", None)
+    status.clear_records()
+
+
 def test_loader_errors_are_clear(tiny, tmp_path):
     folder, _ = tiny
     node = moe_encoder.MetalMoETextEncoderLoader()
@@ -103,6 +131,11 @@ def test_loader_and_encode_node_in_emulator(tiny, monkeypatch):
         assert dispatch.last_backend["moe_route"] == "emulator"
         assert dispatch.last_backend["moe_experts_gemm"] == "emulator"
         assert dispatch.last_backend["gemv"] == "emulator"   # dense layers of <= 8 rows (7 tokens)
+        from comfy_metal.nodes import status
+
+        (rec,) = [r for r in status.records_since(0)[0] if r["node_class"] is None][-1:]
+        assert rec["backend"] == "emulator", rec
+        assert {"moe_route", "moe_experts_gemm", "gemv"} <= set(rec["kernels"])
         (text,) = moe_encoder.MetalPromptEnhancer().enhance(clip_e, "a cat", "", 3, 0.0, 1.0, 0)
     finally:
         dispatch.reset()
@@ -126,7 +159,16 @@ def test_nodes_in_comfyui(comfyui, tiny):
     # "model" is a combo: give it a value from the list ComfyUI validates against
     info = comfyui.object_info("MetalMoETextEncoderLoader")["MetalMoETextEncoderLoader"]
     prompt["1"]["inputs"]["model"] = info["input"]["required"]["model"][0][0]
+    import importlib
+
+    status = importlib.import_module(comfyui.pack_module.__name__ + ".nodes.status")
+    _, start = status.records_since(0)
     res = comfyui.run_prompt(prompt, execute=["2", "3"])
+    records, _ = status.records_since(start)
+    # the encode ran inside the core CLIPTextEncode node: its record carries that node's id
+    by_node = {(r["node_id"], r["node_class"]): r for r in records}
+    assert ("2", None) in by_node and ("3", "MetalPromptEnhancer") in by_node, list(by_node)
+    assert "moe_route" in by_node[("2", None)]["kernels"]
     cond = res.node_outputs["2"][0]
     while isinstance(cond, list) and len(cond) == 1:   # output cache: [outputs][batch] -> CONDITIONING
         cond = cond[0]
