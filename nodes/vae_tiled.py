@@ -182,6 +182,11 @@ class MetalVAEEncodeTiled:
         engine = vae_tiling.TiledVAE(codec, opt)
         with _device_context(vae):
             out = engine.encode(x)
+        info = engine.info
+        log.info(f"comfy_metal: VAE encode {tuple(x.shape)} -> {tuple(out.shape)} in {info.seconds:.1f}s: "
+                 f"{info.tiles} tiles of {info.tile} latent px (overlap {info.overlap})"
+                 + (f", {info.retries} OOM retries" if info.retries else "")
+                 + (", CPU fallback" if info.cpu_fallback else ""))
         out = out.to(device=getattr(vae, "output_device", out.device),
                      dtype=vae.vae_output_dtype() if hasattr(vae, "vae_output_dtype") else torch.float32)
         if getattr(vae, "format_encoded", None) is not None:

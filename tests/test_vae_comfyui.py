@@ -1,0 +1,125 @@
+"""The low-memory VAE nodes on ComfyUI's own VAE objects (comfy.sd.VAE built from small random state
+dicts), against ComfyUI's untiled decode/encode of the same VAE. Runs only with COMFYUI_PATH."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+
+def _fill(module: torch.nn.Module, seed: int) -> dict:
+    """Explicit random weights (ComfyUI layers skip init), at PyTorch's default init scale
+    (uniform +-1/sqrt(fan_in), as the diffusers models in test_vae.py get), norms near 1."""
+    gen = torch.Generator().manual_seed(seed)
+    sd = {}
+    for k, v in module.state_dict().items():
+        if v.dim() > 1:
+            sd[k] = (torch.rand(v.shape, generator=gen) * 2 - 1) / math.sqrt(v[0].numel())
+        elif k.endswith(("weight", "gamma")):
+            sd[k] = 1.0 + 0.1 * torch.randn(v.shape, generator=gen)
+        else:
+            sd[k] = 0.05 * torch.randn(v.shape, generator=gen)
+    return sd
+
+
+def _psnr01(a, b):
+    mse = float(((a.detach().float() - b.detach().float()) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+@pytest.fixture(scope="module")
+def sd_vae(comfyui):
+    import comfy.sd
+    from comfy.ldm.modules.diffusionmodules.model import Decoder
+
+    ddconfig = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 32,
+                "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+    holder = torch.nn.Module()
+    holder.decoder = Decoder(**ddconfig)
+    holder.post_quant_conv = torch.nn.Conv2d(4, 4, 1)
+    sd = _fill(holder, 0)
+    return comfy.sd.VAE(sd=sd)
+
+
+@pytest.fixture(scope="module")
+def wan_vae(comfyui):
+    import comfy.sd
+    from comfy.ldm.wan.vae import WanVAE
+
+    model = WanVAE(dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                   temperal_downsample=[False, True, True])
+    return comfy.sd.VAE(sd=_fill(model, 1))
+
+
+def _tiles_logged(text):
+    import re
+
+    found = re.findall(r"in [0-9.]+s: (\d+) tiles", text)
+    assert found, text[-2000:]
+    return int(found[-1])
+
+
+def test_sd_vae_decode_tiled_vs_untiled(comfyui, sd_vae, caplog):
+    from comfy_metal.nodes import vae_tiling as vt
+    from comfy_metal.nodes.vae_tiled import MetalVAEDecodeTiled
+
+    torch.manual_seed(0)
+    z = torch.randn(1, 4, 40, 32)
+    ref = sd_vae.decode(z)                                    # [1, 320, 256, 3] in [0, 1]
+    codec = vt.codec_from_comfy(sd_vae)
+    assert codec is not None and codec.name == "comfy-kl"
+    out = vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=12)).decode(z)
+    p = _psnr01(sd_vae.process_output(out).movedim(1, -1), ref)
+    print("ComfyUI SD VAE feather PSNR", p)
+    assert p >= 32.0
+    with caplog.at_level("INFO", logger="comfy_metal"):
+        (images,) = MetalVAEDecodeTiled().decode({"samples": z}, sd_vae, memory_budget_gb=0.06, overlap=12)
+    assert _tiles_logged(caplog.text) > 1
+    assert images.shape == ref.shape and images.min() >= 0 and images.max() <= 1
+    print("node PSNR", _psnr01(images, ref))
+    assert _psnr01(images, ref) >= 28.0
+
+
+def test_wan21_decode_and_encode_tiled_vs_untiled(comfyui, wan_vae, caplog):
+    from comfy_metal.nodes import vae_tiling as vt
+    from comfy_metal.nodes.vae_tiled import MetalVAEDecodeTiled, MetalVAEEncodeTiled
+
+    torch.manual_seed(1)
+    z = torch.randn(1, 16, 3, 20, 16)
+    ref = wan_vae.decode(z)                                   # [1, 9, 160, 128, 3]
+    codec = vt.codec_from_comfy(wan_vae)
+    assert codec is not None and codec.name == "comfy-wan21" and codec.decode_stream is not None
+    with caplog.at_level("INFO", logger="comfy_metal"):
+        (images,) = MetalVAEDecodeTiled().decode({"samples": z}, wan_vae, memory_budget_gb=0.0, overlap=6)
+    assert images.shape == (9, 160, 128, 3)
+    one = vt.TiledVAE(codec, vt.TilingOptions(tile=20)).decode(z)      # one tile: the streaming is exact
+    assert _psnr01(wan_vae.process_output(one).movedim(1, -1), ref) >= 60
+    out = vt.TiledVAE(codec, vt.TilingOptions(tile=14, overlap=6)).decode(z)
+    p = _psnr01(wan_vae.process_output(out).movedim(1, -1).reshape(images.shape), ref.reshape(images.shape))
+    print("ComfyUI Wan 2.1 decode PSNR", p)
+    assert p >= 35.0
+    pixels = ref.reshape(images.shape)
+    lat_ref = wan_vae.encode(pixels)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="comfy_metal"):
+        (lat,) = MetalVAEEncodeTiled().encode(pixels, wan_vae, memory_budget_gb=0.02, overlap=8)
+    print("encode tiles", _tiles_logged(caplog.text))
+    assert _tiles_logged(caplog.text) > 1
+    assert lat["samples"].shape == lat_ref.shape
+    mse = float(((lat["samples"] - lat_ref) ** 2).mean())
+    p = 10 * math.log10(float(lat_ref.abs().max()) ** 2 / mse) if mse else float("inf")
+    print("ComfyUI Wan 2.1 encode PSNR", p)
+    assert p >= 35.0
+
+
+def test_unknown_vae_falls_back_to_comfyui_tiled(comfyui, sd_vae, caplog, monkeypatch):
+    from comfy_metal.nodes import vae_tiling
+    from comfy_metal.nodes.vae_tiled import MetalVAEDecodeTiled
+
+    monkeypatch.setattr(vae_tiling, "codec_from_comfy", lambda vae: None)
+    z = torch.randn(1, 4, 8, 8)
+    with caplog.at_level("INFO", logger="comfy_metal"):
+        (images,) = MetalVAEDecodeTiled().decode({"samples": z}, sd_vae)
+    assert images.shape == (1, 64, 64, 3)
+    assert "ComfyUI's own tiled decode" in caplog.text
