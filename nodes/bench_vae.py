@@ -94,7 +94,7 @@ def _row(table, label, shape, device, ref, ref_t, ref_peak, ours, comfy_fn):
             c_out, c_t, c_peak = _measure(comfy_fn, device)
             comfy_cells = [round(c_t, 2), human_bytes(c_peak), round(_psnr(c_out, ref), 1)]
         except Exception as e:
-            comfy_cells = [f"error: {type(e).__name__}", "", ""]
+            comfy_cells = [f"error: {type(e).__name__}: {str(e)[:60]}", "", ""]
     table.add(label, "x".join(map(str, shape)), f"{info.tiles}x{info.tile}px", round(ref_t, 2), human_bytes(ref_peak),
               round(t, 2), human_bytes(peak), round(_psnr(out, ref), 1), *comfy_cells)
 

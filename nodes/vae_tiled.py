@@ -34,8 +34,11 @@ def _common_inputs():
                                                 "decode. 0 = auto. The causal path needs none."}),
         "seam_mode": (SEAM_MODES, {"default": SEAM_MODES[0],
                                    "tooltip": "feather: one pass, each tile normalises itself, seams hidden by "
-                                              "feathered overlaps. shared statistics: GroupNorm VAEs gather each "
-                                              "GroupNorm's statistics over all tiles first (one extra pass)."}),
+                                              "feathered overlaps (recommended). shared statistics "
+                                              "(experimental): GroupNorm VAEs first gather each GroupNorm's "
+                                              "statistics over all tiles (one extra pass) and normalise every "
+                                              "tile with them; helps colour consistency across very different "
+                                              "regions, but is less exact than feather on small tiles."}),
     }
 
 
