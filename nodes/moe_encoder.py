@@ -12,7 +12,6 @@ the sync-free grouped path (nodes/moe_experts.py).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pathlib
@@ -20,7 +19,6 @@ import re
 
 import torch
 
-from ..metal_kernels import dispatch as kernel_dispatch
 from . import qwen3_moe
 
 log = logging.getLogger("comfy_metal")
@@ -61,29 +59,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 MOE_NODE_KERNELS = ("moe_route", "moe_experts_gemm", "moe_grouped_gemm", "gemv")
 
 
-@contextlib.contextmanager
 def recording_kernels(node_class: str | None):
-    """Record (nodes/status.py: the node badge) the backends of the MoE kernels that run inside the
-    block. node_class None: the record belongs to the executing node (the encode runs inside ComfyUI's
-    CLIPTextEncode). Only kernels called in the block are listed: their `last_backend` entries are set
-    aside first, and put back afterwards for those the block did not call. Never raises."""
-    last = kernel_dispatch.last_backend
-    before = {name: last.pop(name) for name in MOE_NODE_KERNELS if name in last}
-    done = False
-    try:
-        yield
-        done = True
-    finally:
-        ran = [name for name in MOE_NODE_KERNELS if name in last]
-        for name, backend in before.items():
-            last.setdefault(name, backend)
-        if done:
-            try:
-                from .status import record_node_backend
-            except Exception as e:          # a badge must never break the encode
-                log.debug("comfy_metal: no backend record for %s: %s", node_class, e)
-            else:
-                record_node_backend(node_class, ran)
+    """Record the backends of the MoE kernels that run inside the block (nodes/status.py)."""
+    from .status import recording_kernels as record
+
+    return record(node_class, MOE_NODE_KERNELS)
 
 
 # --------------------------------------------------------------------------- CLIP building blocks

@@ -19,6 +19,7 @@ dpmpp_2m_sde, dpmpp_3m_sde, lcm and res_multistep, each step one fused kernel
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -28,6 +29,7 @@ import sys
 import torch
 
 from ..metal_kernels import sampling as K
+from ..metal_kernels.registry import REGISTRY
 
 log = logging.getLogger("comfy_metal")
 
@@ -454,6 +456,25 @@ SAMPLER_FUNCTIONS = {
 }
 
 
+SAMPLER_KERNELS = tuple(name for name in REGISTRY if name.startswith("sampler_"))
+
+
+def _recorded(fn):
+    """The sampler function, recording (for the node badge) which backend its step kernels used.
+    The record goes to the executing node (KSampler, SamplerCustom...)."""
+    @functools.wraps(fn)
+    def sampler(*args, **kwargs):
+        from .status import recording_kernels
+
+        with recording_kernels(None, SAMPLER_KERNELS):
+            return fn(*args, **kwargs)
+
+    return sampler
+
+
+SAMPLER_FUNCTIONS = {name: _recorded(fn) for name, fn in SAMPLER_FUNCTIONS.items()}
+
+
 def get_sampler_function(name: str):
     """The sampler function for "euler" or "euler_metal" etc.; a clear error for anything else."""
     key = name[:-len("_metal")] if isinstance(name, str) and name.endswith("_metal") else name
@@ -531,7 +552,7 @@ class MetalSamplerSelect:
 
     RETURN_TYPES = ("SAMPLER",)
     FUNCTION = "get_sampler"
-    CATEGORY = "sampling/custom_sampling/samplers"
+    CATEGORY = "Comfy Metal/sampling"
     DESCRIPTION = "ComfyUI's samplers with one fused Metal kernel per step and no host sync in the loop."
 
     def get_sampler(self, sampler_name, noise_mode="fast", eta=1.0, s_noise=1.0):

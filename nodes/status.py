@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import sys
@@ -141,6 +142,31 @@ def record_node_backend(node_class: str | None, kernels, node_id: str | None = N
     except Exception as e:  # a status badge must never break a node
         log.debug("comfy_metal: could not record the backend of %s: %s", node_class, e)
         return None
+
+
+@contextlib.contextmanager
+def recording_kernels(node_class: str | None, kernels):
+    """Record (for the node badge) the backends of those of `kernels` that run inside the block.
+
+    node_class None: the record belongs to the executing node, for code that runs inside a core node
+    (a sampler inside KSampler, an encoder inside CLIPTextEncode). Only kernels called in the block
+    are listed: their `last_backend` entries are set aside first and put back afterwards for those
+    the block did not call. Never raises on its own account."""
+    from ..metal_kernels import dispatch
+
+    names = tuple(kernels)
+    last = dispatch.last_backend
+    before = {name: last.pop(name) for name in names if name in last}
+    done = False
+    try:
+        yield
+        done = True
+    finally:
+        ran = [name for name in names if name in last]
+        for name, backend in before.items():
+            last.setdefault(name, backend)
+        if done:
+            record_node_backend(node_class, ran)
 
 
 def records_since(index: int) -> tuple[list[dict], int]:

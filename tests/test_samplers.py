@@ -301,7 +301,7 @@ def test_bad_input_errors():
     x = torch.randn(1, 4, 3, 5)
     with pytest.raises(S.SamplingError, match="unknown Metal sampler 'dpm_fast'"):
         S.get_sampler_function("dpm_fast")
-    assert S.get_sampler_function("euler_metal") is S.sample_euler_metal
+    assert S.get_sampler_function("euler_metal").__wrapped__ is S.sample_euler_metal
     with pytest.raises(S.SamplingError, match="strictly decreasing"):
         _run("euler", model, x, sig.flip(0))
     bad = sig.clone()
@@ -372,7 +372,7 @@ def test_register_ksampler_entries_with_stand_in_modules(monkeypatch):
     assert sampler_names == builtins + ["ddim", "uni_pc"] + metal
     assert fake_samplers.KSampler.SAMPLERS is sampler_names
     assert len(added) == 2 * len(metal)
-    assert fake_kds.sample_euler_metal is S.sample_euler_metal
+    assert fake_kds.sample_euler_metal.__wrapped__ is S.sample_euler_metal
     assert S.register_ksampler_entries() == []  # idempotent
     assert ks_names == builtins + metal
     # without ComfyUI loaded: nothing happens, nothing is imported
@@ -663,3 +663,18 @@ def test_bench_runs_and_reports(monkeypatch, reference_backend):
     fused = {r[1]: r[2] for r in traffic.rows}
     assert fused["euler"] == "3.0 KiB" and fused["dpmpp_3m_sde"] == "5.0 KiB"  # 3 and 5 fp32 tensors of 1 KiB
     assert "ComfyUI" in times.render()
+
+
+def test_a_sampler_run_records_its_kernel_backends_for_the_badge():
+    """The record goes to the executing node (node_class None) and lists only the kernels that ran."""
+    from comfy_metal.nodes import samplers, status
+
+    status.clear_records()
+    _, index = status.records_since(0)
+    x = torch.randn(1, 4, 5, 7)
+    sigmas = torch.tensor([2.0, 1.0, 0.5, 0.0])
+    samplers.get_sampler_function("euler")(lambda x, s, **kw: x * 0.5, x, sigmas, disable=True)
+    records, _ = status.records_since(index)
+    assert len(records) == 1 and records[0]["node_class"] is None
+    assert set(records[0]["kernels"]) == {"sampler_euler_step"}
+    assert records[0]["kernels"]["sampler_euler_step"]["backend"] == "reference"
