@@ -125,11 +125,20 @@ class LiveTensorBytes(TorchDispatchMode):
     """Peak bytes of live tensor storages allocated by ops under this mode (per device type): a
     tracemalloc-style measurement that works on CPU and MPS alike."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
         super().__init__()
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
+        # MPS: also sample the driver's allocation after every op (the allocator's pools and
+        # MPSGraph temporaries are not tensors); the peak is the larger of the two
+        self._driver = None
+        if device is not None and device.type == "mps":
+            try:
+                self._driver = torch.mps.driver_allocated_memory
+                self._driver_base = self._driver()
+            except Exception:
+                self._driver = None
 
     def _free(self, key):
         n = self.live.pop(key, 0)
@@ -152,6 +161,8 @@ class LiveTensorBytes(TorchDispatchMode):
                 weakref.finalize(s, self._free, key)
         if self.current > self.peak:
             self.peak = self.current
+        if self._driver is not None:
+            self.peak = max(self.peak, self._driver() - self._driver_base)
         return out
 
 
@@ -167,7 +178,7 @@ def measure_peak(device: torch.device):
         torch.cuda.synchronize(device)
         result["peak"] = torch.cuda.max_memory_allocated(device) - base
         return
-    tracker = LiveTensorBytes()
+    tracker = LiveTensorBytes(device)
     with tracker:
         yield result
     result["peak"] = tracker.peak
