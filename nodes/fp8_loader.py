@@ -137,6 +137,7 @@ def load_diffusion_model(path, weight_mode="auto", compute_dtype="auto", model_o
                            f"({len(ck.entries)} tensors, first keys {list(ck.entries)[:3]})")
     patcher = wrap_patcher(patcher)
     patcher.cached_patcher_init = None
+    remember_source(patcher.model, ck)
     stats = weight_bytes(patcher.model)
     log.info("comfy_metal: %s loaded in %.2fs: %d FP8 layers, %.3f bytes per FP8 weight, %.1f MiB total",
              ck.name, time.perf_counter() - t0, sum(1 for _ in fp8_modules(patcher.model)),
@@ -191,22 +192,79 @@ def _clip_types() -> list[str]:
 # Saving
 # ------------------------------------------------------------------------------------------------
 
-def model_state_for_saving(diffusion_model: torch.nn.Module, quantize_mode: str = "e4m3fn tensorwise"):
-    """(tensors, layers, summary): FP8 layers as stored, other 2D Linear weights quantized per the rules."""
+# Attribute of the loaded BaseModel (shared by every clone of its patcher) describing the file it
+# came from: {"name", "dtypes": {file key: torch dtype of the non-FP8 tensors}, "metadata": header}.
+SOURCE_ATTR = "comfy_metal_source"
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def remember_source(model, ck) -> None:
+    """Keep what the saver needs of the source file on the model: per-key dtypes, header metadata."""
+    dtypes = {k: ST_DTYPES[ck.entries[k].dtype] for k in ck.model_keys()
+              if k not in ck.layers and ck.entries[k].dtype in ST_DTYPES}
+    setattr(model, SOURCE_ATTR, {"name": ck.name, "dtypes": dtypes, "metadata": dict(ck.metadata)})
+
+
+class _SourceDtypes:
+    """Looks a state-dict key up in the source file's keys (which may carry a prefix ComfyUI strips)."""
+
+    def __init__(self, dtypes: dict | None):
+        self.dtypes = dtypes or {}
+        self.prefix: str | None = None
+
+    def get(self, key: str):
+        if key in self.dtypes:
+            return self.dtypes[key]
+        if self.prefix is None:
+            hit = next((k for k in self.dtypes if k.endswith("." + key)), None)
+            if hit is None:
+                return None
+            self.prefix = hit[: -len(key)]
+        return self.dtypes.get(self.prefix + key)
+
+
+def _save_dtype(t: torch.Tensor, src_dtype, model_dtype) -> tuple[torch.dtype, str]:
+    """(dtype to write a non-FP8 tensor in, which rule chose it)."""
+    if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.dtype, "kept as stored"
+    if src_dtype is not None and src_dtype.is_floating_point and src_dtype not in (torch.float8_e4m3fn,
+                                                                                   torch.float8_e5m2):
+        return src_dtype, "the source file's dtype"
+    if t.dtype in _HALF_DTYPES:
+        return t.dtype, "the model's storage dtype"
+    if model_dtype in _HALF_DTYPES:
+        return model_dtype, "the model's storage dtype"
+    return torch.bfloat16, "bfloat16 (float32 in memory, source dtype unknown)"
+
+
+def model_state_for_saving(diffusion_model: torch.nn.Module, quantize_mode: str = "e4m3fn tensorwise",
+                           source_dtypes: dict | None = None, model_dtype: torch.dtype | None = None):
+    """(tensors, layers, summary, dtype_rules): FP8 layers as stored, other 2D Linear weights quantized per
+    the rules (models without FP8 layers), every other tensor in `_save_dtype`'s dtype: the source
+    file's (`source_dtypes`, by key), else the storage dtype, else bf16. dtype_rules counts
+    (rule, dtype) -> tensors."""
     from .fp8_formats import FP8_DTYPES
 
     fp8 = dict(fp8_modules(diffusion_model))
     rowwise = quantize_mode.endswith("rowwise")
     summary = QuantSummary("e4m3fn", rowwise)
+    src = _SourceDtypes(source_dtypes)
+    rules: dict[tuple[str, torch.dtype], int] = {}
     tensors: dict[str, torch.Tensor] = {}
     layers: dict[str, str] = {}
+
+    def plain(key, t):
+        dtype, rule = _save_dtype(t, src.get(key), model_dtype)
+        rules[(rule, dtype)] = rules.get((rule, dtype), 0) + 1
+        tensors[key] = t.to(dtype)
+
     for name, m in fp8.items():
         w = m.weight.detach().to("cpu").view(FP8_DTYPES[m.fp8_format])
         scale = m.weight_scale.detach().to("cpu") if m.weight_scale is not None else None
         tensors.update(comfy_quant_entries(name, w, scale, m.fp8_format))
         layers[name] = m.fp8_format
         if m.bias is not None:
-            tensors[f"{name}.bias"] = m.bias.detach().to("cpu")
+            plain(f"{name}.bias", m.bias.detach().to("cpu"))
     quantize_rest = not fp8
     for key, t in diffusion_model.state_dict().items():
         layer = key.rsplit(".", 1)[0]
@@ -219,8 +277,14 @@ def model_state_for_saving(diffusion_model: torch.nn.Module, quantize_mode: str 
             tensors.update(comfy_quant_entries(layer, q, scale, "e4m3fn"))
             layers[layer] = "e4m3fn"
         else:
-            tensors[key] = t
-    return tensors, layers, summary
+            plain(key, t)
+    return tensors, layers, summary, rules
+
+
+def _rules_text(rules: dict) -> str:
+    parts = [f"{n} in {rule} ({str(dtype).replace('torch.', '')})" for (rule, dtype), n in sorted(
+        rules.items(), key=lambda kv: -kv[1])]
+    return "; ".join(parts) if parts else "none"
 
 
 def save_model(model, path, overwrite=False, quantize_mode="e4m3fn tensorwise") -> tuple[str, QuantSummary]:
@@ -228,9 +292,19 @@ def save_model(model, path, overwrite=False, quantize_mode="e4m3fn tensorwise") 
     if getattr(model, "patches", None):
         log.warning("comfy_metal: the model has %d patched weights (LoRA); they are not baked into the saved file",
                     len(model.patches))
-    tensors, layers, summary = model_state_for_saving(dm, quantize_mode)
+    source = getattr(model.model, SOURCE_ATTR, None) or {}
+    model_dtype = None
+    get_dtype = getattr(model.model, "get_dtype", None)
+    if callable(get_dtype):
+        try:
+            model_dtype = get_dtype()
+        except Exception:
+            model_dtype = None
+    tensors, layers, summary, rules = model_state_for_saving(dm, quantize_mode, source.get("dtypes"), model_dtype)
     meta = quant_metadata(layers)
     meta["comfy_metal"] = "MetalFP8SaveModel"
+    log.info("comfy_metal: saving %s: %d FP8 layers; non-FP8 tensors: %s", os.path.basename(str(path)),
+             len(layers), _rules_text(rules))
     atomic_save(tensors, path, meta, overwrite=overwrite)
     return path, summary
 

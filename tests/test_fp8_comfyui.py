@@ -335,3 +335,69 @@ def test_bad_files_give_clear_node_errors(comfyui, loader_mod, flux_files):
     # The server keeps working: a good prompt runs afterwards.
     prompt["1"]["inputs"]["unet_name"] = fp8_name
     comfyui.run_prompt(prompt, execute=["1"])
+
+
+# ------------------------------------------------------------------ saving a quantized fp16 Wan file
+
+# Text width 32 (not Wan's 4096): ComfyUI detects it only from the file's "config" metadata.
+WAN_META_CFG = dict(model_type="t2v", dim=128, ffn_dim=256, num_heads=1, num_layers=3, text_dim=32)
+
+
+@pytest.fixture(scope="module")
+def wan_fp16_file(comfyui):
+    """A tiny Wan 2.1 t2v file in fp16 with "config" metadata (as the real Wan files carry)."""
+    import json
+
+    import comfy.ldm.wan.model
+    import comfy.ops
+    from safetensors.torch import save_file
+
+    net = comfy.ldm.wan.model.WanModel(**WAN_META_CFG, dtype=torch.float32, operations=comfy.ops.manual_cast)
+    fm.fill_module_(net, seed=5)
+    src = comfyui.models_dir("diffusion_models") / "tiny_wan_meta_fp16.safetensors"
+    meta = {"config": json.dumps({"transformer": {"text_dim": WAN_META_CFG["text_dim"]}}),
+            "_quantization_metadata": json.dumps({"format_version": "1.0", "layers": {}})}
+    save_file({k: v.to(torch.float16).contiguous() for k, v in net.state_dict().items()}, str(src), metadata=meta)
+    comfyui.refresh_models()
+    return src
+
+
+def _saved(loader_mod, comfyui, src_name, stem, mode="e4m3fn rowwise"):
+    (q,) = loader_mod.MetalFP8ModelLoader().load(src_name, mode, "fp32")
+    target = comfyui.models_dir("diffusion_models") / (stem + ".safetensors")
+    target.unlink(missing_ok=True)
+    loader_mod.MetalFP8SaveModel().save(q, stem, mode, False)
+    comfyui.refresh_models()
+    return q, target
+
+
+def _wan_sample(comfyui, model):
+    g = torch.Generator().manual_seed(0)
+    pos = [[torch.randn(1, 5, WAN_META_CFG["text_dim"], generator=g), {}]]
+    neg = [[torch.randn(1, 5, WAN_META_CFG["text_dim"], generator=g), {}]]
+    latent = {"samples": torch.zeros(1, 16, 1, 8, 8)}
+    return comfyui.nodes.KSampler().sample(model, 3, 2, 3.0, "euler", "simple", pos, neg, latent)[0]["samples"].float()
+
+
+def test_save_keeps_source_dtypes_and_is_smaller(comfyui, loader_mod, wan_fp16_file, caplog):
+    """Quantize-on-load + save of an fp16 file: tensors that are not FP8 stay fp16 (not the float32 of
+    the in-memory compute dtype), so the output is smaller than the source; the log says which dtype."""
+    import logging
+
+    from safetensors import safe_open
+
+    caplog.set_level(logging.INFO, logger="comfy_metal")
+    fmt_mod = __import__(loader_mod.__name__.rsplit(".", 1)[0] + ".fp8_formats", fromlist=["x"])
+    q, target = _saved(loader_mod, comfyui, wan_fp16_file.name, "tiny_wan_meta_fp8_rowwise")
+    # the model really computes in float32 in memory
+    assert q.model.diffusion_model.head.head.weight.dtype == torch.float32
+    with fmt_mod.open_checkpoint(target) as ck:
+        assert len(ck.layers) >= 12
+        rest = {k: ck.entries[k].dtype for k in ck.model_keys() if k not in ck.layers}
+    assert rest and set(rest.values()) == {"F16"}, rest
+    with safe_open(str(wan_fp16_file), "pt") as f:
+        assert set(rest) <= set(f.keys())
+    assert target.stat().st_size < wan_fp16_file.stat().st_size, (target.stat().st_size,
+                                                                  wan_fp16_file.stat().st_size)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("source file's dtype (float16)" in m for m in msgs), msgs[-3:]

@@ -477,3 +477,25 @@ def test_standalone_forward_through_emulator(tmp_path, monkeypatch):
     assert backends.get("gemv") == "emulator" and backends.get("fp8_decode") == "emulator", backends
     torch.testing.assert_close(y1, torch.nn.functional.linear(x1, wd, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(y2, torch.nn.functional.linear(x2, wd, b), rtol=1e-5, atol=1e-5)
+
+
+def test_save_dtype_rules_source_then_storage_then_bf16():
+    """Tensors the saver does not quantize: the source file's dtype (looked up through the prefix
+    ComfyUI strips from the file's keys), else the 16-bit storage dtype, else bf16 -- never float32
+    just because the model computes in float32."""
+    ops = fp8_ops.make_fp8_ops(standalone=True)
+    net = torch.nn.Module()
+    net.proj = ops.Linear(256, 128)
+    net.norm = torch.nn.LayerNorm(128)
+    net.proj.load_state_dict({"weight": torch.randn(128, 256), "bias": torch.randn(128)})
+    tensors, layers, summary, rules = fp8_loader.model_state_for_saving(net, "e4m3fn tensorwise", None, torch.float32)
+    assert layers == {"proj": "e4m3fn"} and len(summary.errors) == 1
+    assert tensors["proj.weight"].dtype == torch.float8_e4m3fn
+    assert {tensors[k].dtype for k in ("proj.bias", "norm.weight", "norm.bias")} == {torch.bfloat16}
+    assert sum(rules.values()) == 3 and all(d == torch.bfloat16 for _, d in rules)
+    tensors, _, _, _ = fp8_loader.model_state_for_saving(net, "e4m3fn tensorwise", None, torch.float16)
+    assert tensors["norm.weight"].dtype == torch.float16
+    src = {"model.diffusion_model.norm.weight": torch.float32, "model.diffusion_model.norm.bias": torch.float16}
+    tensors, _, _, _ = fp8_loader.model_state_for_saving(net, "e4m3fn tensorwise", src, torch.bfloat16)
+    assert tensors["norm.weight"].dtype == torch.float32 and tensors["norm.bias"].dtype == torch.float16
+    assert tensors["proj.bias"].dtype == torch.bfloat16
