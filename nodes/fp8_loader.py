@@ -18,8 +18,8 @@ import torch
 
 from .fp8_formats import ST_DTYPES, CheckpointError, open_checkpoint
 from .fp8_ops import FP8LayerError, fp8_modules, make_fp8_ops, storage_dtype, weight_bytes, wrap_patcher
-from .fp8_quantize import (QuantSummary, atomic_save, comfy_quant_entries, keep_reason, quant_metadata, quantize,
-                           relative_error)
+from .fp8_quantize import (QuantSummary, atomic_save, carried_metadata, comfy_quant_entries, keep_reason,
+                           quant_metadata, quantize, relative_error)
 
 log = logging.getLogger("comfy_metal")
 
@@ -301,10 +301,13 @@ def save_model(model, path, overwrite=False, quantize_mode="e4m3fn tensorwise") 
         except Exception:
             model_dtype = None
     tensors, layers, summary, rules = model_state_for_saving(dm, quantize_mode, source.get("dtypes"), model_dtype)
-    meta = quant_metadata(layers)
+    meta = carried_metadata(source.get("metadata"))
+    meta.update(quant_metadata(layers))
     meta["comfy_metal"] = "MetalFP8SaveModel"
-    log.info("comfy_metal: saving %s: %d FP8 layers; non-FP8 tensors: %s", os.path.basename(str(path)),
-             len(layers), _rules_text(rules))
+    log.info("comfy_metal: saving %s: %d FP8 layers; non-FP8 tensors: %s; metadata from %s: %s",
+             os.path.basename(str(path)), len(layers), _rules_text(rules),
+             source.get("name") or "(source file unknown)",
+             ", ".join(sorted(k for k in meta if k not in ("_quantization_metadata", "comfy_metal"))) or "none")
     atomic_save(tensors, path, meta, overwrite=overwrite)
     return path, summary
 

@@ -162,6 +162,16 @@ def atomic_save(tensors: dict, path: str, metadata: dict | None = None, overwrit
     return path
 
 
+# Header metadata of a source file that describes its old quantization; a saved file gets its own.
+STALE_METADATA_KEYS = ("_quantization_metadata", "comfy_metal")
+
+
+def carried_metadata(metadata: dict | None) -> dict:
+    """The source file's header metadata to carry into a re-quantized copy (model detection may need
+    it, e.g. Wan's "config"), minus the stale quantization keys."""
+    return {k: str(v) for k, v in (metadata or {}).items() if k not in STALE_METADATA_KEYS}
+
+
 def quant_metadata(layers: dict[str, str]) -> dict:
     """Header metadata listing the quantized layers (ComfyUI's _quantization_metadata)."""
     return {"_quantization_metadata": json.dumps(
@@ -179,6 +189,7 @@ def quantize_file(src: str, dst: str, fmt: str = "e4m3fn", rowwise: bool = False
     out: dict[str, torch.Tensor] = {}
     layers: dict[str, str] = {}
     with open_checkpoint(src) as ck:
+        meta = carried_metadata(ck.metadata)
         if ck.layers:
             raise CheckpointError(f"{ck.name}: already has {len(ck.layers)} FP8 weights; quantize a bf16/fp16/fp32 file")
         for key in ck.model_keys():
@@ -193,7 +204,8 @@ def quantize_file(src: str, dst: str, fmt: str = "e4m3fn", rowwise: bool = False
             layer = key[: -len(".weight")]
             out.update(comfy_quant_entries(layer, q, scale, fmt))
             layers[layer] = fmt
-    atomic_save(out, dst, quant_metadata(layers), overwrite=overwrite)
+    meta.update(quant_metadata(layers))
+    atomic_save(out, dst, meta, overwrite=overwrite)
     return summary
 
 

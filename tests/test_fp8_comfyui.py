@@ -401,3 +401,21 @@ def test_save_keeps_source_dtypes_and_is_smaller(comfyui, loader_mod, wan_fp16_f
                                                                   wan_fp16_file.stat().st_size)
     msgs = [r.getMessage() for r in caplog.records]
     assert any("source file's dtype (float16)" in m for m in msgs), msgs[-3:]
+
+
+def test_save_carries_metadata_and_reloads(comfyui, loader_mod, wan_fp16_file):
+    """The source's header metadata (Wan's "config", which detection needs) is in the saved file,
+    the stale quantization metadata replaced by the new one; the file reloads through the loader."""
+    import json
+
+    from safetensors import safe_open
+
+    q, target = _saved(loader_mod, comfyui, wan_fp16_file.name, "tiny_wan_meta_fp8_tensorwise", "e4m3fn tensorwise")
+    with safe_open(str(target), "pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["config"]) == {"transformer": {"text_dim": WAN_META_CFG["text_dim"]}}
+    assert len(json.loads(meta["_quantization_metadata"])["layers"]) >= 12
+    (again,) = loader_mod.MetalFP8ModelLoader().load(target.name, "auto", "fp32")
+    assert type(again.model).__name__ == "WAN21"
+    a, b = _wan_sample(comfyui, again), _wan_sample(comfyui, q)
+    assert torch.isfinite(a).all() and ((a - b).norm() / b.norm()).item() < 1e-5

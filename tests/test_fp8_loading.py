@@ -499,3 +499,20 @@ def test_save_dtype_rules_source_then_storage_then_bf16():
     tensors, _, _, _ = fp8_loader.model_state_for_saving(net, "e4m3fn tensorwise", src, torch.bfloat16)
     assert tensors["norm.weight"].dtype == torch.float32 and tensors["norm.bias"].dtype == torch.float16
     assert tensors["proj.bias"].dtype == torch.bfloat16
+
+
+def test_quantize_file_carries_metadata(tmp_path):
+    """quantize_file keeps the source header metadata (model detection may need it), replacing the
+    stale quantization keys with its own."""
+    from safetensors import safe_open
+
+    src, dst = tmp_path / "src.safetensors", tmp_path / "dst.safetensors"
+    meta = {"config": json.dumps({"transformer": {"text_dim": 32}}), "comfy_metal": "old",
+            "_quantization_metadata": json.dumps({"format_version": "1.0", "layers": {}})}
+    save_file(fm.tiny_state(hidden=320, d=64), str(src), metadata=meta)
+    summary = fp8_quantize.quantize_file(str(src), str(dst))
+    assert summary.errors
+    with safe_open(str(dst), "pt") as f:
+        out = f.metadata()
+    assert out["config"] == meta["config"] and "comfy_metal" not in out
+    assert set(json.loads(out["_quantization_metadata"])["layers"]) == {e.key[: -len(".weight")] for e in summary.errors}
