@@ -36,10 +36,11 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _measure(fn, device):
+def _measure(fn, device, inference=False):
     _sync(device)
     t0 = time.perf_counter()
-    with vt.measure_peak(device) as m, torch.no_grad():
+    grad = torch.inference_mode() if inference else torch.no_grad()   # ComfyUI runs nodes in inference mode
+    with vt.measure_peak(device) as m, grad:
         out = fn()
         _sync(device)
     return out, time.perf_counter() - t0, m["peak"]
@@ -91,7 +92,7 @@ def _row(table, label, shape, device, ref, ref_t, ref_peak, ours, comfy_fn):
     comfy_cells = ["n/a", "n/a", "n/a"]
     if comfy_fn is not None:
         try:
-            c_out, c_t, c_peak = _measure(comfy_fn, device)
+            c_out, c_t, c_peak = _measure(comfy_fn, device, inference=True)
             comfy_cells = [round(c_t, 2), human_bytes(c_peak), round(_psnr(c_out, ref), 1)]
         except Exception as e:
             comfy_cells = [f"error: {type(e).__name__}: {str(e)[:60]}", "", ""]
