@@ -327,6 +327,15 @@ def _safe_output_path(folder: str, filename: str) -> str:
 # Nodes
 # ------------------------------------------------------------------------------------------------
 
+QUANTIZE_KERNELS = ["fp8_encode", "fp8_decode"]
+
+
+def _record(node_class: str, kernels: list[str]) -> None:
+    from .status import record_node_backend
+
+    record_node_backend(node_class, kernels)
+
+
 class MetalFP8ModelLoader:
     @classmethod
     def INPUT_TYPES(cls):
@@ -349,7 +358,10 @@ class MetalFP8ModelLoader:
         import folder_paths
 
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        return (load_diffusion_model(path, weight_mode, compute_dtype),)
+        model = load_diffusion_model(path, weight_mode, compute_dtype)
+        # Quantizing on load encodes (and decodes, for the error summary); an FP8 file loads as is.
+        _record("MetalFP8ModelLoader", QUANTIZE_KERNELS if weight_mode != "auto" else [])
+        return (model,)
 
 
 class MetalFP8TextEncoderLoader:
@@ -374,7 +386,9 @@ class MetalFP8TextEncoderLoader:
         import folder_paths
 
         path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
-        return (load_text_encoder(path, type, device),)
+        clip = load_text_encoder(path, type, device)
+        _record("MetalFP8TextEncoderLoader", [])
+        return (clip,)
 
 
 class MetalFP8SaveModel:
@@ -403,6 +417,7 @@ class MetalFP8SaveModel:
         if summary.errors:
             log.info("comfy_metal: %s", summary.text())
         log.info("comfy_metal: saved %s", path)
+        _record("MetalFP8SaveModel", QUANTIZE_KERNELS if summary.errors else [])
         return {"ui": {"text": [os.path.basename(path)]}}
 
 

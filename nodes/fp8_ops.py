@@ -491,6 +491,13 @@ def patcher_class():
                     m.fp8_hook_patch = None
             return super().unpatch_hooks(*args, **kwargs)
 
+        def cleanup(self):
+            # Once per sampling run: CFGGuider.outer_sample calls it after the run (in its finally),
+            # inside the executing KSampler-like node. The FP8 kernels ran in that core node, so the
+            # badge record goes to it (node_class None: the executing node's id). Not per layer.
+            super().cleanup()
+            record_fp8_run(self.model)
+
     class _HookPatch:
         """Hook (scheduled) weight patches of an FP8 layer, applied to the decoded weight."""
 
@@ -504,6 +511,20 @@ def patcher_class():
 
     _PATCHER_CLASS = MetalFP8ModelPatcher
     return MetalFP8ModelPatcher
+
+
+RUN_KERNELS = ["fp8_decode", "gemv"]
+
+
+def record_fp8_run(model) -> None:
+    """Badge record for the node in which an FP8 model just ran (never raises)."""
+    try:
+        if any(is_fp8_module(m) for m in model.modules()):
+            from .status import record_node_backend
+
+            record_node_backend(None, RUN_KERNELS)
+    except Exception as e:  # a badge must never break sampling
+        log.debug("comfy_metal: FP8 run record failed: %s", e)
 
 
 def wrap_patcher(patcher):

@@ -419,3 +419,22 @@ def test_save_carries_metadata_and_reloads(comfyui, loader_mod, wan_fp16_file):
     assert type(again.model).__name__ == "WAN21"
     a, b = _wan_sample(comfyui, again), _wan_sample(comfyui, q)
     assert torch.isfinite(a).all() and ((a - b).norm() / b.norm()).item() < 1e-5
+
+
+def test_badges_loader_saver_and_sampling(comfyui, loader_mod, wan_fp16_file):
+    """record_node_backend: the loader and saver nodes record their kernels; a KSampler run of an FP8
+    model records fp8_decode/gemv for the executing node (node_class None), once per run."""
+    status = __import__(loader_mod.__name__.rsplit(".", 1)[0] + ".status", fromlist=["x"])
+    _, start = status.records_since(0)
+    q, _ = _saved(loader_mod, comfyui, wan_fp16_file.name, "tiny_wan_meta_badges")
+    recs, mid = status.records_since(start)
+    by_class = {r["node_class"]: r for r in recs}
+    assert set(by_class["MetalFP8ModelLoader"]["kernels"]) == {"fp8_encode", "fp8_decode"}, recs
+    assert by_class["MetalFP8ModelLoader"]["backend"] in ("reference", "metal", "emulator", "mixed")
+    assert by_class["MetalFP8SaveModel"]["kernels"] == {}      # FP8 layers are saved as they are
+    assert None not in by_class                                # nothing ran a sampler yet
+    _wan_sample(comfyui, q)
+    recs, _ = status.records_since(mid)
+    runs = [r for r in recs if r["node_class"] is None]
+    assert len(runs) == 1, recs
+    assert "fp8_decode" in runs[0]["kernels"], runs[0]

@@ -74,7 +74,12 @@ def test_text_encoder_matches_stock(comfyui, loader_mod, clip_l_file):
     prompt = {"1": {"class_type": "MetalFP8TextEncoderLoader",
                     "inputs": {"clip_name": clip_l_file, "type": "stable_diffusion", "device": "cpu"}},
               "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": text}}}
+    status = __import__(loader_mod.__name__.rsplit(".", 1)[0] + ".status", fromlist=["x"])
+    _, start = status.records_since(0)
     res = comfyui.run_prompt(prompt, execute=["1", "2"])
+    recs, _ = status.records_since(start)       # the loader node's badge record, by its node id
+    assert [(r["node_id"], r["backend"]) for r in recs if r["node_class"] == "MetalFP8TextEncoderLoader"] \
+        == [("1", "none")], recs
     ours, ca = res.node_outputs["1"][0], res.node_outputs["2"][0]
     ours = ours[0] if isinstance(ours, list) else ours          # the output cache keeps a list per slot
     if not isinstance(ca[0][0], torch.Tensor):                  # conditioning = [[cond, {pooled_output}]]
