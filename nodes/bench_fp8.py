@@ -120,23 +120,29 @@ _MAKE_FLUX = _PRELUDE + _COMFY_SETUP + textwrap.dedent("""
     print(json.dumps({"bf16": src}))
 """)
 
-_LOAD_OURS = _PRELUDE + _COMFY_SETUP + textwrap.dedent("""
-    from comfy_metal.nodes import fp8_loader, fp8_ops
-    import comfy.sd, comfy.ops, comfy.model_patcher  # imported before timing, as in the stock run
-    with Peak() as p:
-        m = fp8_loader.load_diffusion_model(sys.argv[3], "auto", "auto")
+# Both ComfyUI loads do the same two steps inside the timed block: build the MODEL from the file, then
+# load it in full onto the compute device, as sampling does before its first step.
+TO_DEVICE = "mm.load_models_gpu([m], force_full_load=True)"
+_LOAD_REPORT = textwrap.dedent("""
     n, b = linear_bytes(m.model)
-    print(json.dumps({"seconds": p.seconds, "peak": p.grown, "bpw": b / n, "size": m.model_size()}))
+    print(json.dumps({"seconds": p.seconds, "peak": p.grown, "bpw": b / n, "size": m.model_size(),
+                      "loaded": m.loaded_size()}))
 """)
 
-_LOAD_STOCK = _PRELUDE + _COMFY_SETUP + textwrap.dedent("""
-    import comfy.sd, comfy.model_management as mm
+_LOAD_OURS = _PRELUDE + _COMFY_SETUP + textwrap.dedent(f"""
+    from comfy_metal.nodes import fp8_loader, fp8_ops
+    import comfy.sd, comfy.ops, comfy.model_patcher, comfy.model_management as mm  # imported before timing
+    with Peak() as p:
+        m = fp8_loader.load_diffusion_model(sys.argv[3], "auto", "auto")
+        {TO_DEVICE}
+""") + _LOAD_REPORT
+
+_LOAD_STOCK = _PRELUDE + _COMFY_SETUP + textwrap.dedent(f"""
+    import comfy.sd, comfy.ops, comfy.model_patcher, comfy.model_management as mm  # imported before timing
     with Peak() as p:
         m = comfy.sd.load_diffusion_model(sys.argv[3])
-        mm.load_models_gpu([m], force_full_load=True)
-    n, b = linear_bytes(m.model)
-    print(json.dumps({"seconds": p.seconds, "peak": p.grown, "bpw": b / n, "size": m.model_size()}))
-""")
+        {TO_DEVICE}
+""") + _LOAD_REPORT
 
 _STANDALONE = _PRELUDE + textwrap.dedent("""
     from comfy_metal.nodes import fp8_formats, fp8_loader, fp8_ops
@@ -186,7 +192,7 @@ def _comfy_path() -> str | None:
 
 def load_table(quick: bool) -> Table:
     t = Table("FP8 loading: bytes per Linear weight, load time, peak RSS growth during the load",
-              ["loader", "file", "file size", "bytes/weight", "load s", "peak RSS growth"])
+              ["loader", "file", "file size", "bytes/weight", "load s", "peak RSS growth", "on device"])
     notes = []
     with tempfile.TemporaryDirectory(prefix="comfy-metal-bench-fp8-") as d:
         from safetensors.torch import save_file
@@ -209,9 +215,10 @@ def load_table(quick: bool) -> Table:
                           ("bf16", "safetensors load + upcast to bf16")):
             try:
                 r = _run(_STANDALONE, path, layers, n, k, how)
-                t.add(name, label, human_bytes(size), round(r["bpw"], 3), round(r["seconds"], 3), human_bytes(r["peak"]))
+                t.add(name, label, human_bytes(size), round(r["bpw"], 3), round(r["seconds"], 3), human_bytes(r["peak"]),
+                      "-")
             except Exception as e:
-                t.add(name, label, human_bytes(size), "error", "", str(e)[:60])
+                t.add(name, label, human_bytes(size), "error", "", str(e)[:60], "")
         comfy = _comfy_path()
         if comfy is None:
             notes.append("ComfyUI is not importable (set COMFYUI_PATH): the stock-loader comparison was skipped.")
@@ -226,9 +233,12 @@ def load_table(quick: bool) -> Table:
                     try:
                         r = _run(script, comfy, fpath)
                         t.add(name, flabel, human_bytes(fsize), round(r["bpw"], 3), round(r["seconds"], 3),
-                              human_bytes(r["peak"]))
+                              human_bytes(r["peak"]), f"{human_bytes(r['loaded'])} of {human_bytes(r['size'])}")
                     except Exception as e:
-                        t.add(name, flabel, human_bytes(fsize), "error", "", str(e)[:60])
+                        t.add(name, flabel, human_bytes(fsize), "error", "", str(e)[:60], "")
+                notes.append(f"Both ComfyUI rows time the same steps: build the MODEL from the file, then {TO_DEVICE} "
+                             "(load it in full onto the compute device, as sampling does first); 'on device' is "
+                             "ModelPatcher.loaded_size() of model_size() after that.")
             except Exception as e:
                 notes.append(f"building the Flux-shaped file failed: {e}")
     notes.append("peak RSS growth: kernel high-water mark reset before the load (Linux) or 1 ms RSS sampling; "
