@@ -351,7 +351,7 @@ class MetalFP8ModelLoader:
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "load"
-    CATEGORY = "loaders/comfy metal"
+    CATEGORY = "Comfy Metal/loaders"
     DESCRIPTION = "Loads a diffusion model keeping FP8 weights at 1 byte each (Metal FP8 kernels on Apple GPUs)."
 
     def load(self, unet_name, weight_mode="auto", compute_dtype="auto"):
@@ -379,7 +379,7 @@ class MetalFP8TextEncoderLoader:
 
     RETURN_TYPES = ("CLIP",)
     FUNCTION = "load"
-    CATEGORY = "loaders/comfy metal"
+    CATEGORY = "Comfy Metal/loaders"
     DESCRIPTION = "Loads a text encoder keeping FP8 weights at 1 byte each; on Macs it runs on the GPU by default."
 
     def load(self, clip_name, type="stable_diffusion", device="gpu"):
@@ -405,7 +405,7 @@ class MetalFP8SaveModel:
     RETURN_TYPES = ()
     FUNCTION = "save"
     OUTPUT_NODE = True
-    CATEGORY = "loaders/comfy metal"
+    CATEGORY = "Comfy Metal/loaders"
     DESCRIPTION = "Saves a MODEL with FP8 weights to diffusion_models in ComfyUI's comfy_quant format (atomic write)."
 
     def save(self, model, filename, quantize_mode="e4m3fn tensorwise", overwrite=False):

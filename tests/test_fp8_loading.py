@@ -516,3 +516,10 @@ def test_quantize_file_carries_metadata(tmp_path):
         out = f.metadata()
     assert out["config"] == meta["config"] and "comfy_metal" not in out
     assert set(json.loads(out["_quantization_metadata"])["layers"]) == {e.key[: -len(".weight")] for e in summary.errors}
+
+
+def test_fp8_nodes_category():
+    """The FP8 nodes sit with the pack's other nodes in the node library, under Comfy Metal/loaders."""
+    assert set(fp8_loader.NODE_CLASS_MAPPINGS) == {"MetalFP8ModelLoader", "MetalFP8TextEncoderLoader",
+                                                   "MetalFP8SaveModel"}
+    assert {cls.CATEGORY for cls in fp8_loader.NODE_CLASS_MAPPINGS.values()} == {"Comfy Metal/loaders"}
