@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .report import Table, human_bytes
+from .report import Table, human_bytes, median_seconds
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -247,18 +247,6 @@ def load_table(quick: bool) -> Table:
     return t
 
 
-def _time(fn, reps):
-    fn()
-    if torch.backends.mps.is_available():
-        torch.mps.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    if torch.backends.mps.is_available():
-        torch.mps.synchronize()
-    return (time.perf_counter() - t0) / reps
-
-
 def crossover_table(quick: bool) -> Table:
     from .. import metal_kernels as mk
     from ..metal_kernels.probe import fp8_storage_dtype, mps_available
@@ -279,8 +267,9 @@ def crossover_table(quick: bool) -> Table:
     faster = []
     for m in (1, 2, 4, 8, 16, 32) if quick else (1, 2, 4, 8, 12, 16, 32, 64):
         x = torch.randn(m, k, generator=g).to(device, dtype)
-        tg = _time(lambda: mk.gemv(x, wq, None, fmt="e4m3fn", scale=scale, out_dtype=dtype), reps)
-        td = _time(lambda: torch.nn.functional.linear(x, mk.fp8_decode(wq, "e4m3fn", scale, out_dtype=dtype)), reps)
+        tg = median_seconds(lambda: mk.gemv(x, wq, None, fmt="e4m3fn", scale=scale, out_dtype=dtype), device, reps)
+        td = median_seconds(lambda: torch.nn.functional.linear(x, mk.fp8_decode(wq, "e4m3fn", scale, out_dtype=dtype)),
+                            device, reps)
         from ..metal_kernels import dispatch
 
         t.add(m, round(tg * 1e3, 3), round(td * 1e3, 3), f"{tg / td:.2f}x", dispatch.last_backend.get("gemv", "?"))

@@ -1,45 +1,23 @@
 """Bench section "kernels": the FP8 and GEMV kernels of the shared Metal module against their
-pure-torch references, and where GEMV stops beating decode + matmul as M grows.
+pure-torch references, and what each GEMV weight type costs in bytes and time. (The GEMV versus
+decode + matmul crossover by M is bench_fp8's table.)
 
 On a machine without MPS only the references run (the emulator is a correctness tool, never timed).
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 
-from .report import Table, human_bytes
+from .report import Table, bench_device, human_bytes, median_seconds
 
 SIZES = {True: 1024, False: 4096}
-CROSSOVER_M = (1, 2, 4, 8, 16, 32)
-
-
-def _device() -> torch.device:
-    from ..metal_kernels.probe import mps_available
-
-    return torch.device("mps") if mps_available() else torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "mps":
-        torch.mps.synchronize()
-    elif device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def time_ms(fn, device: torch.device, reps: int) -> float:
     """Median wall time of fn() in ms (one warm-up call; synchronised around each call)."""
-    fn()
-    _sync(device)
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return median_seconds(fn, device, repeat=reps) * 1e3
 
 
 def _metal_launcher(name: str, device: torch.device):
@@ -66,7 +44,7 @@ def bench(quick: bool) -> list[Table]:
     from ..metal_kernels import fp8 as fp8_mod
     from ..metal_kernels import linear as linear_mod
 
-    device = _device()
+    device = bench_device()
     size = SIZES[quick]
     reps = 3 if quick else 10
     gen = torch.Generator().manual_seed(0)
@@ -103,30 +81,9 @@ def bench(quick: bool) -> list[Table]:
             metal_ms = time_ms(lambda: metal(*args, **kwargs), device, reps)
             kt.add(name, label, ref_ms, metal_ms, f"{ref_ms / metal_ms:.2f}x")
 
-    # ---- GEMV vs decode + matmul by M
-    ct = Table("GEMV vs decode+matmul crossover by M",
-               ["M", "gemv ms", "decode+matmul ms", "faster", "gemv backend"],
-               note=(f"{size}x{size} e4m3fn weight with a row scale, bf16 activations, device {on}. "
-                     + ("Without MPS both columns are pure-torch references (gemv's reference decodes and "
-                        "multiplies too), so this shows no crossover here; run on a Mac for the real one."
-                        if device.type != "mps" else
-                        "gemv reads the 1-byte weight once per 8 rows; decode+matmul writes and reads a bf16 copy.")))
-    from .. import metal_kernels
-    from ..metal_kernels import dispatch
-
-    for m in CROSSOVER_M:
-        x = torch.randn(m, size, generator=gen).to(device=device, dtype=torch.bfloat16)
-        g_ms = time_ms(lambda: metal_kernels.gemv(x, raw, fmt="e4m3fn", scale=row_scale), device, reps)
-        backend = dispatch.last_backend.get("gemv", "?")
-
-        def decode_matmul():
-            w = metal_kernels.fp8_decode(raw, "e4m3fn", row_scale, out_dtype=torch.bfloat16)
-            return x @ w.T
-
-        d_ms = time_ms(decode_matmul, device, reps)
-        ct.add(m, g_ms, d_ms, "gemv" if g_ms < d_ms else "decode+matmul", backend)
-
     # ---- bytes per weight
+    from .. import metal_kernels
+
     bt = Table("GEMV weight storage by type",
                ["weight type", "bytes / weight", f"{size}x{size} weight", "gemv M=1 ms", "weight GB/s"],
                note="FP8 weights add 4 bytes per output row for a row scale (or 4 bytes for a tensorwise one). "
@@ -141,4 +98,4 @@ def bench(quick: bool) -> list[Table]:
         nbytes = bpe * weight.numel()
         ms = time_ms(lambda: metal_kernels.gemv(x1f, weight, **kw), device, reps)
         bt.add(label, bpe, human_bytes(nbytes), ms, f"{nbytes / (ms * 1e-3) / 1e9:.1f}")
-    return [kt, ct, bt]
+    return [kt, bt]

@@ -13,43 +13,12 @@ Tables:
 """
 from __future__ import annotations
 
-import statistics
-import time
 
 import torch
 
-from .report import Table
+from .report import Table, bench_device, median_seconds
 
 F = torch.nn.functional
-
-
-def _device() -> torch.device:
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def _sync(device):
-    if device.type == "mps":
-        torch.mps.synchronize()
-    elif device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _time(fn, device, repeat=5, warmup=1) -> float:
-    """Median seconds of fn() over `repeat` runs."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _syncs(fn) -> int | str:
@@ -138,7 +107,7 @@ def _layer_table(quick: bool, device) -> Table:
             runs.append((f"transformers Qwen3MoeSparseMoeBlock ({hf_impl})", lambda: hf_block(x[None])))
         with torch.no_grad():
             rep = 3 if quick else 5
-            res = [(name, _time(fn, device, repeat=rep), _syncs(fn)) for name, fn in runs]
+            res = [(name, median_seconds(fn, device, repeat=rep), _syncs(fn)) for name, fn in runs]
         loop_s = res[1][1]
         for name, s, n in res:
             t.add(T, name, s * 1e3, T / s, n, f"{loop_s / s:.2f}x")
@@ -173,10 +142,10 @@ def _model_tables(quick: bool, device) -> list[Table]:
               f"{kw['hidden_size']}, {kw['num_experts']} experts top-{kw['num_experts_per_tok']}",
               ["phase", "implementation", "tokens/s", "vs transformers"])
     with torch.no_grad():
-        pre_ours = _time(lambda: ours(ids), device, repeat=3)
-        pre_hf = _time(lambda: hf.model(ids), device, repeat=3)
-        dec_ours = _time(lambda: ours.generate(ids[:, :8], max_new_tokens=new), device, repeat=2)
-        dec_hf = _time(lambda: hf.generate(ids[:, :8], max_new_tokens=new, min_new_tokens=new, do_sample=False,
+        pre_ours = median_seconds(lambda: ours(ids), device, repeat=3)
+        pre_hf = median_seconds(lambda: hf.model(ids), device, repeat=3)
+        dec_ours = median_seconds(lambda: ours.generate(ids[:, :8], max_new_tokens=new), device, repeat=2)
+        dec_hf = median_seconds(lambda: hf.generate(ids[:, :8], max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                            pad_token_id=0), device, repeat=2)
     t.add(f"prefill {S} tokens", "comfy_metal", S / pre_ours, f"{pre_hf / pre_ours:.2f}x")
     t.add(f"prefill {S} tokens", "transformers", S / pre_hf, "1.00x")
@@ -190,7 +159,7 @@ def copy_bandwidth(device, nbytes=256 << 20) -> float:
     """Measured device copy bandwidth in bytes/s (read + write)."""
     x = torch.empty(nbytes, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    s = _time(lambda: y.copy_(x), device, repeat=5)
+    s = median_seconds(lambda: y.copy_(x), device, repeat=5)
     return 2 * nbytes / s
 
 
@@ -223,7 +192,7 @@ def _qwen30b_table(quick: bool, device) -> Table | None:
             def step():
                 model(tok, cache=cache, start=ctx)  # same position each time: steady-state cost
 
-            s = _time(step, device, repeat=5 if device.type != "cpu" else 3)
+            s = median_seconds(step, device, repeat=5 if device.type != "cpu" else 3)
         elt = 1 if fmt else 2
         attn = (H * nh * d * 2 + H * nkv * d * 2) * 2
         router = E * H * 2
@@ -239,7 +208,7 @@ def _qwen30b_table(quick: bool, device) -> Table | None:
 
 
 def bench(quick: bool = False) -> list[Table]:
-    device = _device()
+    device = bench_device()
     tables = [_layer_table(quick, device)]
     tables += _model_tables(quick, device)
     t = _qwen30b_table(quick, device)

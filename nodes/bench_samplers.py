@@ -19,7 +19,7 @@ import sys
 import time
 import types
 
-from .report import Table, human_bytes
+from .report import Table, human_bytes, synchronize
 
 LATENTS = [
     ("SDXL 1024x1024 (4x128x128)", (1, 4, 128, 128)),
@@ -124,21 +124,14 @@ def _sigmas(steps):
     return torch.cat([(hi + ramp * (lo - hi)) ** 7, torch.zeros(1)])
 
 
-def _sync(device):
-    import torch
-
-    if device == "mps":
-        torch.mps.synchronize()
-
-
 def _time_per_step(fn, steps, device, repeats=3):
     """Best of `repeats` runs (shared machines are noisy), in ms per step."""
     best = math.inf
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return best * 1000 / steps
 

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
 
 
 @dataclasses.dataclass
@@ -61,3 +65,39 @@ def human_bytes(n: float | None) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return str(n)
+
+
+# ---------------------------------------------------------------- timing for the bench modules
+
+def bench_device() -> torch.device:
+    """The device a benchmark measures: MPS, else CUDA, else the CPU."""
+    from ..metal_kernels.probe import mps_available
+
+    if mps_available():
+        return torch.device("mps")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued work (timing only; no-op on the CPU)."""
+    kind = torch.device(device).type
+    if kind == "mps":
+        torch.mps.synchronize()
+    elif kind == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn: Callable[[], Any], device, repeat: int = 5, warmup: int = 1) -> float:
+    """Median wall time of fn() in seconds, synchronising the device around each call."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
