@@ -290,6 +290,18 @@ def _offset_first_sigma(run, sigmas, model_sampling, flow, percent_offset=1e-4):
     return sigmas
 
 
+def _sde_setup(name, model, x, sigmas, extra_args, noise_mode, noise_sampler, s_noise):
+    """What the SDE samplers share: the run, flow or not, the schedule with ComfyUI's first-sigma offset,
+    the Brownian noise source, and s_noise times the model's noise scale."""
+    run = _Run(name, model, x, sigmas, extra_args, noise_mode)
+    model_sampling = _patcher_model_sampling(model)
+    flow = is_flow(model_sampling)
+    offset = _offset_first_sigma(run, sigmas, model_sampling, flow)
+    # ComfyUI sizes its Brownian tree on the original schedule and queries it with the offset one.
+    noise = run.noise_source("brownian", offset, noise_sampler, original_sigmas=sigmas)
+    return run, flow, offset, noise, s_noise * _noise_scale(model_sampling)
+
+
 @torch.no_grad()
 def sample_dpmpp_2m_sde_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, eta=1., s_noise=1.,
                               noise_sampler=None, solver_type="midpoint", noise_mode=None):
@@ -297,16 +309,9 @@ def sample_dpmpp_2m_sde_metal(model, x, sigmas, extra_args=None, callback=None, 
         return x
     if solver_type not in {"heun", "midpoint"}:
         raise SamplingError("dpmpp_2m_sde_metal: solver_type must be 'heun' or 'midpoint'")
-    run = _Run("dpmpp_2m_sde", model, x, sigmas, extra_args, noise_mode)
-    extra_args = run.extra_args
-    model_sampling = _patcher_model_sampling(model)
-    flow = is_flow(model_sampling)
-    original = sigmas
-    sigmas = _offset_first_sigma(run, sigmas, model_sampling, flow)
-    # ComfyUI sizes its Brownian tree on the original schedule and queries it with the offset one.
-    noise = run.noise_source("brownian", sigmas, noise_sampler, original_sigmas=original)
-    sig = run.sig
-    s_noise = s_noise * _noise_scale(model_sampling)
+    run, flow, sigmas, noise, s_noise = _sde_setup("dpmpp_2m_sde", model, x, sigmas, extra_args, noise_mode,
+                                                  noise_sampler, s_noise)
+    extra_args, sig = run.extra_args, run.sig
     s_in = x.new_ones([x.shape[0]])
     old_denoised, h, h_last = None, None, None
     for i in _trange(run.steps, disable):
@@ -330,15 +335,9 @@ def sample_dpmpp_3m_sde_metal(model, x, sigmas, extra_args=None, callback=None, 
                               noise_sampler=None, noise_mode=None):
     if len(sigmas) <= 1:
         return x
-    run = _Run("dpmpp_3m_sde", model, x, sigmas, extra_args, noise_mode)
-    extra_args = run.extra_args
-    model_sampling = _patcher_model_sampling(model)
-    flow = is_flow(model_sampling)
-    original = sigmas
-    sigmas = _offset_first_sigma(run, sigmas, model_sampling, flow)
-    noise = run.noise_source("brownian", sigmas, noise_sampler, original_sigmas=original)
-    sig = run.sig
-    s_noise = s_noise * _noise_scale(model_sampling)
+    run, flow, sigmas, noise, s_noise = _sde_setup("dpmpp_3m_sde", model, x, sigmas, extra_args, noise_mode,
+                                                  noise_sampler, s_noise)
+    extra_args, sig = run.extra_args, run.sig
     s_in = x.new_ones([x.shape[0]])
     denoised_1, denoised_2 = None, None
     h, h_1, h_2 = None, None, None
