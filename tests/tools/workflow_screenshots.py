@@ -1,0 +1,308 @@
+"""Screenshots of the example workflows (workflows/*.json) as ComfyUI's own frontend shows them.
+
+    COMFYUI_PATH=/work/comfyui python tests/tools/workflow_screenshots.py [--out DIR] [NAME ...]
+
+Starts a real ComfyUI server (tests/comfyui_env.comfyui_server: 127.0.0.1, free port, temporary base
+directory, the pack as a custom node) whose model folders hold tiny random models of the right
+architectures (tests/workflow_models.py) under exactly the file names the workflows expect, so the
+frontend finds every model and shows no "errors found" toast or red outlines. Headless Chromium
+loads each UI workflow (a fresh page each), switches to the frontend's focus mode (canvas only),
+fits the view to the bounds of all nodes with full-detail rendering at any zoom, renders at 2x
+(SHOT_SCALE) and downscales to 1400x800 (smoother small text), and saves
+workflows/screenshots/<name>.png as an optimized 256-colour palette PNG (<= 150 KB each).
+
+Fails (exit 1) if a workflow's model file is missing from the server's lists, if the frontend
+shows an error toast ("N errors found", checked before focus mode hides it) or marks a node with
+errors, or if a PNG ends up larger than the limit. Runtime ~1 min.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+TOOLS = pathlib.Path(__file__).resolve().parent
+TESTS = TOOLS.parent
+ROOT = TESTS.parent
+for p in (TESTS, TOOLS):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import build_workflows as bw  # noqa: E402
+import comfyui_env  # noqa: E402
+
+OUT_DIR = ROOT / "workflows" / "screenshots"
+WIDTH, HEIGHT = 1400, 800
+MAX_BYTES = 150 * 1024
+TOTAL_TIMEOUT = 600          # seconds for the whole browser session
+SETTINGS = {                 # frontend settings for clean pictures (stored in the temporary user dir)
+    "Comfy.TutorialCompleted": True,
+    "Comfy.Minimap.Visible": False,
+    "Comfy.Graph.CanvasInfo": False,
+    "Comfy.Workflow.Persist": False,
+    "Comfy.Graph.CanvasMenu": False,           # the zoom controls overlay
+    "LiteGraph.Canvas.MinFontSizeForLOD": 0,   # full detail (text, widgets) at any zoom
+}
+SCALE = int(os.environ.get("SHOT_SCALE", "2"))  # rendered at 2x, downscaled: smoother small text
+FILL = 0.97                  # share of the canvas the whole graph's bounds take (fit view)
+
+# Focus mode (the frontend's own "hide all panels" view) gives the graph the whole page, then the view
+# is fitted to the bounds of all nodes, as the frontend's fit view does, with a smaller margin.
+FIT_JS = r"""
+(async () => {
+  const app = window.comfyAPI.app.app;
+  await app.extensionManager.command.execute('Workspace.ToggleFocusMode');
+  await new Promise((r) => setTimeout(r, 500));
+  let x0 = Infinity, y0 = Infinity, x1 = -Infinity, y1 = -Infinity;
+  for (const n of app.graph.nodes) {
+    const [x, y, w, h] = n.boundingRect;
+    x0 = Math.min(x0, x); y0 = Math.min(y0, y); x1 = Math.max(x1, x + w); y1 = Math.max(y1, y + h);
+  }
+  app.canvas.ds.fitToBounds([x0, y0, x1 - x0, y1 - y0], { zoom: %s });
+  app.canvas.setDirty(true, true);
+  return app.canvas.ds.scale;
+})()
+"""
+
+
+# ------------------------------------------------------------------------------------ models
+
+class _ModelDirs:
+    """What workflow_models.place_models needs of a ComfyUI: the server's default model folders."""
+
+    def __init__(self, base: pathlib.Path):
+        self.base = base
+
+    def models_dir(self, kind: str) -> pathlib.Path:
+        path = self.base / "models" / kind
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def refresh_models(self) -> None:
+        pass
+
+
+def place_models(comfyui_path: pathlib.Path, base: pathlib.Path) -> dict:
+    """Tiny random models under the workflows' file names in base/models/<folder>/ (ComfyUI's own
+    model classes build them, so ComfyUI is imported here, CPU only)."""
+    if str(comfyui_path) not in sys.path:
+        sys.path.insert(0, str(comfyui_path))
+    stubs = comfyui_env.stubs_path()
+    if stubs is not None and str(stubs) not in sys.path:
+        sys.path.append(str(stubs))
+    # comfy.cli_args parses sys.argv at import: parse ComfyUI's own --cpu args, as the test harness does
+    comfyui_env.ComfyUIHarness(comfyui_path, base)._parse_args()
+    import workflow_models as wm
+
+    roles = {role: file for file, role in bw.TEST_ROLES.items()}
+    return wm.place_models(_ModelDirs(base), roles)
+
+
+def check_model_lists(server, workflows: dict) -> list[str]:
+    """Every model file value of every workflow is among the choices the server offers."""
+    info = server.get_json("/object_info", timeout=120)
+    problems = []
+    for name, wf in workflows.items():
+        for node in wf["nodes"]:
+            spec = info.get(node["type"], {}).get("input", {})
+            combos = {k: v[0] for part in ("required", "optional") for k, v in spec.get(part, {}).items()
+                      if isinstance(v, list) and v and isinstance(v[0], list)}
+            for value in node.get("widgets_values") or []:
+                if bw.is_file_choice(value) and not any(value in choices for choices in combos.values()):
+                    problems.append(f"{name}: node {node['id']} ({node['type']}): {value!r} is not offered")
+    return problems
+
+
+# ------------------------------------------------------------------------------------ browser
+
+PAGE_STATE_JS = r"""
+(() => {
+  const app = window.comfyAPI.app.app;
+  const toasts = [...document.querySelectorAll('.p-toast-message')].map((t) => t.innerText.trim());
+  const found = document.body.innerText.match(/\d+ errors? found[^\n]*/gi) || [];
+  const errorNodes = app.graph.nodes.filter((n) => n.has_errors).map((n) => `${n.id} ${n.type}`);
+  return { toasts: [...toasts, ...found], errorNodes, nodes: app.graph.nodes.length };
+})()
+"""
+
+
+async def _browser(url: str, chromium: str, workflows: dict, out: pathlib.Path) -> dict:
+    import aiohttp
+
+    profile = tempfile.mkdtemp(prefix="comfy-metal-shots-chromium-")
+    proc = subprocess.Popen(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+         "--hide-scrollbars", "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
+         f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}", "about:blank"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    report = {}
+    try:
+        port, deadline = None, time.monotonic() + 60
+        while port is None:
+            line = await asyncio.get_running_loop().run_in_executor(None, proc.stderr.readline)
+            m = re.search(r"DevTools listening on ws://127\.0\.0\.1:(\d+)/", line)
+            if m:
+                port = int(m.group(1))
+            elif (not line and proc.poll() is not None) or time.monotonic() > deadline:
+                raise RuntimeError(f"chromium did not start (exit {proc.poll()})")
+        async with aiohttp.ClientSession() as http:
+            async with http.put(f"http://127.0.0.1:{port}/json/new?about:blank") as r:
+                target = await r.json(content_type=None)
+            async with http.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+                next_id = 0
+
+                async def call(method, **params):
+                    nonlocal next_id
+                    next_id += 1
+                    my_id = next_id
+                    await ws.send_json({"id": my_id, "method": method, "params": params})
+                    while True:
+                        msg = await asyncio.wait_for(ws.receive_json(), timeout=120)
+                        if msg.get("id") == my_id:
+                            if "error" in msg:
+                                raise RuntimeError(f"{method}: {msg['error']}")
+                            return msg.get("result", {})
+
+                async def evaluate(expression):
+                    res = await call("Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True)
+                    if "exceptionDetails" in res:
+                        raise RuntimeError(f"page exception: {json.dumps(res['exceptionDetails'])[:2000]}")
+                    return res["result"].get("value")
+
+                async def wait_for(expression, what, timeout=120):
+                    end = time.monotonic() + timeout
+                    while not await evaluate(expression):
+                        if time.monotonic() > end:
+                            raise TimeoutError(what)
+                        await asyncio.sleep(0.5)
+
+                await call("Page.enable")
+                await call("Runtime.enable")
+                await call("Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=SCALE,
+                           mobile=False)
+                out.mkdir(parents=True, exist_ok=True)
+                for name, wf in workflows.items():
+                    # a fresh page per workflow: one tab, no leftovers from the previous one
+                    await call("Page.navigate", url=url)
+                    await wait_for("!!(window.comfyAPI?.app?.app?.graph && window.comfyAPI.app.app.canvas"
+                                   " && Object.keys(LiteGraph.registered_node_types).length > 100)",
+                                   "the ComfyUI frontend did not come up")
+                    await wait_for("window.comfyAPI.app.app.graph.nodes.length > 0",
+                                   "the frontend never loaded its first workflow")
+                    await asyncio.sleep(2)
+                    await evaluate(f"window.comfyAPI.app.app.loadGraphData(JSON.parse({json.dumps(json.dumps(wf))}),"
+                                   f" true, true, {json.dumps(name)})")
+                    await wait_for(f"window.comfyAPI.app.app.graph.nodes.length === {len(wf['nodes'])}",
+                                   f"{name}: the graph was not loaded", timeout=60)
+                    await asyncio.sleep(1.5)          # validation toasts (if any) appear after the load
+                    state = await evaluate(PAGE_STATE_JS)  # before focus mode hides the panels
+                    scale = await evaluate(FIT_JS % FILL)
+                    await asyncio.sleep(1.5)
+                    state["errorNodes"] += [n for n in (await evaluate(PAGE_STATE_JS))["errorNodes"]
+                                            if n not in state["errorNodes"]]
+                    shot = await call("Page.captureScreenshot", format="png")
+                    raw = base64.b64decode(shot["data"])
+                    report[name] = {"state": state, "scale": scale, "raw_bytes": len(raw), **save_png(raw, out / f"{name}.png")}
+        return report
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def save_png(raw: bytes, path: pathlib.Path) -> dict:
+    """The screenshot as a 256-colour palette PNG (the UI is flat colours; text stays crisp), written
+    atomically; falls back to fewer colours only if the limit needs it."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(raw)) as im:
+        rgb = im.convert("RGB")
+    if rgb.size != (WIDTH, HEIGHT):
+        rgb = rgb.resize((WIDTH, HEIGHT), Image.Resampling.LANCZOS)
+    for colors in (256, 128, 64):
+        pal = rgb.quantize(colors=colors, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+        buf = io.BytesIO()
+        pal.save(buf, format="PNG", optimize=True)
+        if buf.tell() <= MAX_BYTES:
+            break
+    tmp = path.with_suffix(".png.tmp")
+    tmp.write_bytes(buf.getvalue())
+    os.replace(tmp, path)
+    return {"size": rgb.size, "bytes": buf.tell(), "colors": colors}
+
+
+# ------------------------------------------------------------------------------------ main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("names", nargs="*", help=f"workflows (default: all of {sorted(bw.WORKFLOWS)})")
+    ap.add_argument("--out", type=pathlib.Path, default=OUT_DIR)
+    ap.add_argument("--keep", action="store_true", help="keep the temporary server directory")
+    args = ap.parse_args(argv)
+
+    comfyui_path, reason = comfyui_env.comfyui_path_or_reason()
+    if comfyui_path is None:
+        print(reason, file=sys.stderr)
+        return 2
+    chromium = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+    if chromium is None:
+        print("chromium is not installed", file=sys.stderr)
+        return 2
+    names = args.names or sorted(bw.WORKFLOWS)
+    unknown = sorted(set(names) - set(bw.WORKFLOWS))
+    if unknown:
+        print(f"unknown workflows: {unknown}", file=sys.stderr)
+        return 2
+    workflows = {n: json.loads((bw.WORKFLOWS_DIR / f"{n}.json").read_text()) for n in names}
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="comfy-metal-shots-"))
+    try:
+        t0 = time.monotonic()
+        placed = place_models(comfyui_path, work / "base")   # comfyui_server uses <work>/base as base dir
+        print(f"placed {len(placed)} tiny models in {time.monotonic() - t0:.1f}s")
+        (work / "base" / "user" / "default").mkdir(parents=True, exist_ok=True)
+        (work / "base" / "user" / "default" / "comfy.settings.json").write_text(json.dumps(SETTINGS))
+        with comfyui_env.comfyui_server(comfyui_path, work) as server:
+            problems = check_model_lists(server, workflows)
+            if problems:
+                print("\n".join(problems), file=sys.stderr)
+                return 1
+            report = asyncio.run(asyncio.wait_for(_browser(server.url, chromium, workflows, args.out),
+                                                  TOTAL_TIMEOUT))
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+    failed = False
+    for name, r in report.items():
+        st = r["state"]
+        bad = [t for t in st["toasts"] if t] + [f"node with errors: {n}" for n in st["errorNodes"]]
+        if r["bytes"] > MAX_BYTES:
+            bad.append(f"{r['bytes']} bytes > {MAX_BYTES}")
+        failed |= bool(bad)
+        print(f"{name}.png: {r['size'][0]}x{r['size'][1]}, {r['bytes'] / 1024:.1f} KB "
+              f"({r['colors']} colours; raw {r['raw_bytes'] / 1024:.0f} KB), {st['nodes']} nodes, zoom {r['scale']:.2f}"
+              + (f"  PROBLEMS: {bad}" if bad else ""))
+    print(f"written to {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
