@@ -77,7 +77,16 @@ def _ramp(length: int) -> torch.Tensor:
 
 def axis_weights(plan: list[tuple[int, int]], k: int, scale: int) -> torch.Tensor:
     """Feather weights of tile k along one axis, in output pixels (latent * scale). Complementary ramps
-    over each overlap with the neighbours, 1 elsewhere: the weights of all tiles sum to 1."""
+    over each overlap with the neighbours, 1 elsewhere, divided by the sum over all tiles: the weights
+    sum to exactly 1 also where three tiles meet (tiles spaced closer than half a tile)."""
+    total = torch.zeros(plan[-1][1] * scale)
+    for j, (sj, ej) in enumerate(plan):
+        total[sj * scale:ej * scale] += _raw_axis_weights(plan, j, scale)
+    s, e = plan[k]
+    return _raw_axis_weights(plan, k, scale) / total[s * scale:e * scale].clamp_min(1e-6)
+
+
+def _raw_axis_weights(plan: list[tuple[int, int]], k: int, scale: int) -> torch.Tensor:
     s, e = plan[k]
     w = torch.ones((e - s) * scale)
     if k > 0:
@@ -262,30 +271,95 @@ def pad_mode_for(device: torch.device, force: bool | None = None):
 # ---------------------------------------------------------------- shared GroupNorm statistics
 
 
-class SharedGroupNormStats:
-    """Within `with`, every torch.nn.GroupNorm under `root` is wrapped (instance attribute `forward`,
-    removed on exit). mode "gather": normal per-tile GroupNorm, while each call's per-group
-    count/mean/M2 over the current tile's core region is accumulated. mode "apply": normalise with
-    the gathered whole-image statistics."""
+class _StopAtGroupNorm(Exception):
+    """Raised inside a tile's forward when it reaches the GroupNorm whose statistics are being gathered."""
 
-    def __init__(self, root: torch.nn.Module):
+
+class SharedGroupNormStats:
+    """Exact shared GroupNorm statistics: all tiles advance in lock-step from one GroupNorm to the next.
+
+    The GroupNorm calls of a decode are numbered in call order (0 .. L-1, the same for every tile).
+    Pass k runs every tile from its input: calls < k normalise with the final whole-image statistics,
+    call k adds the per-group count / mean / M2 of the tile's *core* region (the cores partition the
+    output, mapped to the call's resolution; fp32 per tile, combined across tiles in float64 with
+    Chan's formula) and stops the tile (`_StopAtGroupNorm`). When every tile has reached call k its
+    statistics are final. Pass L runs to the end (all calls use final statistics) and writes the output.
+    So the statistics every GroupNorm uses are those of the untiled activations up to the halo: a
+    tile's core is exact when the overlap covers the decoder's receptive field (attention in the mid
+    block sees only its tile, the remaining difference).
+
+    Restarting from the input costs up to L passes; `cache` keeps, per tile, the outputs of the
+    blocks that own a GroupNorm (and of the GroupNorm-free layers between them) once they are final,
+    on `cache_device`, so pass k recomputes only the block holding call k. Within `with` every
+    torch.nn.GroupNorm (and every cached block) under `root` gets an instance-level `forward`,
+    removed on exit."""
+
+    def __init__(self, root: torch.nn.Module, cache: bool = True, cache_device="cpu",
+                 cache_limit_bytes: int | None = None):
         self.modules = [m for m in root.modules() if isinstance(m, torch.nn.GroupNorm)]
-        self.stats: dict[tuple[int, int], list] = {}
-        self.new_stats: dict[tuple[int, int], list] = {}
-        self.mode = "gather"
-        self.core = None          # ((y0, y1), (x0, x1), (tile_h, tile_w)) in latent-grid units
-        self._calls: dict[int, int] = {}
+        self.blocks = self._cacheable(root) if cache else []
+        self.cache_device = torch.device(cache_device)
+        self.cache_limit = cache_limit_bytes
+        self.cache_bytes = 0
+        self.final: list[list] = []          # per call index: [n, mean (float64), m2 (float64)], finished
+        self.pending: list | None = None     # statistics being gathered for call `target`
+        self.target = 0                      # the call index pass k gathers; None = final pass
+        self.core = None                     # ((y0, y1), (x0, x1), (tile_h, tile_w)) latent grid
+        self.tile_key = None
+        self.cache: dict = {}                # (tile, id(block), occurrence) -> (output, gn calls inside)
+        self._gn_idx = 0
+        self._occ: dict[int, int] = {}
+        self._last_hw = None
         self._saved = []
+        self.unmapped = 0                    # 3-D GroupNorm inputs whose layout was not recognised
 
     def __bool__(self):
         return bool(self.modules)
 
+    @staticmethod
+    def _cacheable(root):
+        """An antichain of modules whose outputs can be cached: modules owning a GroupNorm child, and
+        parameterised GroupNorm-free modules next to them (convs, upsamplers)."""
+        gn = torch.nn.GroupNorm
+        has_gn = {}
+
+        def contains(m):
+            k = id(m)
+            if k not in has_gn:
+                has_gn[k] = isinstance(m, gn) or any(contains(c) for c in m.children())
+            return has_gn[k]
+
+        out = []
+
+        def walk(m):
+            for c in m.children():
+                if isinstance(c, gn):
+                    continue
+                if isinstance(c, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                    walk(c)
+                elif any(isinstance(g, gn) for g in c.children()) and \
+                        not any(contains(g) for g in c.children() if not isinstance(g, gn)):
+                    out.append(c)
+                elif not contains(c):
+                    if any(True for _ in c.parameters()):
+                        out.append(c)
+                else:
+                    walk(c)
+
+        walk(root)
+        return out
+
     def __enter__(self):
         for m in self.modules:
-            had = "forward" in m.__dict__
-            self._saved.append((m, had, m.__dict__.get("forward")))
-            m.forward = self._make_forward(m, m.forward)
+            self._wrap(m, self._gn_forward)
+        for b in self.blocks:
+            self._wrap(b, self._block_forward)
         return self
+
+    def _wrap(self, m, maker):
+        had = "forward" in m.__dict__
+        self._saved.append((m, had, m.__dict__.get("forward")))
+        m.forward = maker(m, m.forward)
 
     def __exit__(self, *exc):
         for m, had, fwd in reversed(self._saved):
@@ -294,69 +368,114 @@ class SharedGroupNormStats:
             else:
                 m.__dict__.pop("forward", None)
         self._saved.clear()
+        self.cache.clear()
         return False
 
-    def start_tile(self, tile: Tile):
+    # ---- driven by the engine
+
+    def start_pass(self, target: int | None):
+        """Pass gathering call `target` (None: the final pass, everything normalised with final stats)."""
+        self.target = target
+        self.pending = None
+
+    def end_pass(self):
+        """All tiles reached call `target`: its statistics are final."""
+        if self.pending is None:
+            raise RuntimeError("shared statistics: no tile reached GroupNorm call %s" % self.target)
+        self.final.append(self.pending)
+        self.pending = None
+
+    def start_tile(self, tile: Tile, key):
         self.core = (tile.core_y, tile.core_x, (tile.y[1] - tile.y[0], tile.x[1] - tile.x[0]))
-        self._calls.clear()
+        self.tile_key = key
+        self._gn_idx = 0
+        self._occ.clear()
+        self._last_hw = None
+
+    # ---- wrappers
+
+    def _block_forward(self, m, original):
+        def forward(*args, **kwargs):
+            occ = self._occ.get(id(m), 0)
+            self._occ[id(m)] = occ + 1
+            key = (self.tile_key, id(m), occ)
+            hit = self.cache.get(key)
+            if hit is not None:
+                out, n_gn, hw = hit
+                self._gn_idx += n_gn
+                if hw is not None:
+                    self._last_hw = hw
+                dev = args[0].device if args and isinstance(args[0], torch.Tensor) else out.device
+                return out.to(dev, copy=True)     # a copy: the caller may work in place
+            start = self._gn_idx
+            out = original(*args, **kwargs)        # may raise _StopAtGroupNorm: nothing cached then
+            if self.target is not None and isinstance(out, torch.Tensor):
+                nbytes = out.numel() * out.element_size()
+                if self.cache_limit is None or self.cache_bytes + nbytes <= self.cache_limit:
+                    self.cache[key] = (out.to(self.cache_device, copy=True), self._gn_idx - start, self._last_hw)
+                    self.cache_bytes += nbytes
+            return out
+        return forward
+
+    def _gn_forward(self, m, original):
+        def forward(x, *args, **kwargs):
+            idx = self._gn_idx
+            self._gn_idx += 1
+            if x.dim() >= 4:
+                self._last_hw = tuple(x.shape[-2:])
+            if self.target is not None and idx == self.target:
+                self._gather(m, x)
+                raise _StopAtGroupNorm()
+            if idx < len(self.final):
+                return self._apply(m, x, self.final[idx])
+            raise RuntimeError(f"shared statistics: GroupNorm call {idx} has no statistics yet "
+                               f"(the decoder called its GroupNorms in a different order for this tile)")
+        return forward
 
     def _region(self, x: torch.Tensor) -> torch.Tensor:
         (cy0, cy1), (cx0, cx1), (th, tw) = self.core
+        if x.dim() == 3:
+            # [N, C, h*w] (e.g. diffusers' attention group_norm): the layout of the last 4-D call
+            if self._last_hw is not None and self._last_hw[0] * self._last_hw[1] == x.shape[-1]:
+                x = x.reshape(*x.shape[:2], *self._last_hw)
+            else:
+                self.unmapped += 1
+                return x
         h, w = x.shape[-2:]
         return x[..., round(cy0 * h / th):round(cy1 * h / th), round(cx0 * w / tw):round(cx1 * w / tw)]
 
-    def _make_forward(self, m: torch.nn.GroupNorm, original):
-        def forward(x, *args, **kwargs):
-            idx = self._calls.get(id(m), 0)
-            self._calls[id(m)] = idx + 1
-            key = (id(m), idx)
-            if x.dim() < 4:   # e.g. attention norms on [N, C, h*w]: the tile geometry is unknown there
-                return original(x, *args, **kwargs)
-            if self.mode in ("gather", "refine") and self.core is not None:
-                self._gather(m, x, key)
-            if self.mode in ("apply", "refine") and key in self.stats and self.stats[key][0] > 0:
-                return self._apply(m, x, key)
-            return original(x, *args, **kwargs)
-        return forward
-
-    def next_pass(self, mode: str):
-        """Start a pass: "gather" (per-tile norm, collect), "refine" (normalise with the statistics so
-        far while collecting better ones), "apply" (normalise with the collected statistics)."""
-        if self.mode in ("gather", "refine") and self.new_stats:
-            self.stats = self.new_stats
-        self.new_stats = {}
-        self.mode = mode
-
-    def _gather(self, m, x, key):
+    def _gather(self, m, x):
         g = m.num_groups
         r = self._region(x)
         n_b = r.numel() // max(1, r.shape[0] * g)
         if n_b == 0:
             return
         v = r.reshape(r.shape[0], g, -1).float()
-        mean_b = v.mean(-1)
-        m2_b = ((v - mean_b[..., None]) ** 2).sum(-1)
-        if key not in self.new_stats:
-            self.new_stats[key] = [n_b, mean_b, m2_b]
+        mean_f = v.mean(-1)
+        m2_b = ((v - mean_f[..., None]) ** 2).sum(-1).to("cpu", torch.float64)
+        mean_b = mean_f.to("cpu", torch.float64)
+        if self.pending is None:
+            self.pending = [n_b, mean_b, m2_b]
             return
-        n_a, mean_a, m2_a = self.new_stats[key]
+        n_a, mean_a, m2_a = self.pending
         n = n_a + n_b
         delta = mean_b - mean_a
-        self.new_stats[key] = [n, mean_a + delta * (n_b / n), m2_a + m2_b + delta * delta * (n_a * n_b / n)]
+        self.pending = [n, mean_a + delta * (n_b / n), m2_a + m2_b + delta * delta * (n_a * n_b / n)]
 
-    def _apply(self, m, x, key):
-        n, mean, m2 = self.stats[key]
+    def _apply(self, m, x, stats):
+        """GroupNorm with the given statistics, as one per-channel scale and shift (fp32)."""
+        n, mean, m2 = stats
         g = m.num_groups
-        shape = x.shape
-        var = m2 / n
-        v = x.reshape(shape[0], g, -1).float()
-        v = (v - mean[..., None].to(v.device)) * torch.rsqrt(var[..., None].to(v.device) + m.eps)
-        v = v.reshape(shape)
+        c = x.shape[1]
+        rstd = torch.rsqrt((m2 / n).float() + m.eps).to(x.device)            # [N, g]
+        scale = rstd.repeat_interleave(c // g, dim=1)                        # [N, C]
+        shift = -mean.float().to(x.device).repeat_interleave(c // g, dim=1) * scale
         if m.affine and m.weight is not None:
-            bshape = (1, -1) + (1,) * (len(shape) - 2)
-            v = v * m.weight.to(device=v.device, dtype=torch.float32).view(bshape) \
-                + m.bias.to(device=v.device, dtype=torch.float32).view(bshape)
-        return v.to(x.dtype)
+            w = m.weight.to(device=x.device, dtype=torch.float32)
+            scale = scale * w
+            shift = shift * w + m.bias.to(device=x.device, dtype=torch.float32)
+        view = (x.shape[0], c) + (1,) * (x.dim() - 2)
+        return torch.addcmul(shift.view(view), x.float(), scale.view(view)).to(x.dtype)
 
 
 # ---------------------------------------------------------------- codecs
@@ -502,7 +621,8 @@ class TilingOptions:
     tile: int | None = None        # latent pixels per side; None = from the budget
     overlap: int | None = None     # latent pixels; None = auto (tile // 4, at least 4 latent px... capped)
     shared_stats: bool = False
-    refine_passes: int = 0         # shared statistics: extra passes re-gathering under the gathered statistics
+    stats_cache: bool = True       # shared statistics: keep finished block outputs per tile (fewer recomputes)
+    stats_cache_bytes: int | None = None   # cap on that cache (None = unbounded; it lives on the CPU)
     route_pads: bool | None = None  # None = auto (MPS, torch < 2.15)
     progress: Callable[[int, int], None] | None = None   # (done, total)
     output_device: torch.device | str | None = None       # None = compute device if it fits the budget, else CPU
@@ -522,6 +642,7 @@ class RunInfo:
     calibration: dict = dataclasses.field(default_factory=dict)
     pads_routed: int = 0
     shared_stats: bool = False
+    groupnorm_calls: int = 0
 
 
 def default_overlap(tile: int) -> int:
@@ -663,13 +784,12 @@ class TiledVAE:
             self.info.tile, self.info.overlap, self.info.tiles = tile, overlap, len(tiles)
             shared = None
             if self.opt.shared_stats and c.module is not None and not c.video:
-                shared = SharedGroupNormStats(c.module)
+                shared = SharedGroupNormStats(c.module, cache=self.opt.stats_cache,
+                                              cache_limit_bytes=self.opt.stats_cache_bytes)
                 if not shared:
                     log.info("comfy_metal: the VAE has no GroupNorm; shared statistics are not needed")
                     shared = None
             self.info.shared_stats = shared is not None
-            passes = (["gather"] + ["refine"] * self.opt.refine_passes + ["apply"]) if shared is not None else ["apply"]
-            total_steps = len(tiles) * len(passes)
             step = [0]
             t0 = time.perf_counter()
             out = None
@@ -679,25 +799,57 @@ class TiledVAE:
                     stack.enter_context(shared)
                 stack.enter_context(torch.no_grad())
                 stack.enter_context(pads)
-                for pass_name in passes:
-                    if shared is not None:
-                        shared.next_pass(pass_name)
+                if shared is None:
                     acc = None
                     for tile_ in tiles:
-                        if shared is not None:
-                            shared.start_tile(tile_)
-                        acc = self._one_tile(x, fn, tile_, py, px, encode, device, dtype, acc,
-                                             write=(pass_name == "apply"))
+                        acc = self._one_tile(x, fn, tile_, py, px, encode, device, dtype, acc, write=True)
                         step[0] += 1
-                        self._progress(step[0], total_steps, t0)
-                    self.info.passes += 1
+                        self._progress(step[0], len(tiles), t0)
+                    self.info.passes = 1
                     out = acc
+                else:
+                    out = self._lockstep(shared, x, fn, tiles, py, px, encode, device, dtype, t0)
             if isinstance(pads, MetalPadMode):
                 self.info.pads_routed = pads.routed
             return out
         finally:
             if module_moved:
                 c.module.to(device=c.device, dtype=c.dtype)
+
+    def _lockstep(self, shared, x, fn, tiles, py, px, encode, device, dtype, t0):
+        """Shared statistics: pass k brings every tile to GroupNorm call k (gathering its statistics over
+        the tiles' cores), until a pass in which every tile runs to the end; that pass writes the output."""
+        k = 0
+        steps = 0
+        while True:
+            shared.start_pass(k)
+            acc = None
+            stopped = 0
+            for i, tile_ in enumerate(tiles):
+                shared.start_tile(tile_, i)
+                try:
+                    acc = self._one_tile(x, fn, tile_, py, px, encode, device, dtype, acc, write=True)
+                except _StopAtGroupNorm:
+                    stopped += 1
+                steps += 1
+                # progress: the number of passes is known after the first tile of the final pass; until
+                # then estimate it as the GroupNorm count
+                total = len(tiles) * max(k + 2, len(shared.modules) + 1)
+                self._progress(min(steps, total - 1), total, t0)
+            self.info.passes += 1
+            if stopped == len(tiles):
+                shared.end_pass()
+                k += 1
+                continue
+            if stopped:
+                raise RuntimeError(f"shared statistics: {stopped} of {len(tiles)} tiles called more GroupNorms "
+                                   f"than the others (the decoder is not the same on every tile)")
+            self._progress(steps, steps, t0)
+            self.info.groupnorm_calls = k
+            if shared.unmapped:
+                log.warning("comfy_metal: shared statistics: %d GroupNorm inputs had an unknown layout; their "
+                            "statistics include the tiles' overlaps", shared.unmapped)
+            return acc
 
     def _progress(self, done, total, t0):
         if self.opt.progress is not None:
