@@ -147,6 +147,12 @@ def bench(quick: bool = False) -> list[Table]:
         eng2 = vt.TiledVAE(codec, vt.TilingOptions(tile=tile, overlap=overlap, shared_stats=True))
         _row(table, f"SDXL {side * 8}^2, shared stats", z.shape, device, ref, ref_t, ref_peak,
              (lambda: eng2.decode(z), lambda: eng2.info), None)
+        table.note += (f"\nshared stats: all tiles in lock-step from one GroupNorm to the next "
+                       f"({eng2.info.passes} passes over {eng2.info.tiles} tiles, each recomputing only the block "
+                       f"holding its GroupNorm; finished blocks cached on the CPU, up to the budget, counted in "
+                       f"'ours peak' on CPU). Exact statistics need a halo (overlap / 2) of ~17 latent px (the SD "
+                       f"decoder's conv receptive field, measured 16.25); at {overlap}px overlap both modes are "
+                       f"limited by the halo (and the mid-block attention sees one tile).")
         del ref
     except Exception as e:
         table.note += f"\nSDXL case failed: {type(e).__name__}: {e}"

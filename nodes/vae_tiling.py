@@ -8,11 +8,14 @@ the core is testable without ComfyUI.
   is weighted by a separable feather mask whose weights sum to exactly 1 over every output pixel
   (complementary cosine ramps inside each overlap) and added into an fp32 accumulator by the
   `vae_blend_accumulate` kernel (Metal on MPS). No normalisation buffer, no second or third pass.
-* Shared statistics (GroupNorm VAEs): a first pass over all tiles gathers, for every GroupNorm call,
-  the mean and variance of each group over the tiles' *core* regions (the cores partition the image,
-  so each pixel counts once: pixel-count weighted, combined with Chan's parallel formula); the
-  second pass normalises every tile with those whole-image statistics. The GroupNorms are wrapped
-  for the duration of the call only (instance-level forward override, restored in `finally`).
+* Shared statistics (GroupNorm VAEs): all tiles advance in lock-step from one GroupNorm to the next.
+  Pass k runs every tile up to GroupNorm call k (earlier calls normalised with final whole-image
+  statistics), adds that call's per-group count/mean/M2 over the tile's *core* region (the cores
+  partition the image, so each pixel counts once; combined in float64 with Chan's formula) and stops
+  the tile; once all tiles are there, call k's statistics are final. The last pass runs to the end and
+  writes the output. Finished blocks are cached per tile on the CPU so a pass recomputes only the block
+  holding its GroupNorm. The GroupNorms/blocks are wrapped for the duration of the call only
+  (instance-level forward override, restored in `finally`).
 * Video (causal 3D VAEs: Wan 2.1 / Qwen-Image, Wan 2.2): each spatial tile is decoded chunk by
   chunk through the VAE's own decoder with its own temporal feature cache (`feat_cache`), and each
   chunk goes straight into the accumulator, so working memory is flat in the number of frames.
@@ -622,7 +625,7 @@ class TilingOptions:
     overlap: int | None = None     # latent pixels; None = auto (tile // 4, at least 4 latent px... capped)
     shared_stats: bool = False
     stats_cache: bool = True       # shared statistics: keep finished block outputs per tile (fewer recomputes)
-    stats_cache_bytes: int | None = None   # cap on that cache (None = unbounded; it lives on the CPU)
+    stats_cache_bytes: int | None = None   # cap on that cache (CPU memory); None = the memory budget
     route_pads: bool | None = None  # None = auto (MPS, torch < 2.15)
     progress: Callable[[int, int], None] | None = None   # (done, total)
     output_device: torch.device | str | None = None       # None = compute device if it fits the budget, else CPU
@@ -784,8 +787,10 @@ class TiledVAE:
             self.info.tile, self.info.overlap, self.info.tiles = tile, overlap, len(tiles)
             shared = None
             if self.opt.shared_stats and c.module is not None and not c.video:
-                shared = SharedGroupNormStats(c.module, cache=self.opt.stats_cache,
-                                              cache_limit_bytes=self.opt.stats_cache_bytes)
+                limit = self.opt.stats_cache_bytes
+                if limit is None:
+                    limit = self.opt.budget_bytes or auto_budget(c.device)
+                shared = SharedGroupNormStats(c.module, cache=self.opt.stats_cache, cache_limit_bytes=limit)
                 if not shared:
                     log.info("comfy_metal: the VAE has no GroupNorm; shared statistics are not needed")
                     shared = None
@@ -821,6 +826,9 @@ class TiledVAE:
         the tiles' cores), until a pass in which every tile runs to the end; that pass writes the output."""
         k = 0
         steps = 0
+        part = getattr(self.codec.module, "encoder" if encode else "decoder", None)
+        n_est = sum(isinstance(m, torch.nn.GroupNorm) for m in part.modules()) \
+            if isinstance(part, torch.nn.Module) else len(shared.modules)
         while True:
             shared.start_pass(k)
             acc = None
@@ -834,7 +842,7 @@ class TiledVAE:
                 steps += 1
                 # progress: the number of passes is known after the first tile of the final pass; until
                 # then estimate it as the GroupNorm count
-                total = len(tiles) * max(k + 2, len(shared.modules) + 1)
+                total = len(tiles) * max(k + 2, n_est + 1)
                 self._progress(min(steps, total - 1), total, t0)
             self.info.passes += 1
             if stopped == len(tiles):
