@@ -404,18 +404,18 @@ class SharedGroupNormStats:
             key = (self.tile_key, id(m), occ)
             hit = self.cache.get(key)
             if hit is not None:
-                out, n_gn, hw = hit
+                out, n_gn, hw, dev = hit
                 self._gn_idx += n_gn
                 if hw is not None:
                     self._last_hw = hw
-                dev = args[0].device if args and isinstance(args[0], torch.Tensor) else out.device
                 return out.to(dev, copy=True)     # a copy: the caller may work in place
             start = self._gn_idx
             out = original(*args, **kwargs)        # may raise _StopAtGroupNorm: nothing cached then
             if self.target is not None and isinstance(out, torch.Tensor):
                 nbytes = out.numel() * out.element_size()
                 if self.cache_limit is None or self.cache_bytes + nbytes <= self.cache_limit:
-                    self.cache[key] = (out.to(self.cache_device, copy=True), self._gn_idx - start, self._last_hw)
+                    self.cache[key] = (out.to(self.cache_device, copy=True), self._gn_idx - start, self._last_hw,
+                                       out.device)
                     self.cache_bytes += nbytes
             return out
         return forward

@@ -224,6 +224,12 @@ def test_kl_encode_matches_untiled(kl_vae):
     p = psnr(out, ref)
     print("encode PSNR", p)
     assert p >= 32.0
+    # shared statistics through the encoder's GroupNorms (lock-step, cores at the pixel resolution)
+    eng = vt.TiledVAE(vt.codec_from_diffusers(kl_vae), vt.TilingOptions(tile=24, overlap=8, shared_stats=True))
+    p_shared = psnr(eng.encode(x), ref)
+    print("encode shared-statistics PSNR", p_shared)
+    assert eng.info.groupnorm_calls == sum(isinstance(m, torch.nn.GroupNorm) for m in kl_vae.encoder.modules())
+    assert p_shared >= 40.0 and p_shared > p
 
 
 def test_budget_picks_tiles_and_oom_halves(kl_vae, kl_case, caplog):
