@@ -455,8 +455,8 @@ class SharedGroupNormStats:
             return
         v = r.reshape(r.shape[0], g, -1).float()
         mean_f = v.mean(-1)
-        m2_b = ((v - mean_f[..., None]) ** 2).sum(-1).to("cpu", torch.float64)
-        mean_b = mean_f.to("cpu", torch.float64)
+        m2_b = ((v - mean_f[..., None]) ** 2).sum(-1).cpu().double()     # (MPS has no float64)
+        mean_b = mean_f.cpu().double()
         if self.pending is None:
             self.pending = [n_b, mean_b, m2_b]
             return
