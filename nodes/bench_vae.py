@@ -16,33 +16,18 @@ import time
 import torch
 
 from . import vae_tiling as vt
-from .report import Table, human_bytes
+from .report import Table, bench_device, human_bytes, synchronize
 
 log = logging.getLogger("comfy_metal")
 
 
-def _device():
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def _sync(device):
-    if device.type == "mps":
-        torch.mps.synchronize()
-    elif device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _measure(fn, device, inference=False):
-    _sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     grad = torch.inference_mode() if inference else torch.no_grad()   # ComfyUI runs nodes in inference mode
     with vt.measure_peak(device) as m, grad:
         out = fn()
-        _sync(device)
+        synchronize(device)
     return out, time.perf_counter() - t0, m["peak"]
 
 
@@ -105,7 +90,7 @@ COLUMNS = ["case", "latent", "tiles", "untiled s", "untiled peak", "ours s", "ou
 
 
 def bench(quick: bool = False) -> list[Table]:
-    device = _device()
+    device = bench_device()
     table = Table(f"VAE decode, low memory (device {device.type}, random weights)", COLUMNS,
                   note="PSNR in dB against the untiled decode of the same VAE; peak = tensor bytes during the decode.")
     try:  # before ComfyUI's path (its test stubs shadow torchvision, which diffusers imports)

@@ -11,6 +11,8 @@ import logging
 import torch
 
 from . import vae_tiling
+from .status import recording_kernels
+from ..metal_kernels.registry import REGISTRY
 
 log = logging.getLogger("comfy_metal")
 
@@ -91,6 +93,9 @@ def _device_context(vae):
         return contextlib.nullcontext()
 
 
+VAE_KERNELS = tuple(name for name in REGISTRY if name.startswith("vae_"))
+
+
 class MetalVAEDecodeTiled:
     @classmethod
     def INPUT_TYPES(cls):
@@ -98,7 +103,7 @@ class MetalVAEDecodeTiled:
 
     RETURN_TYPES = ("IMAGE",)
     FUNCTION = "decode"
-    CATEGORY = "latent/metal"
+    CATEGORY = "Comfy Metal/VAE"
     DESCRIPTION = ("Decodes in one pass of overlapping feathered tiles within a memory budget; video VAEs "
                    "decode causally chunk by chunk with a temporal cache per tile (memory flat in frames).")
 
@@ -122,7 +127,7 @@ class MetalVAEDecodeTiled:
         opt.budget_bytes = budget
         _load(vae, budget)
         engine = vae_tiling.TiledVAE(codec, opt)
-        with _device_context(vae):
+        with _device_context(vae), recording_kernels("MetalVAEDecodeTiled", VAE_KERNELS):
             out = engine.decode(latent)
         info = engine.info
         log.info(f"comfy_metal: VAE decode {tuple(latent.shape)} -> {tuple(out.shape)} in {info.seconds:.1f}s: "
@@ -160,7 +165,7 @@ class MetalVAEEncodeTiled:
 
     RETURN_TYPES = ("LATENT",)
     FUNCTION = "encode"
-    CATEGORY = "latent/metal"
+    CATEGORY = "Comfy Metal/VAE"
     DESCRIPTION = "Encodes in one pass of overlapping feathered tiles within a memory budget."
 
     def encode(self, pixels, vae, memory_budget_gb=0.0, overlap=0, temporal_chunk=0, temporal_overlap=0,
@@ -184,7 +189,7 @@ class MetalVAEEncodeTiled:
         opt.budget_bytes = opt.budget_bytes or vae_tiling.auto_budget(codec.device)
         _load(vae, opt.budget_bytes)
         engine = vae_tiling.TiledVAE(codec, opt)
-        with _device_context(vae):
+        with _device_context(vae), recording_kernels("MetalVAEEncodeTiled", VAE_KERNELS):
             out = engine.encode(x)
         info = engine.info
         log.info(f"comfy_metal: VAE encode {tuple(x.shape)} -> {tuple(out.shape)} in {info.seconds:.1f}s: "

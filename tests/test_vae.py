@@ -271,9 +271,15 @@ def test_node_runs_with_emulator_backend(emulator, kl_vae):
                                 process_output=lambda im: im.add_(1.0).div_(2.0).clamp_(0.0, 1.0),
                                 process_input=lambda im: im * 2.0 - 1.0,
                                 vae_encode_crop_pixels=lambda p: p)
+    from comfy_metal.nodes import status
+
     z = torch.randn(1, 4, 6, 5)
+    _, index = status.records_since(0)
     (images,) = MetalVAEDecodeTiled().decode({"samples": z}, vae, overlap=2, seam_mode="feather")
     assert dispatch.last_backend["vae_blend_accumulate"] == "emulator"
+    records, _ = status.records_since(index)     # the node badge: which backend its kernels used
+    assert [r["node_class"] for r in records] == ["MetalVAEDecodeTiled"]
+    assert records[0]["kernels"]["vae_blend_accumulate"]["backend"] == "emulator"
     with torch.inference_mode():
         ref = (kl_vae.decode(z).sample + 1) / 2
     assert images.shape == (1, 48, 40, 3)
