@@ -21,7 +21,7 @@ from ..metal_kernels.probe import fp8_storage_dtype, mps_available
 LATENT_CHANNELS, LATENT_SIZE, VAE_SCALE = 4, 16, 8
 WIDTH, COND_DIM = 64, 32
 PROMPT = "a red fox in fresh snow, golden hour"
-MIN_TILED_PSNR = 32.0
+MIN_TILED_PSNR = 40.0   # the bar for shared GroupNorm statistics against the untiled decode
 
 
 class StageSkipped(RuntimeError):
@@ -171,9 +171,9 @@ class Pipeline:
         mse = float(((image.to(full.device) - full) ** 2).mean())
         peak = float(full.abs().max()) * 2
         psnr = 10 * math.log10(peak * peak / mse) if mse > 0 else float("inf")
-        # The single-pass feathered engine with per-tile GroupNorm statistics is close to, not equal to,
-        # the untiled decode (36.5 dB here; tests/test_vae.py holds it to >= 32 dB). Hard seams (overlap 0)
-        # give 30.7 dB on this tiny decoder; a misplaced tile far less.
+        # Shared statistics normalise every tile with the whole image's GroupNorm statistics: on this
+        # tiny decoder (no attention) the tiled decode matches the untiled one to ~54 dB; per-tile
+        # statistics give ~36 dB and hard seams ~31 dB, so a regression in either shows here.
         if psnr < MIN_TILED_PSNR:
             raise RuntimeError(f"tiled decode differs from untiled: PSNR {psnr:.1f} dB < {MIN_TILED_PSNR:.0f} dB")
         self.image = image
