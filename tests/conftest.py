@@ -10,6 +10,8 @@ import importlib.util
 import pathlib
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -35,3 +37,18 @@ try:
 except ImportError as e:  # only while that module does not exist yet
     if "comfyui_fixtures" not in str(e):
         raise
+
+
+@pytest.fixture
+def emulator_backend(monkeypatch):
+    """Every public kernel runs its real Metal source and launch glue through the MSL emulator on
+    CPU tensors. Skips only when clang-19 is missing: an emulator that fails to import fails."""
+    from comfy_metal.metal_kernels import dispatch, emulator
+
+    if not emulator.available():
+        pytest.skip("clang-19 not found: the MSL emulator cannot run")
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+    monkeypatch.delenv("COMFY_METAL_REFERENCE", raising=False)
+    dispatch.reset()
+    yield
+    dispatch.reset()

@@ -127,25 +127,6 @@ def test_python_and_torch_hashes_agree():
     assert h == want
 
 
-def _emulator_reason():
-    try:
-        from comfy_metal.metal_kernels import emulator
-    except Exception as e:  # not importable: say why
-        return f"MSL emulator not importable: {e}"
-    return None if emulator.available() else "clang-19 not found: MSL emulator unavailable"
-
-
-@pytest.fixture
-def emulator_backend(monkeypatch):
-    reason = _emulator_reason()
-    if reason:
-        pytest.skip(reason)
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
-    dispatch.reset()
-    yield
-    dispatch.reset()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_device_noise_kernel_in_emulator(emulator_backend, dtype):
     like = torch.zeros(3, 7, 11, dtype=dtype)  # odd size, 231 elements

@@ -171,15 +171,6 @@ def test_softmax_off_by_one_write_past_the_row_is_caught():
 # ---------------------------------------------------------------------------------------------
 # dispatch falls back to the reference when the library is broken
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture
-def emulator_backend(monkeypatch):
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
-    monkeypatch.delenv("COMFY_METAL_REFERENCE", raising=False)
-    dispatch.reset()
-    yield
-    dispatch.reset()
-
-
 def _patched_library_source(monkeypatch, old, new):
     real = dispatch.library_source
 

@@ -169,14 +169,6 @@ def emu_lib():
     return emulator.compile_library(dispatch.library_source("moe.metal"))
 
 
-@pytest.fixture
-def emulator_backend(monkeypatch):
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
-    dispatch.reset()
-    yield
-    dispatch.reset()
-
-
 @needs_clang
 @pytest.mark.parametrize("rows,E,K,dtype,norm", [(1, 1, 1, torch.float32, True), (3, 5, 2, torch.float32, True),
                                                  (7, 33, 3, torch.float16, False), (2, 129, 8, torch.bfloat16, True),

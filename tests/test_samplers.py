@@ -94,17 +94,6 @@ def _emulator_reason():
 
 
 @pytest.fixture
-def emulator_backend(monkeypatch):
-    reason = _emulator_reason()
-    if reason:
-        pytest.skip(reason)
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
-    dispatch.reset()
-    yield
-    dispatch.reset()
-
-
-@pytest.fixture
 def reference_backend(monkeypatch):
     monkeypatch.setenv("COMFY_METAL_BACKEND", "reference")
     dispatch.reset()

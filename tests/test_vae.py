@@ -26,22 +26,10 @@ def img_psnr(a, b):
     return psnr((a.clamp(-1, 1) + 1) / 2, (b.clamp(-1, 1) + 1) / 2, peak=1.0)
 
 
-@pytest.fixture
-def emulator(monkeypatch):
-    from comfy_metal.metal_kernels import emulator as emu
-
-    if not emu.available():
-        pytest.skip("the MSL emulator needs clang-19, which was not found")
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
-    dispatch.reset()
-    yield
-    dispatch.reset()
-
-
 # ---------------------------------------------------------------- kernels
 
 
-def test_pad_kernel_matches_reference_in_emulator(emulator):
+def test_pad_kernel_matches_reference_in_emulator(emulator_backend):
     gen = torch.Generator().manual_seed(0)
     for shape, pad, mode, dtype in [((1, 3, 5, 7), (1, 2, 3, 0), "constant", torch.float32),
                                     ((2, 3, 3, 5, 7), (1, 0, 2, 1, 2, 0), "constant", torch.float16),
@@ -54,7 +42,7 @@ def test_pad_kernel_matches_reference_in_emulator(emulator):
         assert got.shape == want.shape and torch.equal(got, want), (shape, pad, mode)
 
 
-def test_blend_kernel_matches_reference_in_emulator(emulator):
+def test_blend_kernel_matches_reference_in_emulator(emulator_backend):
     gen = torch.Generator().manual_seed(1)
     for acc_shape, tile_shape, offset, dtype in [((1, 3, 13, 11), (1, 3, 7, 5), (5, 3), torch.float32),
                                                  ((1, 3, 5, 9, 7), (1, 3, 3, 5, 3), (2, 3, 4), torch.float16),
@@ -68,7 +56,7 @@ def test_blend_kernel_matches_reference_in_emulator(emulator):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_pad_router_is_scoped_and_routes_vae_pads(emulator):
+def test_pad_router_is_scoped_and_routes_vae_pads(emulator_backend):
     x = torch.randn(1, 2, 3, 5, 4)
     mode = vt.MetalPadMode(device_types=("cpu",))
     with mode:
@@ -260,7 +248,7 @@ def test_budget_picks_tiles_and_oom_halves(kl_vae, kl_case, caplog):
     assert torch.equal(z, z_before) and out.shape == ref.shape
 
 
-def test_node_runs_with_emulator_backend(emulator, kl_vae):
+def test_node_runs_with_emulator_backend(emulator_backend, kl_vae):
     """The whole decode node on a VAE-like object (a diffusers model inside), every kernel launched
     through the real Metal source in the emulator."""
     from comfy_metal.nodes.vae_tiled import MetalVAEDecodeTiled, MetalVAEEncodeTiled
