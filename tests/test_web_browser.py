@@ -10,83 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import pathlib
-import re
-import shutil
-import subprocess
-import tempfile
-import time
 
 import pytest
 
 import comfyui_env
-
-CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "chrome")
-PAGE_TIMEOUT = 120
+import headless_chromium
 
 
 def _chromium() -> str:
-    for name in CHROMIUM_NAMES:
-        path = shutil.which(name)
-        if path:
-            return path
+    path = headless_chromium.chromium_path()
+    if path:
+        return path
     reason = "chromium is not installed (apt-get install -y chromium): headless browser test skipped"
     print(reason)
     pytest.skip(reason)
-
-
-class CDP:
-    """Minimal Chrome DevTools protocol client over one page target's websocket."""
-
-    def __init__(self, ws):
-        self.ws = ws
-        self.next_id = 0
-        self.events: list[dict] = []
-
-    async def call(self, method: str, **params):
-        self.next_id += 1
-        my_id = self.next_id
-        await self.ws.send_json({"id": my_id, "method": method, "params": params})
-        while True:
-            msg = await asyncio.wait_for(self.ws.receive_json(), timeout=PAGE_TIMEOUT)
-            if msg.get("id") == my_id:
-                if "error" in msg:
-                    raise RuntimeError(f"{method}: {msg['error']}")
-                return msg.get("result", {})
-            if "method" in msg:
-                self.events.append(msg)
-
-    async def evaluate(self, expression: str):
-        result = await self.call("Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True)
-        if "exceptionDetails" in result:
-            raise RuntimeError(f"page exception: {json.dumps(result['exceptionDetails'])[:2000]}")
-        return result["result"].get("value")
-
-    async def wait_for(self, expression: str, timeout: float = PAGE_TIMEOUT):
-        deadline = time.monotonic() + timeout
-        guarded = f"(async () => {{ try {{ return await ({expression}); }} catch (e) {{ return null; }} }})()"
-        while True:
-            value = await self.evaluate(guarded)
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"page never satisfied: {expression}")
-            await asyncio.sleep(0.5)
-
-    def problems(self) -> list[str]:
-        """Console errors/warnings, uncaught exceptions and failed loads that concern the pack."""
-        out = []
-        for e in self.events:
-            method, p = e["method"], e.get("params", {})
-            if method == "Runtime.exceptionThrown":
-                out.append(json.dumps(p.get("exceptionDetails", {}))[:1500])
-            elif method == "Runtime.consoleAPICalled" and p.get("type") in ("error", "warning", "assert"):
-                out.append(" ".join(str(a.get("value", a.get("description", ""))) for a in p.get("args", [])))
-            elif method == "Log.entryAdded" and p.get("entry", {}).get("level") == "error":
-                entry = p["entry"]
-                out.append(f"{entry.get('text')} {entry.get('url', '')}")
-        return [m for m in out if re.search(r"comfy[_-]metal|comfy_metal\.js|status_model", m, re.I)]
 
 
 # Runs in the page: a real LGraphNode standing in for a pack node (class name starting with Metal),
@@ -139,73 +77,42 @@ BADGE_TEXT_JS = r"""
 
 
 async def _drive(url: str, chromium: str, shots: pathlib.Path):
-    import aiohttp
+    async with headless_chromium.open_page(chromium, 1400, 900) as cdp:
+        for domain in ("Page", "Runtime", "Log"):
+            await cdp.call(f"{domain}.enable")
+        await cdp.call("Page.navigate", url=url)
+        await cdp.wait_for("!!(window.comfyAPI?.app?.app?.extensions?.some"
+                           "((e) => e.name === 'comfy_metal.status') && window.comfyMetal)")
+        await cdp.wait_for("!!window.comfyAPI.app.app.canvas && !!window.comfyAPI.app.app.graph")
+        results = {}
+        results["status"] = await cdp.wait_for(
+            "window.comfyAPI.api.api.fetchApi('/comfy_metal/status').then((r) => r.json())")
+        results["memory"] = await cdp.evaluate(
+            "window.comfyAPI.api.api.fetchApi('/comfy_metal/memory').then((r) => r.json())")
+        results["setting"] = await cdp.evaluate(
+            "window.comfyAPI.app.app.extensionManager.setting.get('ComfyMetal.ForceReference')")
+        results["badge"] = await cdp.evaluate(BADGE_JS)
+        results["queued"] = await cdp.evaluate(QUEUE_JS)
+        results["live_badge"] = await cdp.wait_for(BADGE_TEXT_JS, timeout=120)
+        # the sidebar tab: registered, and its panel renders the kernel table
+        tabs = await cdp.evaluate(
+            "window.comfyAPI.app.app.extensionManager.sidebarTab.sidebarTabs.map((t) => t.id)")
+        results["tabs"] = tabs
+        await cdp.evaluate(
+            "window.comfyAPI.app.app.extensionManager.sidebarTab.toggleSidebarTab('comfy-metal')")
+        results["panel"] = await cdp.wait_for(
+            "(() => { const el = document.querySelector('.comfy-metal-panel .comfy-metal-body');"
+            " return el && el.textContent.includes('softmax') ? el.innerText : null; })()", timeout=60)
+        await asyncio.sleep(1)
+        shot = await cdp.call("Page.captureScreenshot", format="png")
+        import base64
 
-    profile = tempfile.mkdtemp(prefix="comfy-metal-chromium-")
-    proc = subprocess.Popen(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--no-first-run", "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
-         f"--user-data-dir={profile}", "--window-size=1400,900", "about:blank"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        port = None
-        deadline = time.monotonic() + 60
-        while port is None:
-            line = await asyncio.get_running_loop().run_in_executor(None, proc.stderr.readline)
-            m = re.search(r"DevTools listening on ws://127\.0\.0\.1:(\d+)/", line)
-            if m:
-                port = int(m.group(1))
-            elif not line and proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"chromium did not start (exit {proc.poll()})")
-        async with aiohttp.ClientSession() as http:
-            async with http.put(f"http://127.0.0.1:{port}/json/new?about:blank") as r:
-                target = await r.json(content_type=None)
-            async with http.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
-                cdp = CDP(ws)
-                for domain in ("Page", "Runtime", "Log"):
-                    await cdp.call(f"{domain}.enable")
-                await cdp.call("Page.navigate", url=url)
-                await cdp.wait_for("!!(window.comfyAPI?.app?.app?.extensions?.some"
-                                   "((e) => e.name === 'comfy_metal.status') && window.comfyMetal)")
-                await cdp.wait_for("!!window.comfyAPI.app.app.canvas && !!window.comfyAPI.app.app.graph")
-                results = {}
-                results["status"] = await cdp.wait_for(
-                    "window.comfyAPI.api.api.fetchApi('/comfy_metal/status').then((r) => r.json())")
-                results["memory"] = await cdp.evaluate(
-                    "window.comfyAPI.api.api.fetchApi('/comfy_metal/memory').then((r) => r.json())")
-                results["setting"] = await cdp.evaluate(
-                    "window.comfyAPI.app.app.extensionManager.setting.get('ComfyMetal.ForceReference')")
-                results["badge"] = await cdp.evaluate(BADGE_JS)
-                results["queued"] = await cdp.evaluate(QUEUE_JS)
-                results["live_badge"] = await cdp.wait_for(BADGE_TEXT_JS, timeout=120)
-                # the sidebar tab: registered, and its panel renders the kernel table
-                tabs = await cdp.evaluate(
-                    "window.comfyAPI.app.app.extensionManager.sidebarTab.sidebarTabs.map((t) => t.id)")
-                results["tabs"] = tabs
-                await cdp.evaluate(
-                    "window.comfyAPI.app.app.extensionManager.sidebarTab.toggleSidebarTab('comfy-metal')")
-                results["panel"] = await cdp.wait_for(
-                    "(() => { const el = document.querySelector('.comfy-metal-panel .comfy-metal-body');"
-                    " return el && el.textContent.includes('softmax') ? el.innerText : null; })()", timeout=60)
-                await asyncio.sleep(1)
-                shot = await cdp.call("Page.captureScreenshot", format="png")
-                import base64
-
-                shots.mkdir(parents=True, exist_ok=True)
-                (shots / "comfy_metal_sidebar.png").write_bytes(base64.b64decode(shot["data"]))
-                await asyncio.sleep(1)  # let late console messages arrive
-                await cdp.evaluate("1")
-                results["problems"] = cdp.problems()
-                return results
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(profile, ignore_errors=True)
+        shots.mkdir(parents=True, exist_ok=True)
+        (shots / "comfy_metal_sidebar.png").write_bytes(base64.b64decode(shot["data"]))
+        await asyncio.sleep(1)  # let late console messages arrive
+        await cdp.evaluate("1")
+        results["problems"] = cdp.problems()
+        return results
 
 
 def _post_setting(url: str, setting_id: str, value) -> None:

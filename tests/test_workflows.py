@@ -304,111 +304,51 @@ FRONTEND_JS = r"""
 async def _frontend(url: str, chromium: str, workflows: dict, shots: pathlib.Path) -> dict:
     import asyncio
     import base64
-    import re
-    import shutil
-    import subprocess
-    import tempfile
     import time
 
-    import aiohttp
+    import headless_chromium
 
-    profile = tempfile.mkdtemp(prefix="comfy-metal-wf-chromium-")
-    proc = subprocess.Popen(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
-         "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", f"--user-data-dir={profile}",
-         "--window-size=1600,1000", "about:blank"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    events: list[dict] = []
-    try:
-        port, deadline = None, time.monotonic() + 60
-        while port is None:
-            line = await asyncio.get_running_loop().run_in_executor(None, proc.stderr.readline)
-            m = re.search(r"DevTools listening on ws://127\.0\.0\.1:(\d+)/", line)
-            if m:
-                port = int(m.group(1))
-            elif (not line and proc.poll() is not None) or time.monotonic() > deadline:
-                raise RuntimeError(f"chromium did not start (exit {proc.poll()})")
-        async with aiohttp.ClientSession() as http:
-            async with http.put(f"http://127.0.0.1:{port}/json/new?about:blank") as r:
-                target = await r.json(content_type=None)
-            async with http.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
-                next_id = 0
-
-                async def call(method, **params):
-                    nonlocal next_id
-                    next_id += 1
-                    my_id = next_id
-                    await ws.send_json({"id": my_id, "method": method, "params": params})
-                    while True:
-                        msg = await asyncio.wait_for(ws.receive_json(), timeout=120)
-                        if msg.get("id") == my_id:
-                            if "error" in msg:
-                                raise RuntimeError(f"{method}: {msg['error']}")
-                            return msg.get("result", {})
-                        if "method" in msg:
-                            events.append(msg)
-
-                async def evaluate(expression):
-                    res = await call("Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True)
-                    if "exceptionDetails" in res:
-                        raise RuntimeError(f"page exception: {json.dumps(res['exceptionDetails'])[:2000]}")
-                    return res["result"].get("value")
-
-                for domain in ("Page", "Runtime", "Log"):
-                    await call(f"{domain}.enable")
-                await call("Page.navigate", url=url)
-                deadline = time.monotonic() + 120
-                while not await evaluate("!!(window.comfyAPI?.app?.app?.graph && window.comfyAPI.app.app.canvas"
-                                         " && Object.keys(LiteGraph.registered_node_types).length > 100)"):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("the ComfyUI frontend did not come up")
-                    await asyncio.sleep(0.5)
-                # the app loads its own first workflow (the default graph) asynchronously: wait for it
-                while not await evaluate("window.comfyAPI.app.app.graph.nodes.length > 0"):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("the ComfyUI frontend never loaded its first workflow")
-                    await asyncio.sleep(0.5)
-                await asyncio.sleep(2)
-                events.clear()
-                results = await evaluate(FRONTEND_JS % json.dumps(json.dumps(workflows)))
-                await asyncio.sleep(1)
-                await evaluate("1")
-                shots.mkdir(parents=True, exist_ok=True)
-                for name, wf in workflows.items():   # a picture of each workflow as the user sees it
-                    await evaluate(f"window.comfyAPI.app.app.loadGraphData(JSON.parse({json.dumps(json.dumps(wf))}),"
-                                   f" true, true, {json.dumps(name)})")
-                    await asyncio.sleep(0.5)
-                    shot = await call("Page.captureScreenshot", format="png")
-                    (shots / f"{name}.png").write_bytes(base64.b64decode(shot["data"]))
-                results["__console__"] = [
-                    " ".join(str(a.get("value", a.get("description", ""))) for a in e["params"].get("args", []))
-                    for e in events if e["method"] == "Runtime.consoleAPICalled"
-                    and e["params"].get("type") in ("error", "warning", "assert")]
-                results["__exceptions__"] = [json.dumps(e["params"].get("exceptionDetails", {}))[:1500]
-                                             for e in events if e["method"] == "Runtime.exceptionThrown"]
-                return results
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        import shutil as _sh
-
-        _sh.rmtree(profile, ignore_errors=True)
+    async with headless_chromium.open_page(chromium, 1600, 1000, profile_prefix="comfy-metal-wf-chromium-") as cdp:
+        for domain in ("Page", "Runtime", "Log"):
+            await cdp.call(f"{domain}.enable")
+        await cdp.call("Page.navigate", url=url)
+        deadline = time.monotonic() + 120
+        while not await cdp.evaluate("!!(window.comfyAPI?.app?.app?.graph && window.comfyAPI.app.app.canvas"
+                                     " && Object.keys(LiteGraph.registered_node_types).length > 100)"):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the ComfyUI frontend did not come up")
+            await asyncio.sleep(0.5)
+        # the app loads its own first workflow (the default graph) asynchronously: wait for it
+        while not await cdp.evaluate("window.comfyAPI.app.app.graph.nodes.length > 0"):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the ComfyUI frontend never loaded its first workflow")
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(2)
+        cdp.events.clear()
+        results = await cdp.evaluate(FRONTEND_JS % json.dumps(json.dumps(workflows)))
+        await asyncio.sleep(1)
+        await cdp.evaluate("1")
+        shots.mkdir(parents=True, exist_ok=True)
+        for name, wf in workflows.items():   # a picture of each workflow as the user sees it
+            await cdp.evaluate(f"window.comfyAPI.app.app.loadGraphData(JSON.parse({json.dumps(json.dumps(wf))}),"
+                               f" true, true, {json.dumps(name)})")
+            await asyncio.sleep(0.5)
+            shot = await cdp.call("Page.captureScreenshot", format="png")
+            (shots / f"{name}.png").write_bytes(base64.b64decode(shot["data"]))
+        results["__console__"] = cdp.console_messages()
+        results["__exceptions__"] = cdp.exceptions()
+        return results
 
 
 def test_comfyui_frontend_loads_ui_workflows_into_their_api_twins(comfyui_path, tmp_path):
     """ComfyUI's own frontend (headless Chromium against a real server with the pack) loads each
     drag-and-drop workflow with no missing node types and converts it to exactly its API twin."""
     import asyncio
-    import shutil
 
     import comfyui_env
+    import headless_chromium
 
-    chromium = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+    chromium = headless_chromium.chromium_path()
     if chromium is None:
         reason = "chromium is not installed: the frontend check of the workflows is skipped"
         print(reason)

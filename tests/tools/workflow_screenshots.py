@@ -24,9 +24,7 @@ import io
 import json
 import os
 import pathlib
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +38,7 @@ for p in (TESTS, TOOLS):
 
 import build_workflows as bw  # noqa: E402
 import comfyui_env  # noqa: E402
+import headless_chromium  # noqa: E402
 
 OUT_DIR = ROOT / "workflows" / "screenshots"
 WIDTH, HEIGHT = 1400, 800
@@ -137,92 +136,42 @@ PAGE_STATE_JS = r"""
 
 
 async def _browser(url: str, chromium: str, workflows: dict, out: pathlib.Path) -> dict:
-    import aiohttp
-
-    profile = tempfile.mkdtemp(prefix="comfy-metal-shots-chromium-")
-    proc = subprocess.Popen(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
-         "--hide-scrollbars", "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
-         f"--user-data-dir={profile}", f"--window-size={WIDTH},{HEIGHT}", "about:blank"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     report = {}
-    try:
-        port, deadline = None, time.monotonic() + 60
-        while port is None:
-            line = await asyncio.get_running_loop().run_in_executor(None, proc.stderr.readline)
-            m = re.search(r"DevTools listening on ws://127\.0\.0\.1:(\d+)/", line)
-            if m:
-                port = int(m.group(1))
-            elif (not line and proc.poll() is not None) or time.monotonic() > deadline:
-                raise RuntimeError(f"chromium did not start (exit {proc.poll()})")
-        async with aiohttp.ClientSession() as http:
-            async with http.put(f"http://127.0.0.1:{port}/json/new?about:blank") as r:
-                target = await r.json(content_type=None)
-            async with http.ws_connect(target["webSocketDebuggerUrl"], max_msg_size=0) as ws:
-                next_id = 0
+    async with headless_chromium.open_page(chromium, WIDTH, HEIGHT, extra_flags=("--hide-scrollbars",),
+                                           profile_prefix="comfy-metal-shots-chromium-") as cdp:
 
-                async def call(method, **params):
-                    nonlocal next_id
-                    next_id += 1
-                    my_id = next_id
-                    await ws.send_json({"id": my_id, "method": method, "params": params})
-                    while True:
-                        msg = await asyncio.wait_for(ws.receive_json(), timeout=120)
-                        if msg.get("id") == my_id:
-                            if "error" in msg:
-                                raise RuntimeError(f"{method}: {msg['error']}")
-                            return msg.get("result", {})
+        async def wait_for(expression, what, timeout=120):
+            await cdp.wait_for(expression, timeout, guard=False, message=what)
 
-                async def evaluate(expression):
-                    res = await call("Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True)
-                    if "exceptionDetails" in res:
-                        raise RuntimeError(f"page exception: {json.dumps(res['exceptionDetails'])[:2000]}")
-                    return res["result"].get("value")
-
-                async def wait_for(expression, what, timeout=120):
-                    end = time.monotonic() + timeout
-                    while not await evaluate(expression):
-                        if time.monotonic() > end:
-                            raise TimeoutError(what)
-                        await asyncio.sleep(0.5)
-
-                await call("Page.enable")
-                await call("Runtime.enable")
-                await call("Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=SCALE,
-                           mobile=False)
-                out.mkdir(parents=True, exist_ok=True)
-                for name, wf in workflows.items():
-                    # a fresh page per workflow: one tab, no leftovers from the previous one
-                    await call("Page.navigate", url=url)
-                    await wait_for("!!(window.comfyAPI?.app?.app?.graph && window.comfyAPI.app.app.canvas"
-                                   " && Object.keys(LiteGraph.registered_node_types).length > 100)",
-                                   "the ComfyUI frontend did not come up")
-                    await wait_for("window.comfyAPI.app.app.graph.nodes.length > 0",
-                                   "the frontend never loaded its first workflow")
-                    await asyncio.sleep(2)
-                    await evaluate(f"window.comfyAPI.app.app.loadGraphData(JSON.parse({json.dumps(json.dumps(wf))}),"
-                                   f" true, true, {json.dumps(name)})")
-                    await wait_for(f"window.comfyAPI.app.app.graph.nodes.length === {len(wf['nodes'])}",
-                                   f"{name}: the graph was not loaded", timeout=60)
-                    await asyncio.sleep(1.5)          # validation toasts (if any) appear after the load
-                    state = await evaluate(PAGE_STATE_JS)  # before focus mode hides the panels
-                    scale = await evaluate(FIT_JS % FILL)
-                    await asyncio.sleep(1.5)
-                    state["errorNodes"] += [n for n in (await evaluate(PAGE_STATE_JS))["errorNodes"]
-                                            if n not in state["errorNodes"]]
-                    shot = await call("Page.captureScreenshot", format="png")
-                    raw = base64.b64decode(shot["data"])
-                    report[name] = {"state": state, "scale": scale, "raw_bytes": len(raw), **save_png(raw, out / f"{name}.png")}
-        return report
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(profile, ignore_errors=True)
+        await cdp.call("Page.enable")
+        await cdp.call("Runtime.enable")
+        await cdp.call("Emulation.setDeviceMetricsOverride", width=WIDTH, height=HEIGHT, deviceScaleFactor=SCALE,
+                       mobile=False)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, wf in workflows.items():
+            # a fresh page per workflow: one tab, no leftovers from the previous one
+            cdp.events.clear()   # console events are not looked at here
+            await cdp.call("Page.navigate", url=url)
+            await wait_for("!!(window.comfyAPI?.app?.app?.graph && window.comfyAPI.app.app.canvas"
+                           " && Object.keys(LiteGraph.registered_node_types).length > 100)",
+                           "the ComfyUI frontend did not come up")
+            await wait_for("window.comfyAPI.app.app.graph.nodes.length > 0",
+                           "the frontend never loaded its first workflow")
+            await asyncio.sleep(2)
+            await cdp.evaluate(f"window.comfyAPI.app.app.loadGraphData(JSON.parse({json.dumps(json.dumps(wf))}),"
+                               f" true, true, {json.dumps(name)})")
+            await wait_for(f"window.comfyAPI.app.app.graph.nodes.length === {len(wf['nodes'])}",
+                           f"{name}: the graph was not loaded", timeout=60)
+            await asyncio.sleep(1.5)          # validation toasts (if any) appear after the load
+            state = await cdp.evaluate(PAGE_STATE_JS)  # before focus mode hides the panels
+            scale = await cdp.evaluate(FIT_JS % FILL)
+            await asyncio.sleep(1.5)
+            state["errorNodes"] += [n for n in (await cdp.evaluate(PAGE_STATE_JS))["errorNodes"]
+                                    if n not in state["errorNodes"]]
+            shot = await cdp.call("Page.captureScreenshot", format="png")
+            raw = base64.b64decode(shot["data"])
+            report[name] = {"state": state, "scale": scale, "raw_bytes": len(raw), **save_png(raw, out / f"{name}.png")}
+    return report
 
 
 def save_png(raw: bytes, path: pathlib.Path) -> dict:
@@ -259,7 +208,7 @@ def main(argv=None) -> int:
     if comfyui_path is None:
         print(reason, file=sys.stderr)
         return 2
-    chromium = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+    chromium = headless_chromium.chromium_path()
     if chromium is None:
         print("chromium is not installed", file=sys.stderr)
         return 2
