@@ -504,7 +504,8 @@ def sampler_options(name: str, noise_mode: str = "fast", eta: float = 1.0, s_noi
 
 def register_ksampler_entries() -> list[str]:
     """Add `<name>_metal` to ComfyUI's KSampler sampler lists and `sample_<name>_metal` to
-    comfy.k_diffusion.sampling (where KSampler looks samplers up). Idempotent; built-ins untouched.
+    comfy.k_diffusion.sampling (where KSampler looks samplers up). Idempotent: an entry that is
+    already there (built-in or registered earlier) is left as it is.
     Does nothing unless ComfyUI's modules are already loaded (never imports ComfyUI itself)."""
     samplers = sys.modules.get("comfy.samplers")
     kds = sys.modules.get("comfy.k_diffusion.sampling")
@@ -522,9 +523,8 @@ def register_ksampler_entries() -> list[str]:
             lists.append(ks_list)
         for name in SAMPLER_NAMES:
             full = f"{name}_metal"
-            fn = SAMPLER_FUNCTIONS[name]
-            if getattr(kds, f"sample_{full}", None) is not fn:
-                setattr(kds, f"sample_{full}", fn)
+            if getattr(kds, f"sample_{full}", None) is None:   # add, never replace an existing entry
+                setattr(kds, f"sample_{full}", SAMPLER_FUNCTIONS[name])
             for lst in lists:
                 if full not in lst:
                     lst.append(full)

@@ -86,7 +86,7 @@ def _device_context(vae):
     try:
         import comfy.model_management as mm
 
-        return mm.cuda_device_context(vae.device)
+        return mm.cuda_device_context(torch.device(vae.device))
     except Exception:
         import contextlib
 

@@ -32,6 +32,15 @@ def _map_repo_to_package() -> None:
 
 _map_repo_to_package()
 
+
+def pytest_sessionstart(session):
+    """Import the test oracles that touch torchvision before any ComfyUI fixture puts its
+    torchvision stub on sys.path (transformers, imported by diffusers' VAEs, trusts find_spec)."""
+    try:
+        from diffusers import AutoencoderKL, AutoencoderKLWan  # noqa: F401
+    except ImportError:
+        pass
+
 try:
     from comfyui_fixtures import *  # noqa: F401,F403  (fixtures `comfyui`, `comfyui_path`)
 except ImportError as e:  # only while that module does not exist yet
