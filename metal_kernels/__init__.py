@@ -12,27 +12,14 @@ from __future__ import annotations
 from . import dispatch, probe
 from .registry import REGISTRY, KernelSpec, register
 
-# Domain modules register their kernels on import. Each adds its public functions to __all__.
-from .softmax import softmax  # noqa: E402
+# Domain modules register their kernels on import; their public functions are re-exported here.
+from . import fp8, linear, moe, sampling, softmax, vae  # noqa: E402
 
-__all__ = ["softmax", "status", "capabilities", "REGISTRY", "KernelSpec", "register"]
-
-
-def _domain(module_name: str) -> None:
-    """Import a domain module and re-export its public kernel functions."""
-    import importlib
-
-    module = importlib.import_module(f".{module_name}", __name__)
-    for name in getattr(module, "__all__", ()):
-        globals()[name] = getattr(module, name)
-        __all__.append(name)
-
-
-for _name in ("fp8", "linear", "sampling", "vae", "moe"):
-    import importlib.util as _ilu
-
-    if _ilu.find_spec(f".{_name}", __name__) is not None:
-        _domain(_name)
+__all__ = ["status", "capabilities", "REGISTRY", "KernelSpec", "register"]
+for _module in (softmax, fp8, linear, sampling, vae, moe):
+    for _name in _module.__all__:
+        globals()[_name] = getattr(_module, _name)
+        __all__.append(_name)
 
 capabilities = probe.capabilities
 

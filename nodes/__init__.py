@@ -7,7 +7,6 @@ without ComfyUI.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 
 # Feature modules, in the order their nodes appear.
@@ -21,8 +20,6 @@ FAILED_FEATURES: dict[str, str] = {}
 
 def _load_features(names) -> None:
     for module_name in names:
-        if importlib.util.find_spec(f".{module_name}", __name__) is None:
-            continue
         try:
             module = importlib.import_module(f".{module_name}", __name__)
         except Exception as e:  # one broken feature must not take every node of the pack down

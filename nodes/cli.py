@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import logging
 import sys
@@ -19,8 +18,7 @@ DOCTOR_MODULES = ("doctor_pipeline",)
 
 def _modules(names):
     for name in names:
-        if importlib.util.find_spec(f".{name}", __package__) is not None:
-            yield importlib.import_module(f".{name}", __package__)
+        yield importlib.import_module(f".{name}", __package__)
 
 
 def doctor(args) -> int:
