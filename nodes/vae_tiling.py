@@ -618,6 +618,10 @@ def codec_from_fn(decode_fn, scale: int, encode_fn=None, module=None, device="cp
 # ---------------------------------------------------------------- the engine
 
 
+# Shared statistics: the per-tile block cache's default share of the memory budget (1 / this).
+STATS_CACHE_SHARE = 4
+
+
 @dataclasses.dataclass
 class TilingOptions:
     budget_bytes: int = 0          # 0 = auto
@@ -625,7 +629,7 @@ class TilingOptions:
     overlap: int | None = None     # latent pixels; None = auto (tile // 4, at least 4 latent px... capped)
     shared_stats: bool = False
     stats_cache: bool = True       # shared statistics: keep finished block outputs per tile (fewer recomputes)
-    stats_cache_bytes: int | None = None   # cap on that cache (CPU memory); None = the memory budget
+    stats_cache_bytes: int | None = None   # cap on that cache (CPU memory); None = a quarter of the budget
     route_pads: bool | None = None  # None = auto (MPS, torch < 2.15)
     progress: Callable[[int, int], None] | None = None   # (done, total)
     output_device: torch.device | str | None = None       # None = compute device if it fits the budget, else CPU
@@ -659,6 +663,7 @@ class TiledVAE:
     def __init__(self, codec: Codec, options: TilingOptions | None = None):
         self.codec = codec
         self.opt = options or TilingOptions()
+        self._stats_cache_limit = 0
         self.info = RunInfo()
 
     # ---- cost model
@@ -734,9 +739,18 @@ class TiledVAE:
         else:
             h, w = x.shape[-2:]
         budget = self.opt.budget_bytes or auto_budget(c.device)
+        # Shared statistics cache finished blocks per tile: by default that cache gets a quarter of the
+        # budget and the tiles are planned within the rest, so tiles + cache stay within the budget.
+        if self.opt.stats_cache_bytes is not None:          # the caller chose the cache size
+            self._stats_cache_limit, tile_budget = self.opt.stats_cache_bytes, budget
+        elif self.opt.shared_stats and self.opt.stats_cache:
+            self._stats_cache_limit = budget // STATS_CACHE_SHARE
+            tile_budget = budget - self._stats_cache_limit
+        else:
+            self._stats_cache_limit, tile_budget = 0, budget
         tile = self.opt.tile
         if tile is None:
-            tile = self._tile_for_budget(fn, x, budget, h, w, encode=encode) if self.opt.calibrate else 64
+            tile = self._tile_for_budget(fn, x, tile_budget, h, w, encode=encode) if self.opt.calibrate else 64
         tile = max(1, min(int(tile), max(h, w)))
         device = c.device
         while True:
@@ -787,10 +801,8 @@ class TiledVAE:
             self.info.tile, self.info.overlap, self.info.tiles = tile, overlap, len(tiles)
             shared = None
             if self.opt.shared_stats and c.module is not None and not c.video:
-                limit = self.opt.stats_cache_bytes
-                if limit is None:
-                    limit = self.opt.budget_bytes or auto_budget(c.device)
-                shared = SharedGroupNormStats(c.module, cache=self.opt.stats_cache, cache_limit_bytes=limit)
+                shared = SharedGroupNormStats(c.module, cache=self.opt.stats_cache,
+                                              cache_limit_bytes=self._stats_cache_limit)
                 if not shared:
                     log.info("comfy_metal: the VAE has no GroupNorm; shared statistics are not needed")
                     shared = None

@@ -311,3 +311,19 @@ def test_wan_encode_matches_untiled(wan_vae):
     p = psnr(out, ref)
     print("wan encode PSNR", p)
     assert p >= 35.0
+
+
+def test_shared_statistics_stay_within_the_budget(kl_vae):
+    """The per-tile block cache of shared statistics shares the budget with the tiles (a quarter by
+    default): tiles + cache + the output buffers stay within it, where untiled needs far more."""
+    cpu = torch.device("cpu")
+    z = torch.randn(1, 4, 32, 32)
+    with vt.measure_peak(cpu) as untiled, torch.inference_mode():
+        kl_vae.decode(z)
+    budget = untiled["peak"] // 4
+    eng = vt.TiledVAE(vt.codec_from_diffusers(kl_vae), vt.TilingOptions(budget_bytes=budget, shared_stats=True))
+    with vt.measure_peak(cpu) as tiled, torch.inference_mode():
+        out = eng.decode(z)
+    assert eng.info.tiles > 1 and eng.info.shared_stats
+    output_buffers = 2 * out.numel() * 4          # the fp32 output and its feather-weight accumulator
+    assert tiled["peak"] <= budget + output_buffers, (tiled["peak"], budget, output_buffers)
