@@ -6,7 +6,7 @@ Mirrors ``torch.mps.compile_shader``::
     lib.my_kernel(t0, t1, 17, 0.5, [1, 2, 3], threads=N, group_size=G, arg_casts=None)
 
 The .metal source is preprocessed with clang-19 (stub ``<metal_stdlib>`` & co.),
-kernel signatures are parsed from the preprocessed text, a launcher is generated
+kernel signatures are parsed from the preprocessed text (``msl_scan``), a launcher is generated
 per kernel, and the whole thing is compiled as C++20 with ``shim.h`` force-included
 into a shared object that is cached by content hash and loaded with ctypes.
 
@@ -62,6 +62,9 @@ from pathlib import Path
 
 import torch
 
+from .msl_scan import (LINE_MARKER_RE, Param, leading_attributes, match_close, scan_kernel_signatures,
+                       split_top_level, strip_line_markers)
+
 __all__ = [
     "compile_library", "available", "clang_path", "set_schedule", "get_schedule", "schedule",
     "EmulatorError", "MSLCompileError", "OutOfBoundsWrite", "BarrierDivergence", "KernelCrash",
@@ -72,6 +75,7 @@ GENERATOR_VERSION = "1"
 _HERE = Path(__file__).resolve().parent
 _SHIM = _HERE / "shim.h"
 _RUNTIME = _HERE / "runtime.h"
+_SCANNER = _HERE / "msl_scan.py"  # part of the generator: hashed into the cache key
 GUARD = 256  # bytes of 0xFF before and after every bound buffer
 SIMD_WIDTH = 32
 MAX_THREADS_PER_GROUP = 1024
@@ -211,7 +215,6 @@ def schedule(spec: str):
 
 
 # ----------------------------------------------------------------------------- parsing helpers
-_MARKER_RE = re.compile(r'^[ \t]*#[ \t]*(?:line[ \t]+)?\d+[ \t]+"[^"\n]*"[^\n]*$', re.M)
 _VEC_NAMES = r"(?:float|half|bfloat|int|uint|short|ushort|char|uchar|long|ulong|bool)[234]"
 _POS_ATTRS = {
     "thread_position_in_grid": "__t.gpos[0], __t.gpos[1], __t.gpos[2]",
@@ -238,72 +241,6 @@ _POS_ATTRS = {
 POSITION_ATTRIBUTES = frozenset(_POS_ATTRS)
 
 
-def _match_close(text: str, i: int, open_ch: str, close_ch: str) -> int:
-    """Index of the bracket closing text[i] (== open_ch), honouring (), [], {} and <> nesting of that kind."""
-    depth = 0
-    n = len(text)
-    while i < n:
-        c = text[i]
-        if c == open_ch:
-            depth += 1
-        elif c == close_ch:
-            depth -= 1
-            if depth == 0:
-                return i
-        elif c == '"':
-            j = text.find('"', i + 1)
-            i = j if j >= 0 else n
-        i += 1
-    return -1
-
-
-def _split_top(s: str, sep: str = ",") -> list[str]:
-    out, depth, cur = [], 0, []
-    for c in s:
-        if c in "([{<":
-            depth += 1
-        elif c in ")]}>":
-            depth -= 1
-        if c == sep and depth == 0:
-            out.append("".join(cur))
-            cur = []
-        else:
-            cur.append(c)
-    if "".join(cur).strip():
-        out.append("".join(cur))
-    return out
-
-
-def _strip_markers(s: str) -> str:
-    return _MARKER_RE.sub("", s)
-
-
-_QUALIFIERS = {"const", "volatile", "device", "constant", "thread", "threadgroup", "restrict", "struct"}
-
-
-class Param:
-    __slots__ = ("text", "type", "name", "attr", "attr_arg")
-
-    def __init__(self, text: str):
-        self.text = " ".join(text.split())
-        m = re.match(r"^(.*?)\s*\[\[\s*(.*?)\s*\]\]\s*$", self.text)
-        decl = m.group(1) if m else self.text
-        attr = m.group(2) if m else ""
-        am = re.match(r"^(\w+)\s*(?:\((.*)\))?$", attr)
-        self.attr = am.group(1) if am else attr
-        self.attr_arg = (am.group(2) or "").strip() if am else ""
-        decl = decl.strip()
-        nm = re.match(r"^(.*?[\s*&>])\s*([A-Za-z_]\w*)$", decl)
-        if nm and nm.group(1).strip() and not all(w in _QUALIFIERS for w in re.findall(r"\w+", nm.group(1))) \
-                and not nm.group(1).rstrip().endswith("::"):
-            self.type, self.name = nm.group(1).strip(), nm.group(2)
-        else:
-            self.type, self.name = decl, ""
-
-    def __repr__(self):
-        return f"Param({self.type!r}, {self.name!r}, [[{self.attr}({self.attr_arg})]])"
-
-
 class KernelDecl:
     def __init__(self, host, name, params, *, template=None, targs=None, attrs=(), kind="plain"):
         self.host = host
@@ -323,7 +260,6 @@ class KernelDecl:
         return MAX_THREADS_PER_GROUP
 
 
-_KERNEL_RE = re.compile(r"(?:\bkernel\b|\[\[\s*kernel\s*\]\])\s*(?:\[\[[^\]]*\]\]\s*)*void\s+([A-Za-z_]\w*)\s*")
 _DECLTYPE_INST_RE = re.compile(
     r'\btemplate\s*\[\[\s*host_name\s*\(((?:\s*"[^"]*")+)\s*\)\s*\]\]\s*(?:\[\[[^\]]*\]\]\s*)*(?:kernel\s+)?'
     r'decltype\s*\(\s*([A-Za-z_]\w*)\s*<')
@@ -334,46 +270,16 @@ _NOKW_INST_RE = re.compile(
     r'void\s+([A-Za-z_]\w*)\s*<')
 
 
-def _leading_attrs(before: str) -> tuple[list[str], str]:
-    attrs = []
-    b = before.rstrip()
-    while b.endswith("]]"):
-        i = b.rfind("[[")
-        if i < 0:
-            break
-        attrs.insert(0, b[i + 2:-2].strip())
-        b = b[:i].rstrip()
-    return attrs, b
-
-
 def parse_kernels(pp: str) -> tuple[list[KernelDecl], list[tuple[int, int]]]:
     """Parse kernels from preprocessed text. Returns (host kernels, spans of instantiation statements)."""
     text = pp
     templates: dict[str, list[tuple[int, KernelDecl]]] = {}
     kernels: list[KernelDecl] = []
     remove: list[tuple[int, int]] = []
-    for m in _KERNEL_RE.finditer(text):
-        name = m.group(1)
-        pos = m.end()
-        targs = None
-        if pos < len(text) and text[pos] == "<":
-            close = _match_close(text, pos, "<", ">")
-            if close < 0:
-                continue
-            targs = text[pos + 1:close].strip()
-            pos = close + 1
-            while pos < len(text) and text[pos].isspace():
-                pos += 1
-        if pos >= len(text) or text[pos] != "(":
-            continue
-        close = _match_close(text, pos, "(", ")")
-        if close < 0:
-            continue
-        ptext = _strip_markers(text[pos + 1:close])
-        params = [Param(p) for p in _split_top(ptext)] if ptext.strip() and ptext.strip() != "void" else []
-        rest = text[close + 1:close + 400].lstrip()
-        terminator = rest[:1]
-        attrs, before = _leading_attrs(_strip_markers(text[:m.start()]))
+    for sig in scan_kernel_signatures(text):
+        name, targs = sig.name, sig.template_args
+        params = sig.parameters()
+        attrs, before = leading_attributes(strip_line_markers(text[:sig.start]))
         host_attr = None
         for a in attrs:
             hm = re.match(r'host_name\s*\(((?:\s*"[^"]*")+)\s*\)', a)
@@ -381,16 +287,13 @@ def parse_kernels(pp: str) -> tuple[list[KernelDecl], list[tuple[int, int]]]:
                 host_attr = "".join(re.findall(r'"([^"]*)"', hm.group(1)))
         if before.endswith("template") and not re.search(r"\w", before[-9:-8] or " "):
             # explicit instantiation `template [[host_name("x")]] kernel void foo<T>(...);`
-            start = text.rfind("template", 0, m.start())
-            end = text.find(";", close)
+            start = text.rfind("template", 0, sig.start)
+            end = text.find(";", sig.params_close)
             remove.append((start, end + 1))
             host = host_attr or name
             defs = templates.get(name) or []
             if targs is not None and defs:
-                d = defs[-1][1]
-                ps = params if all(p.attr for p in params) and len(params) == len(d.params) else d.params
-                if ps is not params:  # take attributes from the definition, types from it too (template entry)
-                    ps = d.params
+                d = defs[-1][1]  # parameters and attributes come from the template definition
                 kernels.append(KernelDecl(host, name, d.params, template=d.template, targs=targs,
                                           attrs=d.attrs + attrs, kind="inst"))
             else:
@@ -398,11 +301,11 @@ def parse_kernels(pp: str) -> tuple[list[KernelDecl], list[tuple[int, int]]]:
             continue
         tm = re.search(r"\btemplate\s*<([^;{}]*)>$", before)
         if tm:
-            if terminator == "{":
+            if sig.is_definition:
                 templates.setdefault(name, []).append(
-                    (m.start(), KernelDecl(None, name, params, template=tm.group(0), attrs=attrs, kind="template")))
+                    (sig.start, KernelDecl(None, name, params, template=tm.group(0), attrs=attrs, kind="template")))
             continue
-        if terminator != "{":
+        if not sig.is_definition:
             continue  # a declaration
         kernels.append(KernelDecl(host_attr or name, name, params, attrs=attrs, kind="plain"))
     # decltype-form instantiations: template [[host_name("x")]] kernel decltype(foo<T>) foo<T>;
@@ -410,7 +313,7 @@ def parse_kernels(pp: str) -> tuple[list[KernelDecl], list[tuple[int, int]]]:
     for m in list(_DECLTYPE_INST_RE.finditer(text)) + list(_NOKW_INST_RE.finditer(text)):
         host, name = "".join(re.findall(r'"([^"]*)"', m.group(1))), m.group(2)
         lt = m.end() - 1
-        close = _match_close(text, lt, "<", ">")
+        close = match_close(text, lt, "<", ">")
         end = text.find(";", close)
         if close < 0 or end < 0:
             continue
@@ -428,7 +331,7 @@ def parse_kernels(pp: str) -> tuple[list[KernelDecl], list[tuple[int, int]]]:
 def _template_param_names(header: str) -> list[str]:
     inner = header[header.index("<") + 1:header.rindex(">")]
     names = []
-    for p in _split_top(inner):
+    for p in split_top_level(inner):
         p = p.split("=")[0].strip()
         ids = re.findall(r"[A-Za-z_]\w*", p)
         if not ids:
@@ -462,7 +365,7 @@ def rewrite_source(pp: str, remove: list[tuple[int, int]]) -> str:
             continue
         out.append(pp[last:a])
         seg = pp[a:b]
-        out.append("\n".join(line if _MARKER_RE.match(line) else "" for line in seg.split("\n")))
+        out.append("\n".join(line if LINE_MARKER_RE.match(line) else "" for line in seg.split("\n")))
         last = b
     out.append(pp[last:])
     s = "".join(out)
@@ -635,7 +538,7 @@ def compile_library(src: str) -> "Library":
         raise EmulatorError("clang-19 not found (apt-get install clang-19, or set COMFY_METAL_EMU_CLANG)")
     h = hashlib.sha256()
     for part in (GENERATOR_VERSION, _clang_version(clang), " ".join(_FLAGS + _PP_FLAGS), _SHIM.read_text(),
-                 _RUNTIME.read_text(), Path(__file__).read_text(), src):
+                 _RUNTIME.read_text(), Path(__file__).read_text(), _SCANNER.read_text(), src):
         h.update(part.encode())
         h.update(b"\0")
     key = h.hexdigest()[:40]

@@ -31,8 +31,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from . import (_MARKER_RE, _PP_FLAGS, _STUB_HEADERS, POSITION_ATTRIBUTES, KernelDecl, MSLCompileError, Param,
-               _match_close, _split_top, _template_param_names, clang_path, parse_kernels)
+from . import (_PP_FLAGS, _STUB_HEADERS, POSITION_ATTRIBUTES, MSLCompileError, _template_param_names, clang_path,
+               parse_kernels)
+from .msl_scan import LINE_MARKER_RE, Param, scan_kernel_signatures, split_top_level
 
 __all__ = ["lint_source", "TG_MEMORY_LIMIT", "MAX_GROUP_THREADS"]
 
@@ -147,7 +148,7 @@ class _Lines:
         orig_file_ok = True
         off = 0
         for raw in pp.split("\n"):
-            m = _MARKER_RE.match(raw)
+            m = LINE_MARKER_RE.match(raw)
             if m:
                 mm = re.match(r'\s*#\s*(?:line\s+)?(\d+)\s+"([^"]*)"', raw)
                 line = int(mm.group(1))
@@ -206,33 +207,6 @@ _TG_RE = re.compile(r"\bthreadgroup\s+((?:(?:const|volatile)\s+)*(?:metal::)?[A-
                     r"\s+([A-Za-z_]\w*)\s*((?:\[[^\];]+\]\s*)*);")
 
 
-def _kernel_spans(pp: str) -> dict[str, tuple[int, int, int]]:
-    """name -> (kernel keyword offset, body start, body end) of the last definition with that name."""
-    spans = {}
-    for m in re.finditer(r"(?:\bkernel\b|\[\[\s*kernel\s*\]\])\s*(?:\[\[[^\]]*\]\]\s*)*void\s+([A-Za-z_]\w*)\s*", pp):
-        pos = m.end()
-        if pos < len(pp) and pp[pos] == "<":
-            c = _match_close(pp, pos, "<", ">")
-            if c < 0:
-                continue
-            pos = c + 1
-            while pos < len(pp) and pp[pos].isspace():
-                pos += 1
-        if pos >= len(pp) or pp[pos] != "(":
-            continue
-        c = _match_close(pp, pos, "(", ")")
-        if c < 0:
-            continue
-        j = c + 1
-        while j < len(pp) and pp[j].isspace():
-            j += 1
-        if j < len(pp) and pp[j] == "{":
-            e = _match_close(pp, j, "{", "}")
-            if e > 0:
-                spans[m.group(1)] = (m.start(), j, e)
-    return spans
-
-
 def _subst(text: str, mapping: dict[str, str]) -> str:
     for k, v in mapping.items():
         text = re.sub(rf"\b{re.escape(k)}\b", lambda _m, v=v: v, text)
@@ -248,7 +222,7 @@ def lint_source(src: str, arg_kinds: dict[str, list[str]] | None = None) -> list
         return [str(e)]
     lines = _Lines(pp)
     body_text = re.sub(r'"(?:\\.|[^"\\])*"', lambda m: " " * len(m.group(0)), pp)  # strings blanked
-    body_text = "\n".join(" " * len(ln) if _MARKER_RE.match(ln) else ln for ln in body_text.split("\n"))
+    body_text = "\n".join(" " * len(ln) if LINE_MARKER_RE.match(ln) else ln for ln in body_text.split("\n"))
 
     def at(off: int) -> str:
         n = lines.line(off)
@@ -256,7 +230,7 @@ def lint_source(src: str, arg_kinds: dict[str, list[str]] | None = None) -> list
 
     # --- attributes
     for m in re.finditer(r"\[\[(.*?)\]\]", body_text, re.S):
-        for a in _split_top(m.group(1)):
+        for a in split_top_level(m.group(1)):
             a = a.strip()
             am = re.match(r"([A-Za-z_][\w:]*)\s*(?:\((.*)\))?$", a, re.S)
             name = am.group(1) if am else a
@@ -307,26 +281,29 @@ def lint_source(src: str, arg_kinds: dict[str, list[str]] | None = None) -> list
         kernels, _ = parse_kernels(pp)
     except MSLCompileError as e:
         return problems + [str(e)]
-    spans = _kernel_spans(body_text)
+    # the last definition of each kernel name (the scanner the emulator parses signatures with)
+    definitions = {sig.name: sig for sig in scan_kernel_signatures(body_text) if sig.body_span}
 
     for k in kernels:
         mapping = {}
         if k.kind == "inst" and k.template:
             try:
                 names = [n.rstrip(".") for n in _template_param_names(k.template)]
-                vals = [v.strip() for v in _split_top(k.targs or "")]
+                vals = [v.strip() for v in split_top_level(k.targs or "")]
                 mapping = dict(zip(names, vals))
             except MSLCompileError:
                 mapping = {}
         where = f"kernel {k.host}"
-        span = spans.get(k.name)
-        if span:
-            where += f" ({at(span[0])})"
+        definition = definitions.get(k.name)
+        if definition:
+            where += f" ({at(definition.start)})"
         params = [Param(_subst(p.text, mapping)) for p in k.params] if mapping else k.params
         _check_scalars(where, params, problems)
         # threadgroup memory
-        if span:
-            body = _subst(body_text[span[1]:span[2]], mapping) if mapping else body_text[span[1]:span[2]]
+        if definition:
+            body = body_text[definition.body_open:definition.body_close]
+            if mapping:
+                body = _subst(body, mapping)
             total = 0
             for tm in _TG_RE.finditer(body):
                 size = _type_size(tm.group(1))

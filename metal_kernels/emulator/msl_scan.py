@@ -1,0 +1,171 @@
+"""The one scanner of MSL kernel signatures, shared by the emulator and the lint.
+
+Works on preprocessed MSL (clang's ``-E`` output, with ``# N "file"`` line markers) or on
+comment-free source (the lint's fallback preprocessor). It finds every ``kernel void name``
+(also ``[[kernel]] void name``, with attributes such as
+``[[max_total_threads_per_threadgroup(n)]]`` between), the explicit template arguments
+``name<T, 4>`` of an instantiation, the parameter list and, for a definition, the body::
+
+    for sig in scan_kernel_signatures(text):
+        sig.name, sig.template_args, sig.parameters(), sig.is_definition, sig.body_span
+
+The emulator (``parse_kernels``) turns these into host kernels and launchers; the lint uses
+the same signatures to locate kernel bodies and to check parameters.
+It knows nothing about what is allowed; the checks stay with their users.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["LINE_MARKER_RE", "strip_line_markers", "match_close", "split_top_level", "Param",
+           "leading_attributes", "KernelSignature", "scan_kernel_signatures"]
+
+# a preprocessor line marker: `# 12 "file"` or `#line 12 "file"` (with optional flags)
+LINE_MARKER_RE = re.compile(r'^[ \t]*#[ \t]*(?:line[ \t]+)?\d+[ \t]+"[^"\n]*"[^\n]*$', re.M)
+# `kernel void name` or `[[kernel]] void name`, attributes allowed before `void`
+_KERNEL_KEYWORD_RE = re.compile(r"(?:\bkernel\b|\[\[\s*kernel\s*\]\])\s*(?:\[\[[^\]]*\]\]\s*)*void\s+([A-Za-z_]\w*)\s*")
+_QUALIFIERS = {"const", "volatile", "device", "constant", "thread", "threadgroup", "restrict", "struct"}
+
+
+def strip_line_markers(s: str) -> str:
+    return LINE_MARKER_RE.sub("", s)
+
+
+def match_close(text: str, i: int, open_ch: str, close_ch: str) -> int:
+    """Index of the bracket closing text[i] (== open_ch), honouring nesting of that kind and skipping
+    string literals; -1 when it is never closed."""
+    depth = 0
+    n = len(text)
+    while i < n:
+        c = text[i]
+        if c == open_ch:
+            depth += 1
+        elif c == close_ch:
+            depth -= 1
+            if depth == 0:
+                return i
+        elif c == '"':
+            j = text.find('"', i + 1)
+            i = j if j >= 0 else n
+        i += 1
+    return -1
+
+
+def split_top_level(s: str, sep: str = ",") -> list[str]:
+    """Split at `sep` outside (), [], {} and <>; a blank last piece is dropped."""
+    out, depth, cur = [], 0, []
+    for c in s:
+        if c in "([{<":
+            depth += 1
+        elif c in ")]}>":
+            depth -= 1
+        if c == sep and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+    if "".join(cur).strip():
+        out.append("".join(cur))
+    return out
+
+
+class Param:
+    """One kernel parameter, e.g. ``constant long& n [[buffer(3)]]``: type ``constant long&``, name ``n``,
+    attr ``buffer``, attr_arg ``3``. An unnamed parameter has name ""; no attribute gives attr ""."""
+
+    __slots__ = ("text", "type", "name", "attr", "attr_arg")
+
+    def __init__(self, text: str):
+        self.text = " ".join(text.split())
+        m = re.match(r"^(.*?)\s*\[\[\s*(.*?)\s*\]\]\s*$", self.text)
+        decl = m.group(1) if m else self.text
+        attr = m.group(2) if m else ""
+        am = re.match(r"^(\w+)\s*(?:\((.*)\))?$", attr)
+        self.attr = am.group(1) if am else attr
+        self.attr_arg = (am.group(2) or "").strip() if am else ""
+        decl = decl.strip()
+        nm = re.match(r"^(.*?[\s*&>])\s*([A-Za-z_]\w*)$", decl)
+        if nm and nm.group(1).strip() and not all(w in _QUALIFIERS for w in re.findall(r"\w+", nm.group(1))) \
+                and not nm.group(1).rstrip().endswith("::"):
+            self.type, self.name = nm.group(1).strip(), nm.group(2)
+        else:
+            self.type, self.name = decl, ""
+
+    def __repr__(self):
+        return f"Param({self.type!r}, {self.name!r}, [[{self.attr}({self.attr_arg})]])"
+
+
+def leading_attributes(before: str) -> tuple[list[str], str]:
+    """The ``[[...]]`` attributes ending `before` (in source order) and the text in front of them."""
+    attrs = []
+    b = before.rstrip()
+    while b.endswith("]]"):
+        i = b.rfind("[[")
+        if i < 0:
+            break
+        attrs.insert(0, b[i + 2:-2].strip())
+        b = b[:i].rstrip()
+    return attrs, b
+
+
+@dataclass(frozen=True)
+class KernelSignature:
+    """One ``kernel void name<targs>(params)`` found in a text; offsets index that text."""
+
+    name: str
+    start: int                  # offset of `kernel` / `[[kernel]]`
+    template_args: str | None   # text inside `<...>` after the name (an instantiation), else None
+    params_open: int            # offset of `(`
+    params_close: int           # offset of the matching `)`
+    params_text: str            # text between the parentheses, line markers removed
+    terminator: str             # first non-blank character after `)`: "{" definition, ";" declaration...
+    body_open: int = -1         # offset of the body's `{` (definitions only), else -1
+    body_close: int = -1        # offset of the matching `}`, -1 when there is no (closed) body
+
+    @property
+    def is_definition(self) -> bool:
+        return self.terminator == "{"
+
+    @property
+    def body_span(self) -> tuple[int, int] | None:
+        """(offset of `{`, offset of `}`) of a definition's closed body, else None."""
+        return (self.body_open, self.body_close) if self.body_close > 0 else None
+
+    def parameters(self) -> list[Param]:
+        p = self.params_text.strip()
+        return [Param(x) for x in split_top_level(self.params_text)] if p and p != "void" else []
+
+
+def scan_kernel_signatures(text: str):
+    """Yield a KernelSignature for every kernel entry point in `text` (definitions, declarations and
+    explicit instantiations written with a parameter list), in order. Template definitions are yielded
+    too; the text before ``sig.start`` tells a template or an instantiation apart (see leading_attributes).
+    Matches whose `<...>` or `(...)` never closes are skipped."""
+    n = len(text)
+    for m in _KERNEL_KEYWORD_RE.finditer(text):
+        pos = m.end()
+        template_args = None
+        if pos < n and text[pos] == "<":
+            close = match_close(text, pos, "<", ">")
+            if close < 0:
+                continue
+            template_args = text[pos + 1:close].strip()
+            pos = close + 1
+            while pos < n and text[pos].isspace():
+                pos += 1
+        if pos >= n or text[pos] != "(":
+            continue
+        close = match_close(text, pos, "(", ")")
+        if close < 0:
+            continue
+        after = close + 1
+        while after < n and text[after].isspace():
+            after += 1
+        terminator = text[after:after + 1]
+        body_open = body_close = -1
+        if terminator == "{":
+            body_open = after
+            body_close = match_close(text, after, "{", "}")
+        yield KernelSignature(m.group(1), m.start(), template_args, pos, close,
+                              strip_line_markers(text[pos + 1:close]), terminator, body_open, body_close)
