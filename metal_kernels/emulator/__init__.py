@@ -498,16 +498,22 @@ def _run(cmd: list[str], tmpdir: str, what: str) -> subprocess.CompletedProcess:
     return r
 
 
+def _preprocessor_args(tmp: str, src: str) -> list[str]:
+    """Write `src` as tmp/msl_source.metal and empty stand-ins for <metal_stdlib> & co. under tmp/stub_include;
+    return the `clang -E` arguments (after the compiler) that preprocess it. Shared with the lint."""
+    stub = Path(tmp) / "stub_include"
+    for h in _STUB_HEADERS:
+        p = stub / h
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("#pragma once\n")
+    src_path = Path(tmp) / _SRC_NAME
+    src_path.write_text(src)
+    return [*_PP_FLAGS, "-I", str(stub), str(src_path)]
+
+
 def _build(src: str, clang: str, out_so: Path) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="comfy_metal_emu_") as tmp:
-        stub = Path(tmp) / "stub_include"
-        for h in _STUB_HEADERS:
-            p = stub / h
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text("#pragma once\n")
-        src_path = Path(tmp) / _SRC_NAME
-        src_path.write_text(src)
-        pp = _run([clang, *_PP_FLAGS, "-I", str(stub), str(src_path)], tmp, "MSL preprocessing").stdout
+        pp = _run([clang, *_preprocessor_args(tmp, src)], tmp, "MSL preprocessing").stdout
         kernels, remove = parse_kernels(pp)
         hosts = [k.host for k in kernels]
         dup = {h for h in hosts if hosts.count(h) > 1}

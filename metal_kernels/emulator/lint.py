@@ -29,9 +29,8 @@ import os
 import re
 import subprocess
 import tempfile
-from pathlib import Path
 
-from . import (_PP_FLAGS, _STUB_HEADERS, POSITION_ATTRIBUTES, MSLCompileError, _template_param_names, clang_path,
+from . import (POSITION_ATTRIBUTES, MSLCompileError, _preprocessor_args, _template_param_names, clang_path,
                parse_kernels)
 from .msl_scan import LINE_MARKER_RE, Param, scan_kernel_signatures, split_top_level
 
@@ -82,15 +81,7 @@ def _preprocess(src: str) -> tuple[str, bool]:
     clang = clang_path()
     if clang:
         with tempfile.TemporaryDirectory(prefix="comfy_metal_lint_") as tmp:
-            stub = Path(tmp) / "stub_include"
-            for h in _STUB_HEADERS:
-                p = stub / h
-                p.parent.mkdir(parents=True, exist_ok=True)
-                p.write_text("#pragma once\n")
-            sp = Path(tmp) / "msl_source.metal"
-            sp.write_text(src)
-            r = subprocess.run([clang, *_PP_FLAGS, "-I", str(stub), str(sp)], capture_output=True, text=True,
-                               timeout=300)
+            r = subprocess.run([clang, *_preprocessor_args(tmp, src)], capture_output=True, text=True, timeout=300)
             if r.returncode == 0:
                 return r.stdout, True
             raise MSLCompileError("preprocessing failed:\n" + r.stderr.replace(tmp + os.sep, "").strip())
