@@ -28,8 +28,9 @@ __all__ = [
     "sampler_device_noise", "sampler_churn_step", "sampler_euler_step", "sampler_euler_ancestral_step",
     "sampler_heun_step", "sampler_dpmpp_2m_step", "sampler_dpmpp_2m_sde_step", "sampler_dpmpp_3m_sde_step",
     "sampler_lcm_step", "sampler_res_multistep_step",
+    "sampler_euler_cfg_pp_step", "sampler_dpmpp_2m_cfg_pp_step", "sampler_res_multistep_cfg_pp_step",
     "DeviceNoise", "BrownianBridge", "iid_noise", "device_noise_reference", "ancestral_step",
-    "half_log_snr", "res_multistep_coefficients",
+    "half_log_snr", "res_multistep_coefficients", "cfg_pp_alpha",
 ]
 
 MSL_TYPE = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
@@ -756,6 +757,132 @@ def res_multistep_metal(lib, x, denoised, old_denoised, sigma, sigma_next, sigma
 
 
 # --------------------------------------------------------------------------------------------
+# CFG++ steps (ComfyUI's *_cfg_pp samplers): the same fused linear-combination kernel, with the
+# unconditional denoised output (captured by the sampler through ComfyUI's post-CFG hook) as one
+# more input. The sampler passes `uncond=denoised` when there is no CFG (then a launcher reads it
+# once: terms on the same tensor are merged).
+# --------------------------------------------------------------------------------------------
+
+
+def cfg_pp_alpha(sigma: float, flow: bool) -> float:
+    """alpha(sigma) = sigma * exp(half-logSNR): 1 for epsilon models, 1 - sigma for flow (0 from sigma 1 on)."""
+    return sigma * math.exp(half_log_snr(sigma, flow))
+
+
+def _merged(terms):
+    """The terms with coefficients of the same tensor object added (a tensor passed twice is read once)."""
+    out = []
+    for t, c in terms:
+        for k, (u, d) in enumerate(out):
+            if u is t:
+                out[k] = (u, d + c)
+                break
+        else:
+            out.append((t, c))
+    return out
+
+
+def euler_cfg_pp_ref(x, denoised, uncond, sigma, sigma_next, noise=None, *, eta=0.0, s_noise=1.0, flow=False,
+                     flags=None, step=-1):
+    """Euler (ancestral for eta > 0) CFG++: the step direction from the unconditional prediction, the
+    landing point from the guided one (ComfyUI's sample_euler_ancestral_cfg_pp; eta=0: sample_euler_cfg_pp).
+    `s_noise` already includes the model's noise_scale; noise is added only when eta > 0 and s_noise > 0."""
+    _check_same("sampler_euler_cfg_pp_step", x, denoised=denoised, uncond=uncond)
+    xf, den, unc = _f32(x), _f32(denoised), _f32(uncond)
+    if sigma_next == 0:
+        return _finish(den.clone(), x, flags, step)
+    alpha_s, alpha_t = cfg_pp_alpha(sigma, flow), cfg_pp_alpha(sigma_next, flow)
+    d = (xf - alpha_s * unc) / sigma
+    sigma_down, sigma_up = ancestral_step(_ieee_div(sigma, alpha_s), _ieee_div(sigma_next, alpha_t), eta)
+    sigma_down = alpha_t * sigma_down
+    out = alpha_t * den + sigma_down * d
+    if eta > 0 and s_noise > 0:
+        out = out + alpha_t * _noise_ref(noise, x, "sampler_euler_cfg_pp_step") * s_noise * sigma_up
+    return _finish(out, x, flags, step)
+
+
+def euler_cfg_pp_metal(lib, x, denoised, uncond, sigma, sigma_next, noise=None, *, eta=0.0, s_noise=1.0, flow=False,
+                       flags=None, step=-1):
+    _check_same("sampler_euler_cfg_pp_step", x, denoised=denoised, uncond=uncond)
+    if sigma_next == 0:
+        return _launch_lincomb(lib, [(denoised, 1.0)], flags=flags, step=step, dtype=x.dtype)
+    alpha_s, alpha_t = cfg_pp_alpha(sigma, flow), cfg_pp_alpha(sigma_next, flow)
+    sigma_down, sigma_up = ancestral_step(_ieee_div(sigma, alpha_s), _ieee_div(sigma_next, alpha_t), eta)
+    q = alpha_t * sigma_down / sigma
+    cn = alpha_t * s_noise * sigma_up if (eta > 0 and s_noise > 0) else 0.0
+    terms = [(x, q), (denoised, alpha_t), (uncond, -q * alpha_s)]
+    return _launch_lincomb(lib, _merged(terms), noise, cn, flags, step)
+
+
+def _dpmpp_2m_cfg_pp_plan(sigma, sigma_next, sigma_prev, second_order):
+    """(exp(-h), weight of (denoised - old_uncond)) of the DPM-Solver++(2M) CFG++ step."""
+    if sigma_next == 0:
+        return 0.0, 0.0
+    t, t_next = -math.log(sigma), -math.log(sigma_next)
+    h = t_next - t
+    if not second_order:
+        return math.exp(-h), 0.0
+    r = (t + math.log(sigma_prev)) / h
+    return math.exp(-h), -math.expm1(-h) * (1 / (2 * r))
+
+
+def dpmpp_2m_cfg_pp_ref(x, denoised, uncond, old_uncond, sigma, sigma_next, sigma_prev=None, *, flags=None, step=-1):
+    """DPM-Solver++(2M) CFG++ (ComfyUI's sample_dpmpp_2m_cfg_pp): old_uncond/sigma_prev None on the first
+    step; first order on the last (sigma_next 0) step."""
+    _check_same("sampler_dpmpp_2m_cfg_pp_step", x, denoised=denoised, uncond=uncond, old_uncond=old_uncond)
+    xf, den, unc = _f32(x), _f32(denoised), _f32(uncond)
+    second = old_uncond is not None and sigma_next != 0
+    e, w = _dpmpp_2m_cfg_pp_plan(sigma, sigma_next, sigma_prev, second)
+    mix = -e * unc
+    if second:
+        mix = mix + w * (den - _f32(old_uncond))
+    return _finish(den + mix + e * xf, x, flags, step)
+
+
+def dpmpp_2m_cfg_pp_metal(lib, x, denoised, uncond, old_uncond, sigma, sigma_next, sigma_prev=None, *, flags=None,
+                          step=-1):
+    _check_same("sampler_dpmpp_2m_cfg_pp_step", x, denoised=denoised, uncond=uncond, old_uncond=old_uncond)
+    second = old_uncond is not None and sigma_next != 0
+    e, w = _dpmpp_2m_cfg_pp_plan(sigma, sigma_next, sigma_prev, second)
+    terms = [(x, e), (denoised, 1.0 + w), (uncond, -e)]
+    if second:
+        terms.append((old_uncond, -w))
+    return _launch_lincomb(lib, _merged(terms), flags=flags, step=step)
+
+
+def res_multistep_cfg_pp_ref(x, denoised, uncond, old_uncond, sigma, sigma_next, sigma_prev=None,
+                             old_sigma_down=None, noise=None, *, eta=0.0, s_noise=1.0, flags=None, step=-1):
+    """res_multistep CFG++ (ComfyUI's res_multistep(cfg_pp=True); eta > 0: its _ancestral_cfg_pp): the
+    history is the unconditional prediction; `s_noise` already includes the model's noise_scale."""
+    _check_same("sampler_res_multistep_cfg_pp_step", x, denoised=denoised, uncond=uncond, old_uncond=old_uncond)
+    xf, den, unc = _f32(x), _f32(denoised), _f32(uncond)
+    sigma_down, sigma_up = ancestral_step(sigma, sigma_next, eta)
+    if sigma_down == 0 or old_uncond is None:
+        d = (xf - unc) / sigma
+        out = den + d * sigma_down
+    else:
+        ex, hb1, hb2 = res_multistep_coefficients(sigma, sigma_next, sigma_prev, old_sigma_down, sigma_down)
+        out = ex * (xf + (den - unc)) + (hb1 * unc + hb2 * _f32(old_uncond))
+    if sigma_up > 0:
+        out = out + _noise_ref(noise, x, "sampler_res_multistep_cfg_pp_step") * s_noise * sigma_up
+    return _finish(out, x, flags, step)
+
+
+def res_multistep_cfg_pp_metal(lib, x, denoised, uncond, old_uncond, sigma, sigma_next, sigma_prev=None,
+                               old_sigma_down=None, noise=None, *, eta=0.0, s_noise=1.0, flags=None, step=-1):
+    _check_same("sampler_res_multistep_cfg_pp_step", x, denoised=denoised, uncond=uncond, old_uncond=old_uncond)
+    sigma_down, sigma_up = ancestral_step(sigma, sigma_next, eta)
+    cn = s_noise * sigma_up if sigma_up > 0 else 0.0
+    if sigma_down == 0 or old_uncond is None:
+        q = sigma_down / sigma
+        terms = [(x, q), (denoised, 1.0), (uncond, -q)]
+    else:
+        ex, hb1, hb2 = res_multistep_coefficients(sigma, sigma_next, sigma_prev, old_sigma_down, sigma_down)
+        terms = [(x, ex), (denoised, ex), (uncond, hb1 - ex), (old_uncond, hb2)]
+    return _launch_lincomb(lib, _merged(terms), noise, cn, flags, step)
+
+
+# --------------------------------------------------------------------------------------------
 # Self-check cases (odd sizes, every dtype, first/middle/last steps, tensor and device noise)
 # --------------------------------------------------------------------------------------------
 
@@ -866,6 +993,39 @@ def _cases_res_multistep(device):
     return out
 
 
+def _cases_euler_cfg_pp(device):
+    out = []
+    for i, (shape, dtype) in enumerate(_SHAPES):
+        x, d, u, n = _tensors(device, shape, dtype, 4, 100 + i)
+        out += [((x, d, u, 14.6, 9.7), {}), ((x, d, d, 9.7, 6.1), {}), ((x, d, u, 0.5, 0.0), {}),
+                ((x, d, u, 14.6, 9.7, n), {"eta": 1.0}),
+                ((x, d, u, 3.0, 2.0, iid_noise(2, 1)), {"eta": 0.7, "s_noise": 1.1}),
+                ((x, d, u, 0.9, 0.75), {"flow": True}), ((x, d, u, 1.0, 0.8, n), {"flow": True, "eta": 1.0}),
+                ((x, d, u, 0.9, 0.75, iid_noise(4, 2)), {"flow": True, "eta": 0.5}),
+                ((x, d, u, 0.3, 0.0, None), {"flow": True, "eta": 1.0})]
+    return out
+
+
+def _cases_dpmpp_2m_cfg_pp(device):
+    out = []
+    for i, (shape, dtype) in enumerate(_SHAPES):
+        x, d, u, o = _tensors(device, shape, dtype, 4, 110 + i)
+        out += [((x, d, u, None, 14.6, 9.7), {}), ((x, d, u, o, 9.7, 6.1, 14.6), {}),
+                ((x, d, d, o, 9.7, 6.1, 14.6), {}), ((x, d, u, o, 0.4, 0.0, 0.8), {})]
+    return out
+
+
+def _cases_res_multistep_cfg_pp(device):
+    out = []
+    for i, (shape, dtype) in enumerate(_SHAPES):
+        x, d, u, o, n = _tensors(device, shape, dtype, 5, 120 + i)
+        out += [((x, d, u, None, 14.6, 9.7), {}), ((x, d, u, o, 9.7, 6.1, 14.6, 9.7), {}),
+                ((x, d, u, o, 9.7, 6.1, 14.6, 8.0, n), {"eta": 1.0, "s_noise": 0.9}),
+                ((x, d, u, None, 14.6, 9.7, None, None, iid_noise(6, 0)), {"eta": 0.5}),
+                ((x, d, u, o, 0.4, 0.0, 0.8, 0.4), {})]
+    return out
+
+
 # fp32: the fused form re-associates ComfyUI's expression and the kernel's log/cos may differ in the
 # last bits from torch's, so a few ulps of the largest term; fp16/bf16 get the dtype floor on top.
 _ATOL, _RTOL = 2e-5, 2e-5
@@ -891,3 +1051,9 @@ sampler_dpmpp_3m_sde_step = _spec("sampler_dpmpp_3m_sde_step", dpmpp_3m_sde_ref,
 sampler_lcm_step = _spec("sampler_lcm_step", lcm_ref, lcm_metal, _cases_lcm)
 sampler_res_multistep_step = _spec("sampler_res_multistep_step", res_multistep_ref, res_multistep_metal,
                                    _cases_res_multistep)
+sampler_euler_cfg_pp_step = _spec("sampler_euler_cfg_pp_step", euler_cfg_pp_ref, euler_cfg_pp_metal,
+                                  _cases_euler_cfg_pp)
+sampler_dpmpp_2m_cfg_pp_step = _spec("sampler_dpmpp_2m_cfg_pp_step", dpmpp_2m_cfg_pp_ref, dpmpp_2m_cfg_pp_metal,
+                                     _cases_dpmpp_2m_cfg_pp)
+sampler_res_multistep_cfg_pp_step = _spec("sampler_res_multistep_cfg_pp_step", res_multistep_cfg_pp_ref,
+                                          res_multistep_cfg_pp_metal, _cases_res_multistep_cfg_pp)
