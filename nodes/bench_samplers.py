@@ -25,10 +25,14 @@ LATENTS = [
     ("SDXL 1024x1024 (4x128x128)", (1, 4, 128, 128)),
     ("Wan 2.2 720p 21f (48x21x44x80)", (1, 48, 21, 44, 80)),
 ]
-NOISY = {"euler_ancestral", "dpmpp_2m_sde", "dpmpp_3m_sde", "lcm"}
-# Full-size tensors a fused step reads + writes (heun: both stages), fast noise / exact noise.
+NOISY = {"euler_ancestral", "dpmpp_2m_sde", "dpmpp_3m_sde", "lcm", "euler_ancestral_cfg_pp"}
+# Full-size tensors a fused step reads + writes (heun: both stages), fast noise / exact noise. CFG++:
+# the unconditional output is one more input (the trivial denoiser runs no CFG, so here it is the
+# denoised output itself and read once: these columns count the general case).
 FUSED_TENSORS = {"euler": (3, 3), "euler_ancestral": (3, 4), "heun": (7, 7), "dpmpp_2m": (4, 4),
-                 "dpmpp_2m_sde": (4, 5), "dpmpp_3m_sde": (5, 6), "lcm": (2, 3), "res_multistep": (4, 4)}
+                 "dpmpp_2m_sde": (4, 5), "dpmpp_3m_sde": (5, 6), "lcm": (2, 3), "res_multistep": (4, 4),
+                 "euler_cfg_pp": (4, 4), "euler_ancestral_cfg_pp": (4, 5), "dpmpp_2m_cfg_pp": (5, 5),
+                 "res_multistep_cfg_pp": (5, 5)}
 _SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::is_nonzero", "aten::equal",
              "aten::masked_select", "aten::allclose"}
 
@@ -57,7 +61,9 @@ def _comfy_sampling():
 
 
 class _Denoiser:
-    """denoised = 0.5 * x, with the attributes ComfyUI's samplers read; epsilon model sampling."""
+    """denoised = 0.5 * x, with the attributes ComfyUI's samplers read; epsilon model sampling. The
+    post-CFG functions of model_options (ComfyUI's CFG++ samplers install one) run as after a CFG whose
+    conditional and unconditional outputs are both 0.5 * x."""
 
     def __init__(self, traffic=None):
         ms = _EpsSampling()
@@ -69,7 +75,10 @@ class _Denoiser:
         if self.traffic is not None:
             self.traffic.paused = True
         try:
-            return x * 0.5
+            out = x * 0.5
+            for fn in kwargs.get("model_options", {}).get("sampler_post_cfg_function", []):
+                out = fn({"denoised": out, "cond_denoised": out, "uncond_denoised": out, "sigma": sigma, "input": x})
+            return out
         finally:
             if self.traffic is not None:
                 self.traffic.paused = False

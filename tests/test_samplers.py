@@ -143,7 +143,14 @@ def test_kernels_odd_shapes_and_nan_record_in_emulator(emulator_backend, monkeyp
                                                                                    **f),
         "sampler_lcm_step": lambda **f: K.sampler_lcm_step(d, n, 3.9, 1.0, **f),
         "sampler_res_multistep_step": lambda **f: K.sampler_res_multistep_step(x, d, o, 6.1, 3.9, 9.7, 6.1, **f),
+        "sampler_euler_cfg_pp_step": lambda **f: K.sampler_euler_cfg_pp_step(x, d, o, 6.1, 3.9, K.iid_noise(1, 2),
+                                                                             eta=0.9, **f),
+        "sampler_dpmpp_2m_cfg_pp_step": lambda **f: K.sampler_dpmpp_2m_cfg_pp_step(x, d, o, o2, 6.1, 3.9, 9.7, **f),
+        "sampler_res_multistep_cfg_pp_step": lambda **f: K.sampler_res_multistep_cfg_pp_step(x, d, o, o2, 6.1, 3.9,
+                                                                                             9.7, 6.1, n, eta=0.5,
+                                                                                             **f),
     }
+    assert set(calls) == set(SAMPLER_SPECS) - {"sampler_churn_step", "sampler_device_noise"}
     tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
     for name, call in calls.items():
         monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
@@ -375,6 +382,8 @@ def test_sampler_options():
     assert S.sampler_options("euler_metal", "fast") == {"noise_mode": "fast", "s_noise": 1.0}
     assert S.sampler_options("dpmpp_2m") == {"noise_mode": "fast"}
     assert "eta" not in S.sampler_options("res_multistep")  # ComfyUI's res_multistep has eta 0
+    assert "eta" not in S.sampler_options("res_multistep_cfg_pp")
+    assert S.sampler_options("euler_ancestral_cfg_pp", "fast", 0.5)["eta"] == 0.5
     with pytest.raises(S.SamplingError):
         S.sampler_options("euler", "loud")
 
