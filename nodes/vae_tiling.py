@@ -56,16 +56,19 @@ RAMP_FRACTION = 0.5     # the feather ramp spans the middle half of each overlap
 
 
 def plan_axis(size: int, tile: int, overlap: int) -> list[tuple[int, int]]:
-    """[(start, end)] tiles of length `tile` covering [0, size) with at least `overlap` overlap, evenly
-    spread (at most two tiles over any position: overlap is clamped to tile // 2)."""
+    """[(start, end)] tiles covering [0, size) with at least `overlap` overlap, evenly spread: as few
+    tiles of at most `tile` as cover the axis, each then shrunk to the shortest length that still covers
+    it (128 px at tile 64 / overlap 16 takes three tiles of 54, not of 64: 16% more decoded pixels
+    instead of 50%). Overlap is clamped to tile // 2 and tiles are at least 2 * overlap long, so at
+    most two tiles cover any position."""
     size, tile = int(size), int(tile)
     if size <= tile:
         return [(0, size)]
     overlap = max(0, min(int(overlap), tile // 2))
-    n = math.ceil((size - overlap) / (tile - overlap))
-    n = max(n, 2)
-    starts = [round(k * (size - tile) / (n - 1)) for k in range(n)]
-    return [(s, s + tile) for s in starts]
+    n = max(2, math.ceil((size - overlap) / (tile - overlap)))
+    length = min(tile, max(math.ceil((size + (n - 1) * overlap) / n), 2 * overlap))
+    starts = [round(k * (size - length) / (n - 1)) for k in range(n)]
+    return [(s, s + length) for s in starts]
 
 
 def _ramp(length: int) -> torch.Tensor:

@@ -69,7 +69,7 @@ def test_sd_vae_decode_tiled_vs_untiled(comfyui, sd_vae, caplog):
     ref = sd_vae.decode(z)                                    # [1, 320, 256, 3] in [0, 1]
     codec = vt.codec_from_comfy(sd_vae)
     assert codec is not None and codec.name == "comfy-kl"
-    out = vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=12)).decode(z)
+    out = vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=16)).decode(z)
     p = _psnr01(sd_vae.process_output(out).movedim(1, -1), ref)
     print("ComfyUI SD VAE feather PSNR", p)
     assert p >= 32.0
@@ -91,9 +91,9 @@ def test_sd_vae_shared_statistics_vs_untiled(comfyui, sd_vae, caplog):
     z = torch.randn(1, 4, 40, 32)
     ref = sd_vae.decode(z)
     codec = vt.codec_from_comfy(sd_vae)
-    feather = _psnr01(sd_vae.process_output(vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=12)).decode(z))
+    feather = _psnr01(sd_vae.process_output(vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=16)).decode(z))
                       .movedim(1, -1), ref)
-    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=12, shared_stats=True))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=16, shared_stats=True))
     out = eng.decode(z)
     n_gn = sum(isinstance(m, torch.nn.GroupNorm) for m in sd_vae.first_stage_model.decoder.modules())
     assert eng.info.tiles > 1 and eng.info.groupnorm_calls == n_gn
@@ -102,7 +102,7 @@ def test_sd_vae_shared_statistics_vs_untiled(comfyui, sd_vae, caplog):
     assert p >= 40.0 and p > feather
     assert all("forward" not in m.__dict__ for m in sd_vae.first_stage_model.modules())
     with caplog.at_level("INFO", logger="comfy_metal"):
-        (images,) = MetalVAEDecodeTiled().decode({"samples": z}, sd_vae, memory_budget_gb=0.08, overlap=12,
+        (images,) = MetalVAEDecodeTiled().decode({"samples": z}, sd_vae, memory_budget_gb=0.08, overlap=16,
                                                  seam_mode=SEAM_MODES[1])
     assert _tiles_logged(caplog.text) > 1 and "shared GroupNorm statistics" in caplog.text
     p = _psnr01(images, ref)
