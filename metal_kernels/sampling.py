@@ -29,6 +29,7 @@ __all__ = [
     "sampler_heun_step", "sampler_dpmpp_2m_step", "sampler_dpmpp_2m_sde_step", "sampler_dpmpp_3m_sde_step",
     "sampler_lcm_step", "sampler_res_multistep_step",
     "sampler_euler_cfg_pp_step", "sampler_dpmpp_2m_cfg_pp_step", "sampler_res_multistep_cfg_pp_step",
+    "sampler_dpmpp_2s_ancestral_cfg_pp_step", "dpmpp_2s_midpoint_sigma",
     "DeviceNoise", "BrownianBridge", "iid_noise", "device_noise_reference", "ancestral_step",
     "half_log_snr", "res_multistep_coefficients", "cfg_pp_alpha",
 ]
@@ -882,6 +883,76 @@ def res_multistep_cfg_pp_metal(lib, x, denoised, uncond, old_uncond, sigma, sigm
     return _launch_lincomb(lib, _merged(terms), noise, cn, flags, step)
 
 
+def dpmpp_2s_midpoint_sigma(sigma: float, sigma_down: float) -> float:
+    """The sigma of DPM-Solver++(2S)'s second model call: exp(-(t + h/2)), t = -log(sigma), h = -log(sigma_down) - t."""
+    t, t_next = -math.log(sigma), -math.log(sigma_down)
+    return math.exp(-(t + 0.5 * (t_next - t)))
+
+
+def _dpmpp_2s_plan(sigma, sigma_next, eta, midpoint):
+    """(weight of (x + denoised - uncond), weight of the second denoised) of a 2S CFG++ stage;
+    None when sigma_down is 0 (then the step is first order)."""
+    sigma_down, _ = ancestral_step(sigma, sigma_next, eta)
+    if sigma_down == 0:
+        return None
+    t, t_next = -math.log(sigma), -math.log(sigma_down)
+    h = t_next - t
+    if midpoint:
+        return dpmpp_2s_midpoint_sigma(sigma, sigma_down) / math.exp(-t), -math.expm1(-h * 0.5)
+    return math.exp(-t_next) / math.exp(-t), -math.expm1(-h)
+
+
+def dpmpp_2s_ancestral_cfg_pp_ref(x, denoised, uncond, denoised_2=None, sigma=1.0, sigma_next=0.0, noise=None, *,
+                                  eta=1.0, s_noise=1.0, midpoint=False, flags=None, step=-1):
+    """DPM-Solver++(2S) ancestral CFG++ (ComfyUI's sample_dpmpp_2s_ancestral_cfg_pp). midpoint=True: the
+    first stage (the latent for the second model call, at dpmpp_2s_midpoint_sigma). Otherwise the step:
+    `denoised_2` is the second call's output and `uncond` the second call's unconditional output (as in
+    ComfyUI, whose second stage reads the latest captured one); first order when sigma_down is 0. Noise
+    (s_noise already times the model's noise_scale) is added when sigma_next > 0."""
+    _check_same("sampler_dpmpp_2s_ancestral_cfg_pp_step", x, denoised=denoised, uncond=uncond, denoised_2=denoised_2)
+    xf, den, unc = _f32(x), _f32(denoised), _f32(uncond)
+    plan = _dpmpp_2s_plan(sigma, sigma_next, eta, midpoint)
+    sigma_down, sigma_up = ancestral_step(sigma, sigma_next, eta)
+    if midpoint:
+        if plan is None:
+            raise ValueError("sampler_dpmpp_2s_ancestral_cfg_pp_step: no midpoint stage when sigma_down is 0")
+        ratio, cden = plan
+        return _finish(ratio * (xf + (den - unc)) + cden * den, x, flags, step)
+    if plan is None:
+        out = den + (xf - unc) / sigma * sigma_down
+    else:
+        if denoised_2 is None:
+            raise ValueError("sampler_dpmpp_2s_ancestral_cfg_pp_step: the second stage needs denoised_2")
+        ratio, cden2 = plan
+        out = ratio * (xf + (den - unc)) + cden2 * _f32(denoised_2)
+    if sigma_next > 0 and sigma_up != 0:
+        out = out + _noise_ref(noise, x, "sampler_dpmpp_2s_ancestral_cfg_pp_step") * s_noise * sigma_up
+    return _finish(out, x, flags, step)
+
+
+def dpmpp_2s_ancestral_cfg_pp_metal(lib, x, denoised, uncond, denoised_2=None, sigma=1.0, sigma_next=0.0, noise=None,
+                                    *, eta=1.0, s_noise=1.0, midpoint=False, flags=None, step=-1):
+    _check_same("sampler_dpmpp_2s_ancestral_cfg_pp_step", x, denoised=denoised, uncond=uncond, denoised_2=denoised_2)
+    plan = _dpmpp_2s_plan(sigma, sigma_next, eta, midpoint)
+    sigma_down, sigma_up = ancestral_step(sigma, sigma_next, eta)
+    if midpoint:
+        if plan is None:
+            raise ValueError("sampler_dpmpp_2s_ancestral_cfg_pp_step: no midpoint stage when sigma_down is 0")
+        ratio, cden = plan
+        return _launch_lincomb(lib, _merged([(x, ratio), (denoised, ratio + cden), (uncond, -ratio)]),
+                               flags=flags, step=step)
+    if plan is None:
+        q = sigma_down / sigma
+        terms = [(x, q), (denoised, 1.0), (uncond, -q)]
+    else:
+        if denoised_2 is None:
+            raise ValueError("sampler_dpmpp_2s_ancestral_cfg_pp_step: the second stage needs denoised_2")
+        ratio, cden2 = plan
+        terms = [(x, ratio), (denoised, ratio), (uncond, -ratio), (denoised_2, cden2)]
+    cn = s_noise * sigma_up if (sigma_next > 0 and sigma_up != 0) else 0.0
+    return _launch_lincomb(lib, _merged(terms), noise, cn, flags, step)
+
+
 # --------------------------------------------------------------------------------------------
 # Self-check cases (odd sizes, every dtype, first/middle/last steps, tensor and device noise)
 # --------------------------------------------------------------------------------------------
@@ -1026,6 +1097,18 @@ def _cases_res_multistep_cfg_pp(device):
     return out
 
 
+def _cases_dpmpp_2s_ancestral_cfg_pp(device):
+    out = []
+    for i, (shape, dtype) in enumerate(_SHAPES):
+        x, d, u, d2, n = _tensors(device, shape, dtype, 5, 130 + i)
+        out += [((x, d, u, None, 14.6, 9.7), {"midpoint": True}), ((x, d, u, d2, 14.6, 9.7, n), {}),
+                ((x, d, u, d2, 3.0, 2.0, iid_noise(3, 1)), {"eta": 0.6, "s_noise": 1.1}),
+                ((x, d, u, None, 0.9, 0.75), {"midpoint": True, "eta": 0.0}), ((x, d, u, d2, 0.9, 0.75), {"eta": 0.0}),
+                ((x, d, d, d2, 3.0, 2.0, n), {}), ((x, d, u, None, 0.4, 0.0), {}),
+                ((x, d, u, None, 2.0, 1.0, n), {"eta": 5.0})]  # sigma_up = sigma_next: sigma_down 0, noise
+    return out
+
+
 # fp32: the fused form re-associates ComfyUI's expression and the kernel's log/cos may differ in the
 # last bits from torch's, so a few ulps of the largest term; fp16/bf16 get the dtype floor on top.
 _ATOL, _RTOL = 2e-5, 2e-5
@@ -1057,3 +1140,5 @@ sampler_dpmpp_2m_cfg_pp_step = _spec("sampler_dpmpp_2m_cfg_pp_step", dpmpp_2m_cf
                                      _cases_dpmpp_2m_cfg_pp)
 sampler_res_multistep_cfg_pp_step = _spec("sampler_res_multistep_cfg_pp_step", res_multistep_cfg_pp_ref,
                                           res_multistep_cfg_pp_metal, _cases_res_multistep_cfg_pp)
+sampler_dpmpp_2s_ancestral_cfg_pp_step = _spec("sampler_dpmpp_2s_ancestral_cfg_pp_step", dpmpp_2s_ancestral_cfg_pp_ref,
+                                               dpmpp_2s_ancestral_cfg_pp_metal, _cases_dpmpp_2s_ancestral_cfg_pp)
