@@ -25,14 +25,15 @@ LATENTS = [
     ("SDXL 1024x1024 (4x128x128)", (1, 4, 128, 128)),
     ("Wan 2.2 720p 21f (48x21x44x80)", (1, 48, 21, 44, 80)),
 ]
-NOISY = {"euler_ancestral", "dpmpp_2m_sde", "dpmpp_3m_sde", "lcm", "euler_ancestral_cfg_pp"}
+NOISY = {"euler_ancestral", "dpmpp_2m_sde", "dpmpp_3m_sde", "lcm", "euler_ancestral_cfg_pp",
+         "dpmpp_2s_ancestral_cfg_pp"}
 # Full-size tensors a fused step reads + writes (heun: both stages), fast noise / exact noise. CFG++:
 # the unconditional output is one more input (the trivial denoiser runs no CFG, so here it is the
 # denoised output itself and read once: these columns count the general case).
 FUSED_TENSORS = {"euler": (3, 3), "euler_ancestral": (3, 4), "heun": (7, 7), "dpmpp_2m": (4, 4),
                  "dpmpp_2m_sde": (4, 5), "dpmpp_3m_sde": (5, 6), "lcm": (2, 3), "res_multistep": (4, 4),
                  "euler_cfg_pp": (4, 4), "euler_ancestral_cfg_pp": (4, 5), "dpmpp_2m_cfg_pp": (5, 5),
-                 "res_multistep_cfg_pp": (5, 5)}
+                 "dpmpp_2s_ancestral_cfg_pp": (9, 10), "res_multistep_cfg_pp": (5, 5)}
 _SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::is_nonzero", "aten::equal",
              "aten::masked_select", "aten::allclose"}
 

@@ -1,6 +1,7 @@
 """Metal-accelerated k-diffusion samplers: ComfyUI's euler, euler_ancestral, heun, dpmpp_2m,
 dpmpp_2m_sde, dpmpp_3m_sde, lcm and res_multistep, and the CFG++ samplers euler_cfg_pp,
-euler_ancestral_cfg_pp, dpmpp_2m_cfg_pp and res_multistep_cfg_pp, each step one fused kernel
+euler_ancestral_cfg_pp, dpmpp_2m_cfg_pp, dpmpp_2s_ancestral_cfg_pp and res_multistep_cfg_pp, each
+step (each stage for heun and dpmpp_2s_ancestral_cfg_pp) one fused kernel
 (`metal_kernels.sampling`), no host sync inside the step loop.
 
 * `sample_<name>_metal(model, x, sigmas, extra_args, callback, disable, ...)`: the k-diffusion
@@ -20,6 +21,7 @@ euler_ancestral_cfg_pp, dpmpp_2m_cfg_pp and res_multistep_cfg_pp, each step one 
   loaded, or with a model function that runs no CFG (the hook is never called), the unconditional
   output is taken to be the denoised output itself: then euler_cfg_pp / dpmpp_2m_cfg_pp /
   res_multistep_cfg_pp give exactly euler / dpmpp_2m / res_multistep (ComfyUI's own would fail).
+  The step's unconditional output is one more input of the same fused kernel.
 * `MetalSamplerSelect` returns a SAMPLER for SamplerCustom / SamplerCustomAdvanced;
   `register_ksampler_entries()` (run at pack load inside ComfyUI) adds `<name>_metal` to the
   stock KSampler sampler list.
@@ -41,7 +43,8 @@ from ..metal_kernels.registry import REGISTRY
 log = logging.getLogger("comfy_metal")
 
 SAMPLER_NAMES = ("euler", "euler_ancestral", "heun", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_3m_sde", "lcm",
-                 "res_multistep", "euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp", "res_multistep_cfg_pp")
+                 "res_multistep", "euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp",
+                 "dpmpp_2s_ancestral_cfg_pp", "res_multistep_cfg_pp")
 CFG_PP_NAMES = tuple(n for n in SAMPLER_NAMES if n.endswith("_cfg_pp"))
 NOISE_MODES = ("fast", "exact")
 NOISE_ENV = "COMFY_METAL_SAMPLER_NOISE"
@@ -538,6 +541,33 @@ def sample_dpmpp_2m_cfg_pp_metal(model, x, sigmas, extra_args=None, callback=Non
 
 
 @torch.no_grad()
+def sample_dpmpp_2s_ancestral_cfg_pp_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, eta=1.,
+                                           s_noise=1., noise_sampler=None, noise_mode=None):
+    """ComfyUI's dpmpp_2s_ancestral_cfg_pp: two model calls per step (the second at the midpoint sigma);
+    like ComfyUI's, the second stage uses the second call's unconditional output."""
+    run = _Run("dpmpp_2s_ancestral_cfg_pp", model, x, sigmas, extra_args, noise_mode)
+    capture = _UncondCapture(run)
+    sig, extra_args = run.sig, run.extra_args
+    s_noise = s_noise * _noise_scale(_patcher_model_sampling(model))
+    noise = run.noise_source("iid", sigmas, noise_sampler) if run.steps else None
+    s_in = x.new_ones([x.shape[0]])
+    for i in _trange(run.steps, disable):
+        denoised, uncond = capture(model, x, sigmas[i] * s_in, extra_args)
+        sigma_down, _ = K.ancestral_step(sig[i], sig[i + 1], eta)
+        _callback(callback, x, i, sigmas[i], sigmas[i], denoised)
+        denoised_2 = None
+        if sigma_down != 0:
+            x_2 = K.sampler_dpmpp_2s_ancestral_cfg_pp_step(x, denoised, uncond, None, sig[i], sig[i + 1], eta=eta,
+                                                           midpoint=True, flags=run.flags, step=i)
+            sigma_s = K.dpmpp_2s_midpoint_sigma(sig[i], sigma_down)
+            denoised_2, uncond = capture(model, x_2, sigmas[i] * (sigma_s / sig[i]) * s_in, extra_args)
+        n = noise(i) if sig[i + 1] > 0 else None  # ComfyUI draws on every step but the last (even at eta 0)
+        x = K.sampler_dpmpp_2s_ancestral_cfg_pp_step(x, denoised, uncond, denoised_2, sig[i], sig[i + 1], n, eta=eta,
+                                                     s_noise=s_noise, flags=run.flags, step=i)
+    return run.finish(x)
+
+
+@torch.no_grad()
 def sample_res_multistep_cfg_pp_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, s_noise=1.,
                                       noise_sampler=None, noise_mode=None, eta=0.):
     """ComfyUI's res_multistep_cfg_pp (eta=0). eta > 0 gives its res_multistep_ancestral_cfg_pp."""
@@ -573,6 +603,7 @@ SAMPLER_FUNCTIONS = {
     "euler_cfg_pp": sample_euler_cfg_pp_metal,
     "euler_ancestral_cfg_pp": sample_euler_ancestral_cfg_pp_metal,
     "dpmpp_2m_cfg_pp": sample_dpmpp_2m_cfg_pp_metal,
+    "dpmpp_2s_ancestral_cfg_pp": sample_dpmpp_2s_ancestral_cfg_pp_metal,
     "res_multistep_cfg_pp": sample_res_multistep_cfg_pp_metal,
 }
 

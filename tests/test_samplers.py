@@ -150,6 +150,8 @@ def test_kernels_odd_shapes_and_nan_record_in_emulator(emulator_backend, monkeyp
                                                                                              9.7, 6.1, n, eta=0.5,
                                                                                              **f),
     }
+    calls["sampler_dpmpp_2s_ancestral_cfg_pp_step"] = lambda **f: K.sampler_dpmpp_2s_ancestral_cfg_pp_step(
+        x, d, o, o2, 6.1, 3.9, bridge, eta=0.8, **f)
     assert set(calls) == set(SAMPLER_SPECS) - {"sampler_churn_step", "sampler_device_noise"}
     tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
     for name, call in calls.items():

@@ -30,10 +30,12 @@ from comfy_metal.nodes import samplers as S
 from test_samplers import CONST, ToyDenoiser, ToyEPS, _comfy_model_sampling, _conds, _emulator_reason, \
     _tiny_unet_patcher, toy_schedule
 
-CFG_PP = ("euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp", "res_multistep_cfg_pp")
+CFG_PP = ("euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp", "dpmpp_2s_ancestral_cfg_pp",
+          "res_multistep_cfg_pp")
 PLAIN = {"euler_cfg_pp": "euler", "dpmpp_2m_cfg_pp": "dpmpp_2m", "res_multistep_cfg_pp": "res_multistep"}
 STEP_KERNEL = {"euler_cfg_pp": "sampler_euler_cfg_pp_step", "euler_ancestral_cfg_pp": "sampler_euler_cfg_pp_step",
                "dpmpp_2m_cfg_pp": "sampler_dpmpp_2m_cfg_pp_step",
+               "dpmpp_2s_ancestral_cfg_pp": "sampler_dpmpp_2s_ancestral_cfg_pp_step",
                "res_multistep_cfg_pp": "sampler_res_multistep_cfg_pp_step"}
 
 
@@ -118,7 +120,7 @@ def test_registered_everywhere():
         assert name in S.SAMPLER_NAMES and name in S.CFG_PP_NAMES
         assert S.get_sampler_function(f"{name}_metal").__wrapped__ is getattr(S, f"sample_{name}_metal")
     assert S.CFG_PP_NAMES == CFG_PP
-    assert {"sampler_euler_cfg_pp_step", "sampler_dpmpp_2m_cfg_pp_step",
+    assert {"sampler_euler_cfg_pp_step", "sampler_dpmpp_2m_cfg_pp_step", "sampler_dpmpp_2s_ancestral_cfg_pp_step",
             "sampler_res_multistep_cfg_pp_step"} <= set(S.SAMPLER_KERNELS)
     assert S.sampler_options("euler_cfg_pp_metal", "exact") == {"noise_mode": "exact"}
     assert S.sampler_options("euler_ancestral_cfg_pp", "fast", 0.5, 0.9) == {"noise_mode": "fast", "eta": 0.5,
@@ -170,7 +172,9 @@ def test_hook_captures_uncond_and_leaves_the_callers_dicts(name, standin_model_p
     # the caller's extra_args / model_options are not modified; their own post-CFG function still runs
     assert extra_args == {"seed": 42, "model_options": model_options}
     assert len(model_options["sampler_post_cfg_function"]) == 1 and "disable_cfg1_optimization" not in model_options
-    assert len(user_hook) == model.calls == 5 and model.hook_calls == 2 * 5
+    steps = len(sigmas) - 1
+    assert model.calls == (2 * steps - 1 if name == "dpmpp_2s_ancestral_cfg_pp" else steps)
+    assert len(user_hook) == model.calls and model.hook_calls == 2 * model.calls
     assert torch.isfinite(got).all()
     # the unconditional branch matters: guidance with cond == uncond would give the plain result
     no_guidance = CFGToy(ToyEPS(), standin_cfg_function)
@@ -270,6 +274,8 @@ COMFY_CASES = [
     ("euler_ancestral_cfg_pp", "euler_ancestral_cfg_pp", {}),
     ("euler_ancestral_cfg_pp", "euler_ancestral_cfg_pp", {"eta": 0.6, "s_noise": 0.9}),
     ("dpmpp_2m_cfg_pp", "dpmpp_2m_cfg_pp", {}),
+    ("dpmpp_2s_ancestral_cfg_pp", "dpmpp_2s_ancestral_cfg_pp", {}),
+    ("dpmpp_2s_ancestral_cfg_pp", "dpmpp_2s_ancestral_cfg_pp", {"eta": 0.5, "s_noise": 1.2}),
     ("res_multistep_cfg_pp", "res_multistep_cfg_pp", {}),
     ("res_multistep_cfg_pp", "res_multistep_ancestral_cfg_pp", {"eta": 0.8, "s_noise": 0.9}),
 ]
@@ -301,12 +307,13 @@ def test_matches_comfyui_cfg_pp_sampler(comfyui, case, kind, monkeypatch):
     seen_theirs = []
     want = getattr(kds, f"sample_{theirs_name}")(model, x.clone(), sigmas.clone(), extra_args={"seed": 42},
                                                  callback=seen_theirs.append, disable=True, **opts)
-    assert model.hook_calls == 7  # ComfyUI's hook ran on every call
+    calls = model.calls
+    assert model.hook_calls == calls >= 7  # ComfyUI's hook ran on every call
     monkeypatch.setenv("COMFY_METAL_BACKEND", "reference")
     dispatch.reset()
     seen = []
     got = _run(ours_name, model, x, sigmas, noise_mode="exact", callback=seen.append, **ours_opts)
-    assert model.hook_calls == 14  # and ours
+    assert model.hook_calls == model.calls == 2 * calls  # and ours, on as many calls
     scale = max(want.abs().max().item(), 1.0)
     torch.testing.assert_close(got, want, atol=1e-5 * scale, rtol=1e-5)
     assert [d["i"] for d in seen] == [d["i"] for d in seen_theirs]
