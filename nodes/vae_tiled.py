@@ -26,7 +26,7 @@ def _common_inputs():
                                        "tooltip": "Working memory for the tiles in GiB (weights and the output "
                                                   "come on top). 0 = auto from the device's free memory."}),
         "overlap": ("INT", {"default": 0, "min": 0, "max": 128, "step": 1,
-                            "tooltip": "Tile overlap in latent pixels. 0 = auto (a quarter of the tile, up to 16)."}),
+                            "tooltip": "Tile overlap in latent pixels. 0 = auto (3/8 of the tile, up to 24)."}),
         "temporal_chunk": ("INT", {"default": 0, "min": 0, "max": 4096, "step": 1,
                                    "tooltip": "Video VAEs: latent frames per chunk. 0 = auto: the VAE's own causal "
                                               "chunking with a per-tile temporal cache (exact in time, flat memory). "
