@@ -1,9 +1,17 @@
 """bench: tiled low-memory VAE decode vs untiled and vs ComfyUI's VAEDecodeTiled (random weights, real shapes).
 
-SDXL: a 1024x1024 image latent (128x128x4) through an SD/SDXL-width KL VAE (quick: 256x256).
-Wan 2.2: a 720p latent (48 ch, 45x80, 16x) through the Wan 2.2 VAE when ComfyUI is importable (quick: tiny).
-Peak = bytes of live tensors allocated during the decode (CUDA: peak allocated). ComfyUI's tiled decode
-runs at the same tile size and overlap as ours. PSNR against the untiled decode of the same VAE.
+One table per case; rows are decoders, measured one after another in this process:
+* SDXL: a 1024x1024 image latent (128x128x4) through a KL VAE of SDXL's widths (quick: 256x256).
+* Wan 2.2: ComfyUI's Wan 2.2 VAE at its real width (48 latent channels, 16x), one latent frame at
+  640x368 (untiled reference fits) and at 1280x720 (untiled is skipped when the cost model, calibrated
+  on this device, says it would not fit in free memory); needs ComfyUI (COMFYUI_PATH).
+
+ComfyUI's VAEDecodeTiled runs with the node's defaults (512 px tiles, 64 px overlap; for video 64
+frames / 8 overlap), through the node itself when ComfyUI's nodes.py is importable. Ours runs at the
+same tile size, once with ComfyUI's overlap and once with our default overlap (the SD decoder needs
+~16 latent px for feather blending to hide the tiles' own GroupNorm statistics). Time = wall seconds
+of one decode; peak = bytes of live tensors allocated during it (weights excluded; CUDA: peak
+allocated); PSNR in dB against the untiled decode of the same VAE and latent.
 """
 from __future__ import annotations
 
@@ -19,6 +27,15 @@ from . import vae_tiling as vt
 from .report import Table, bench_device, human_bytes, synchronize
 
 log = logging.getLogger("comfy_metal")
+
+COMFY_TILE_PX, COMFY_OVERLAP_PX = 512, 64            # VAEDecodeTiled's defaults
+COMFY_TEMPORAL, COMFY_TEMPORAL_OVERLAP = 64, 8
+# Model widths and latent sizes; tests shrink them.
+SDXL_WIDTHS = (128, 256, 512, 512)                  # SDXL's VAE block_out_channels
+SDXL_SIDE = {False: 128, True: 32}                   # latent side: 1024 px (quick: 256 px)
+WAN22_DIM = 160                                      # ComfyUI's Wan 2.2 VAE width (comfy/sd.py)
+WAN22_SIZES = {False: [(23, 40, 1), (45, 80, 1)], True: [(4, 6, 1)]}   # latent (h, w, t)
+COLUMNS = ["decoder", "tiles", "seconds", "peak", "PSNR dB", "time / ComfyUI tiled", "peak / ComfyUI tiled"]
 
 
 def _measure(fn, device, inference=False):
@@ -39,7 +56,7 @@ def _psnr(a, b):
 
 
 def _comfy():
-    """comfy.sd (+ model_management) when ComfyUI is importable (inside ComfyUI, or COMFYUI_PATH set)."""
+    """comfy.sd when ComfyUI is importable (inside ComfyUI, or COMFYUI_PATH set); else the reason."""
     path = os.environ.get("COMFYUI_PATH")
     if path and path not in sys.path:
         sys.path.insert(0, path)
@@ -58,6 +75,42 @@ def _comfy():
         return f"ComfyUI not importable ({type(e).__name__}: {str(e)[:80]})"
 
 
+def _comfy_node_class(name):
+    """A class of ComfyUI's own nodes.py (its top-level module `nodes`, importable once ComfyUI's folder
+    is on sys.path); LookupError when that module is not ComfyUI's or does not import."""
+    import importlib
+
+    try:
+        module = importlib.import_module("nodes")
+    except Exception as e:
+        raise LookupError(f"ComfyUI's nodes.py does not import: {e}") from e
+    if not hasattr(module, name):
+        raise LookupError(f"the top-level module 'nodes' ({getattr(module, '__file__', '?')}) has no {name}")
+    return getattr(module, name)
+
+
+def _comfy_tiled_decode(vae, z):
+    """ComfyUI's VAEDecodeTiled at its defaults -> pixels in [-1, 1], channels first. Through the node
+    class when ComfyUI's nodes.py imports, else the same arithmetic on vae.decode_tiled."""
+    try:
+        node = _comfy_node_class("VAEDecodeTiled")()
+        (img,) = node.decode(vae, {"samples": z}, COMFY_TILE_PX, COMFY_OVERLAP_PX, COMFY_TEMPORAL, COMFY_TEMPORAL_OVERLAP)
+        if z.dim() == 5:
+            img = img.reshape(z.shape[0], -1, *img.shape[1:]).movedim(-1, 1)     # [N, C, T, H, W]
+        else:
+            img = img.movedim(-1, 1)
+    except LookupError:
+        f = vae.spacial_compression_decode()
+        kw = {}
+        if z.dim() == 5:
+            tc = vae.temporal_compression_decode()
+            t = max(2, COMFY_TEMPORAL // tc)
+            kw = {"tile_t": t, "overlap_t": max(1, min(t // 2, COMFY_TEMPORAL_OVERLAP // tc))}
+        img = vae.decode_tiled(z, tile_x=COMFY_TILE_PX // f, tile_y=COMFY_TILE_PX // f, overlap=COMFY_OVERLAP_PX // f, **kw)
+        img = img.movedim(-1, 1)
+    return img * 2 - 1
+
+
 def _random_sd(module: torch.nn.Module, seed=0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     sd = {}
@@ -71,100 +124,175 @@ def _random_sd(module: torch.nn.Module, seed=0) -> dict:
     return sd
 
 
-def _row(table, label, shape, device, ref, ref_t, ref_peak, ours, comfy_fn):
-    out, t, peak = _measure(ours[0], device)
-    info = ours[1]()
-    comfy_cells = ["n/a", "n/a", "n/a"]
-    if comfy_fn is not None:
+class _Case:
+    """One table: rows are decoders of the same latent; ratios against ComfyUI's tiled decode."""
+
+    def __init__(self, title, device):
+        self.table = Table(title, COLUMNS, note="")
+        self.device = device
+        self.ref = None
+        self.comfy = None     # (seconds, peak)
+
+    def note(self, text):
+        self.table.note += ("\n" if self.table.note else "") + text
+
+    def run(self, label, fn, tiles="", inference=False, reference=False, comfy=False):
+        print(f"[bench vae] {self.table.title}: {label} ...", file=sys.stderr, flush=True)
         try:
-            c_out, c_t, c_peak = _measure(comfy_fn, device, inference=True)
-            comfy_cells = [round(c_t, 2), human_bytes(c_peak), round(_psnr(c_out, ref), 1)]
+            out, t, peak = _measure(fn, self.device, inference=inference)
         except Exception as e:
-            comfy_cells = [f"error: {type(e).__name__}: {str(e)[:60]}", "", ""]
-    table.add(label, "x".join(map(str, shape)), f"{info.tiles}x{info.tile}px", round(ref_t, 2), human_bytes(ref_peak),
-              round(t, 2), human_bytes(peak), round(_psnr(out, ref), 1), *comfy_cells)
+            self.table.add(label, tiles() if callable(tiles) else tiles, f"error: {type(e).__name__}: {str(e)[:70]}",
+                           "", "", "", "")
+            return None
+        if reference:
+            self.ref = out
+        if comfy:
+            self.comfy = (t, peak)
+        psnr = "—" if reference else (round(_psnr(out, self.ref), 1) if self.ref is not None else "n/a")
+        ratio_t = f"{t / self.comfy[0]:.2f}x" if self.comfy and not comfy else ("1x" if comfy else "n/a")
+        ratio_p = f"{peak / self.comfy[1]:.2f}x" if self.comfy and not comfy and self.comfy[1] else \
+            ("1x" if comfy else "n/a")
+        self.table.add(label, tiles() if callable(tiles) else tiles, round(t, 2), human_bytes(peak), psnr,
+                       ratio_t, ratio_p)
+        print(f"[bench vae]   {t:.1f} s, peak {human_bytes(peak)}, PSNR {psnr}", file=sys.stderr, flush=True)
+        return out
 
 
-COLUMNS = ["case", "latent", "tiles", "untiled s", "untiled peak", "ours s", "ours peak", "ours PSNR",
-           "ComfyUI tiled s", "ComfyUI tiled peak", "ComfyUI PSNR"]
+def _ours(case, label, codec, z, tile, overlap, shared_stats=False):
+    # the tile is fixed; the auto budget only sizes shared statistics' block cache (a quarter of it)
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=tile, overlap=overlap, shared_stats=shared_stats))
+    case.run(label, lambda: eng.decode(z), tiles=lambda: f"{eng.info.tiles} x {_tile_shape(eng, z)}")
+    return eng
 
 
-def bench(quick: bool = False) -> list[Table]:
-    device = bench_device()
-    table = Table(f"VAE decode, low memory (device {device.type}, random weights)", COLUMNS,
-                  note="PSNR in dB against the untiled decode of the same VAE; peak = tensor bytes during the decode.")
-    try:  # before ComfyUI's path (its test stubs shadow torchvision, which diffusers imports)
-        from diffusers import AutoencoderKL
-    except Exception as e:
-        AutoencoderKL = None
-        diffusers_problem = f"{type(e).__name__}: {e}"
-    comfy_sd = _comfy()
-    if isinstance(comfy_sd, str):
-        table.note += f"\nComfyUI columns n/a: {comfy_sd}"
+def _tile_shape(eng, z):
+    h, w = z.shape[-2:]
+    py = vt.plan_axis(h, min(eng.info.tile, h), eng.info.overlap)
+    px = vt.plan_axis(w, min(eng.info.tile, w), eng.info.overlap)
+    return f"{py[0][1] - py[0][0]}x{px[0][1] - px[0][0]} (ov {eng.info.overlap})"
 
-    # ---- SDXL-width KL VAE
-    side = 32 if quick else 128
+
+def _comfy_tiles(z, scale):
+    t, o = COMFY_TILE_PX // scale, COMFY_OVERLAP_PX // scale
+    return f"3 passes, {t}x{t} (ov {o})" if z.dim() == 4 else f"{t}x{t} (ov {o})"
+
+
+def _sdxl(quick, device, comfy_sd, AutoencoderKL, diffusers_problem) -> Table:
+    side = SDXL_SIDE[quick]
+    case = _Case(f"VAE decode, SDXL {side * 8}x{side * 8} (latent 4x{side}x{side}; device {device.type}, "
+                 f"random weights)", device)
     try:
         if AutoencoderKL is None:
             raise RuntimeError(f"diffusers is needed to build the SDXL-width VAE ({diffusers_problem})")
         torch.manual_seed(0)
         dvae = AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                             block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4)
+                             block_out_channels=SDXL_WIDTHS, layers_per_block=2, latent_channels=4)
         sd = _random_sd(dvae)
         z = torch.randn(1, 4, side, side, device=device)
-        tile = max(16, side // 2)
-        overlap = max(4, tile // 4)
+        if quick:
+            tile, comfy_overlap = 16, 2
+        else:
+            tile, comfy_overlap = COMFY_TILE_PX // 8, COMFY_OVERLAP_PX // 8
         if not isinstance(comfy_sd, str):
-            vae = comfy_sd.VAE(sd=sd, device=device, dtype=torch.float32)
+            # decoder weights only (the bench decodes): ComfyUI infers the decoder's widths from them
+            decoder_sd = {k: v for k, v in sd.items() if not k.startswith(("encoder.", "quant_conv."))}
+            vae = comfy_sd.VAE(sd=decoder_sd, device=device, dtype=torch.float32)
             fsm = vae.first_stage_model.to(device)
-            ref, ref_t, ref_peak = _measure(lambda: fsm.decode(z), device)
             codec = vt.codec_from_comfy(vae)
-            comfy_fn = lambda: vae.decode_tiled(z, tile_x=tile, tile_y=tile, overlap=overlap).movedim(-1, 1) * 2 - 1
+            case.run("untiled (ComfyUI VAE.decode)", lambda: fsm.decode(z), "1", reference=True)
+            if quick:
+                case.run("ComfyUI tiled", lambda: vae.decode_tiled(z, tile_x=tile, tile_y=tile,
+                                                                    overlap=comfy_overlap).movedim(-1, 1) * 2 - 1,
+                         f"3 passes, {tile}x{tile} (ov {comfy_overlap})", inference=True, comfy=True)
+            else:
+                case.run("ComfyUI VAEDecodeTiled (defaults)", lambda: _comfy_tiled_decode(vae, z),
+                         _comfy_tiles(z, 8), inference=True, comfy=True)
         else:
             dvae.load_state_dict(sd)
             dvae = dvae.to(device).eval()
-            ref, ref_t, ref_peak = _measure(lambda: dvae.decode(z).sample, device)
             codec = vt.codec_from_diffusers(dvae)
-            comfy_fn = None
-        eng = vt.TiledVAE(codec, vt.TilingOptions(tile=tile, overlap=overlap))
-        _row(table, f"SDXL {side * 8}^2, feather", z.shape, device, ref, ref_t, ref_peak,
-             (lambda: eng.decode(z), lambda: eng.info), comfy_fn)
-        eng2 = vt.TiledVAE(codec, vt.TilingOptions(tile=tile, overlap=overlap, shared_stats=True))
-        _row(table, f"SDXL {side * 8}^2, shared stats", z.shape, device, ref, ref_t, ref_peak,
-             (lambda: eng2.decode(z), lambda: eng2.info), None)
-        table.note += (f"\nshared stats: all tiles in lock-step from one GroupNorm to the next "
-                       f"({eng2.info.passes} passes over {eng2.info.tiles} tiles, each recomputing only the block "
-                       f"holding its GroupNorm; finished blocks cached on the CPU, up to the budget, counted in "
-                       f"'ours peak' on CPU). Exact statistics need a halo (overlap / 2) of ~17 latent px (the SD "
-                       f"decoder's conv receptive field, measured 16.25); at {overlap}px overlap both modes are "
-                       f"limited by the halo (and the mid-block attention sees one tile).")
-        del ref
+            case.run("untiled (diffusers decode)", lambda: dvae.decode(z).sample, "1", reference=True)
+            case.note(f"ComfyUI rows n/a: {comfy_sd}")
+        _ours(case, "ours, feather, ComfyUI's overlap", codec, z, tile, comfy_overlap)
+        _ours(case, "ours, feather", codec, z, tile, vt.default_overlap(tile))
+        eng = _ours(case, "ours, shared GroupNorm stats", codec, z, tile, vt.default_overlap(tile), shared_stats=True)
+        case.note(f"Ours is one pass at ComfyUI's tile size (tiles shrunk to the shortest length covering the "
+                  f"image). Shared stats runs all tiles in lock-step from one GroupNorm to the next "
+                  f"({eng.info.passes} passes, each recomputing only the block holding that GroupNorm from each "
+                  f"tile's latest finished block, cached: {human_bytes(eng.info.stats_cache_peak)} at most, "
+                  f"within a quarter of the auto budget, counted in its peak). Feather-only tiles each "
+                  f"normalise themselves; PSNR rises with the overlap up to the decoder's receptive field "
+                  f"(~16 latent px of halo).")
     except Exception as e:
-        table.note += f"\nSDXL case failed: {type(e).__name__}: {e}"
+        case.note(f"SDXL case failed: {type(e).__name__}: {e}")
+    return case.table
 
-    # ---- Wan 2.2 VAE (ComfyUI's), 720p latent
-    if not isinstance(comfy_sd, str):
+
+def _available_bytes():
+    try:
+        import psutil
+
+        return psutil.virtual_memory().available
+    except Exception:
+        return None
+
+
+def _wan22(quick, device, comfy_sd) -> list[Table]:
+    if isinstance(comfy_sd, str):
+        t = Table("VAE decode, Wan 2.2", COLUMNS, note=f"Needs ComfyUI's Wan 2.2 VAE (set COMFYUI_PATH): {comfy_sd}")
+        return [t]
+    import comfy.ldm.wan.vae2_2 as wan22
+
+    torch.manual_seed(0)
+    model = wan22.WanVAE(dim=WAN22_DIM, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                         temperal_downsample=[False, True, True])       # ComfyUI's Wan 2.2 config (sd.py)
+    vae = comfy_sd.VAE(sd=_random_sd(model), device=device, dtype=torch.float32)
+    del model
+    fsm = vae.first_stage_model.to(device)
+    codec = vt.codec_from_comfy(vae)
+    tables = []
+    for h, w, t in WAN22_SIZES[quick]:
+        case = _Case(f"VAE decode, Wan 2.2 {w * 16}x{h * 16}, {1 + 4 * (t - 1)} frame(s) (latent 48x{t}x{h}x{w}; "
+                     f"device {device.type}, random weights)", device)
         try:
-            import comfy.ldm.wan.vae2_2 as wan22
-
-            dim = 160   # ComfyUI builds the Wan 2.2 VAE at its real width
-            model = wan22.WanVAE(dim=dim, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-                                 temperal_downsample=[False, True, True])
-            vae = comfy_sd.VAE(sd=_random_sd(model), device=device, dtype=torch.float32)
-            h, w, t = (4, 6, 2) if quick else (45, 80, 5)
             z = torch.randn(1, 48, t, h, w, device=device)
-            fsm = vae.first_stage_model.to(device)
-            ref, ref_t, ref_peak = _measure(lambda: fsm.decode(z), device)
-            tile = max(4, min(h, w) // 2 + 2)
-            overlap = max(2, tile // 4)
-            codec = vt.codec_from_comfy(vae)
-            eng = vt.TiledVAE(codec, vt.TilingOptions(tile=tile, overlap=overlap))
-            comfy_fn = lambda: vae.decode_tiled(z, tile_x=tile, tile_y=tile, overlap=overlap, tile_t=64,
-                                                overlap_t=8).movedim(-1, 1) * 2 - 1
-            _row(table, f"Wan 2.2 {h * 16}x{w * 16}x{1 + 4 * (t - 1)}f", z.shape, device, ref, ref_t, ref_peak,
-                 (lambda: eng.decode(z), lambda: eng.info), comfy_fn)
+            tile = 6 if quick else COMFY_TILE_PX // 16
+            comfy_overlap = 1 if quick else COMFY_OVERLAP_PX // 16
+            need = None
+            if device.type == "cpu":
+                probe = vt.TiledVAE(codec)
+                a, b = probe.calibrate(codec.decode_stream, z)
+                need = a + b * h * w
+            free = _available_bytes()
+            if need is not None and free is not None and need > 0.7 * free:
+                case.table.add("untiled (ComfyUI VAE.decode)", "1", "skipped", f"~{human_bytes(need)} predicted", "",
+                               "", "")
+                case.note(f"Untiled skipped: the cost model calibrated on this device predicts "
+                          f"{human_bytes(need)}, more than 70% of the {human_bytes(free)} free; no PSNR without it.")
+            else:
+                case.run("untiled (ComfyUI VAE.decode)", lambda: fsm.decode(z), "1", reference=True)
+            if quick:
+                case.run("ComfyUI tiled", lambda: vae.decode_tiled(z, tile_x=tile, tile_y=tile, overlap=comfy_overlap,
+                                                                    tile_t=16, overlap_t=2).movedim(-1, 1) * 2 - 1,
+                         f"{tile}x{tile} (ov {comfy_overlap})", inference=True, comfy=True)
+            else:
+                case.run("ComfyUI VAEDecodeTiled (defaults)", lambda: _comfy_tiled_decode(vae, z), _comfy_tiles(z, 16),
+                         inference=True, comfy=True)
+            _ours(case, "ours, ComfyUI's overlap", codec, z, tile, comfy_overlap)
+            _ours(case, "ours", codec, z, tile, vt.default_overlap(tile))
+            case.note("Ours decodes each spatial tile causally, chunk by chunk, with its own temporal cache.")
         except Exception as e:
-            table.note += f"\nWan 2.2 case failed: {type(e).__name__}: {e}"
-    else:
-        table.note += "\nWan 2.2 case needs ComfyUI's Wan 2.2 VAE (set COMFYUI_PATH)."
-    return [table]
+            case.note(f"Wan 2.2 case failed: {type(e).__name__}: {e}")
+        tables.append(case.table)
+    return tables
+
+
+def bench(quick: bool = False) -> list[Table]:
+    device = bench_device()
+    AutoencoderKL, diffusers_problem = None, ""
+    try:  # before ComfyUI's path (its test stubs shadow torchvision, which diffusers imports)
+        from diffusers import AutoencoderKL
+    except Exception as e:
+        diffusers_problem = f"{type(e).__name__}: {e}"
+    comfy_sd = _comfy()
+    return [_sdxl(quick, device, comfy_sd, AutoencoderKL, diffusers_problem), *_wan22(quick, device, comfy_sd)]

@@ -2,6 +2,7 @@
 untiled decode/encode of diffusers' AutoencoderKL and AutoencoderKLWan (small random configs)."""
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -327,3 +328,60 @@ def test_shared_statistics_stay_within_the_budget(kl_vae):
     assert eng.info.tiles > 1 and eng.info.shared_stats
     output_buffers = 2 * out.numel() * 4          # the fp32 output and its feather-weight accumulator
     assert tiled["peak"] <= budget + output_buffers, (tiled["peak"], budget, output_buffers)
+
+
+# ---------------------------------------------------------------- bench section
+
+
+def _cell_float(v):
+    return float(v) if isinstance(v, (int, float)) else float(str(v).rstrip("x"))
+
+
+def test_bench_section_without_comfyui(monkeypatch):
+    """`bench` of nodes/bench_vae.py on a narrow SDXL-shaped VAE without ComfyUI: untiled and our three
+    decoders measured, PSNR against untiled above the feather bar at this overlap, ComfyUI columns n/a
+    with the reason, and the Wan table saying what it needs."""
+    pytest.importorskip("diffusers")
+    from comfy_metal.nodes import bench_vae
+
+    monkeypatch.setattr(bench_vae, "SDXL_WIDTHS", (32, 64, 128, 128))   # SD ratios (ComfyUI infers them)
+    monkeypatch.setattr(bench_vae, "SDXL_SIDE", {True: 24, False: 24})
+    monkeypatch.setattr(bench_vae, "_comfy", lambda: "ComfyUI not importable (test)")
+    sdxl, wan = bench_vae.bench(quick=True)
+    labels = [r[0] for r in sdxl.rows]
+    assert labels == ["untiled (diffusers decode)", "ours, feather, ComfyUI's overlap", "ours, feather",
+                      "ours, shared GroupNorm stats"], sdxl.render()
+    for row in sdxl.rows[1:]:
+        tiles, seconds, psnr = row[1], row[2], row[4]
+        assert int(tiles.split(" x ")[0]) == 4 and _cell_float(seconds) > 0, sdxl.render()
+        assert 20 < _cell_float(psnr) < 200 and row[5] == "n/a", sdxl.render()
+    assert "ComfyUI rows n/a: ComfyUI not importable (test)" in sdxl.note
+    assert not wan.rows and "COMFYUI_PATH" in wan.note
+
+
+def test_shared_statistics_sequential_cache_keeps_one_block_per_tile(kl_vae, kl_case):
+    """A chain decoder (diffusers' KL) keeps only each tile's latest finished block: the same pixels as
+    keeping every block, a far smaller cache, and under a cache limit fewer recomputed blocks."""
+    z, _ = kl_case
+    codec = vt.codec_from_diffusers(kl_vae)
+    assert codec.sequential_blocks
+    opts = dict(tile=32, overlap=12, shared_stats=True)
+    chain = vt.TiledVAE(codec, vt.TilingOptions(**opts, stats_cache_bytes=1 << 40))
+    out = chain.decode(z)
+    keep_all = vt.TiledVAE(dataclasses.replace(codec, sequential_blocks=False),
+                           vt.TilingOptions(**opts, stats_cache_bytes=1 << 40))
+    torch.testing.assert_close(keep_all.decode(z), out, atol=1e-5, rtol=0)
+    print("cache peak: chain", chain.info.stats_cache_peak, "keep all", keep_all.info.stats_cache_peak)
+    assert chain.info.stats_cache_peak * 2 < keep_all.info.stats_cache_peak
+    assert chain.info.blocks_computed == keep_all.info.blocks_computed     # nothing recomputed either way
+    # a cache limit that holds one block per tile but not all of them
+    limit = chain.info.stats_cache_peak
+    chain_l = vt.TiledVAE(codec, vt.TilingOptions(**opts, stats_cache_bytes=limit))
+    keep_l = vt.TiledVAE(dataclasses.replace(codec, sequential_blocks=False),
+                         vt.TilingOptions(**opts, stats_cache_bytes=limit))
+    torch.testing.assert_close(chain_l.decode(z), out, atol=1e-5, rtol=0)
+    torch.testing.assert_close(keep_l.decode(z), out, atol=1e-5, rtol=0)
+    print("blocks computed under the limit: chain", chain_l.info.blocks_computed, "keep all",
+          keep_l.info.blocks_computed)
+    assert chain_l.info.blocks_computed == chain.info.blocks_computed
+    assert keep_l.info.blocks_computed > chain_l.info.blocks_computed

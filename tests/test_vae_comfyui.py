@@ -152,3 +152,38 @@ def test_unknown_vae_falls_back_to_comfyui_tiled(comfyui, sd_vae, caplog, monkey
         (images,) = MetalVAEDecodeTiled().decode({"samples": z}, sd_vae)
     assert images.shape == (1, 64, 64, 3)
     assert "ComfyUI's own tiled decode" in caplog.text
+
+
+def test_bench_section_against_comfyui_tiled(comfyui, monkeypatch):
+    """`bench` of nodes/bench_vae.py against the real ComfyUI (narrow SDXL-shaped VAE, the quick Wan 2.2
+    case at ComfyUI's real Wan 2.2 width): ComfyUI's tiled decode measured and every one of our rows
+    given as a ratio of its time and peak, PSNR filled."""
+    from comfy_metal.nodes import bench_vae
+
+    monkeypatch.setattr(bench_vae, "SDXL_WIDTHS", (32, 64, 128, 128))   # SD ratios (ComfyUI infers them)
+    monkeypatch.setattr(bench_vae, "SDXL_SIDE", {True: 24, False: 24})
+    sdxl, wan = bench_vae.bench(quick=True)
+    for table in (sdxl, wan):
+        rows = {r[0]: r for r in table.rows}
+        assert rows["ComfyUI tiled"][5] == "1x", table.render()
+        ours = [r for r in table.rows if r[0].startswith("ours")]
+        assert len(ours) >= 2, table.render()
+        for r in ours:
+            assert r[5].endswith("x") and r[6].endswith("x") and _psnr_cell(r[4]) > 20, table.render()
+
+
+def _psnr_cell(v):
+    return float("inf") if v == "inf" else float(v)
+
+
+def test_bench_runs_comfyuis_own_tiled_decode_node(comfyui, sd_vae):
+    """The full-size bench calls ComfyUI's VAEDecodeTiled node at its defaults: the same pixels as
+    vae.decode_tiled with the node's arithmetic (512 px tiles, 64 px overlap -> 64 / 8 latent px)."""
+    from comfy_metal.nodes import bench_vae
+
+    torch.manual_seed(0)
+    z = torch.randn(1, 4, 72, 80)
+    got = bench_vae._comfy_tiled_decode(sd_vae, z)
+    want = sd_vae.decode_tiled(z, tile_x=64, tile_y=64, overlap=8).movedim(-1, 1) * 2 - 1
+    assert got.shape == (1, 3, 576, 640)
+    torch.testing.assert_close(got, want)
