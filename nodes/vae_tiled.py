@@ -1,8 +1,9 @@
 """ComfyUI nodes: "VAE Decode (Low Memory, Metal)" and "VAE Encode (Low Memory, Metal)".
 
 Single-pass feathered tiling within a memory budget (nodes/vae_tiling.py), on the VAE object ComfyUI
-hands the node: SD/SDXL (4 ch) and Flux/SD3 (16 ch) KL VAEs, Wan 2.1 / Qwen-Image and Wan 2.2 causal
-video VAEs. Any other VAE falls back to ComfyUI's own tiled decode/encode with a log line.
+hands the node: SD/SDXL (4 ch) and Flux/SD3 (16 ch) KL VAEs, Wan 2.1 / Qwen-Image, Wan 2.2 and
+HunyuanVideo 1.0 causal video VAEs. Any other VAE falls back to ComfyUI's own tiled decode/encode with
+a log line.
 """
 from __future__ import annotations
 

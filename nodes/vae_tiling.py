@@ -19,6 +19,8 @@ the core is testable without ComfyUI.
 * Video (causal 3D VAEs: Wan 2.1 / Qwen-Image, Wan 2.2): each spatial tile is decoded chunk by
   chunk through the VAE's own decoder with its own temporal feature cache (`feat_cache`), and each
   chunk goes straight into the accumulator, so working memory is flat in the number of frames.
+  HunyuanVideo 1.0 (ComfyUI's SD decoder with causal 3-D convolutions): the mid block runs over all
+  latent frames of the tile, then the up path two latent frames at a time with its conv carries.
 * Budget: the tile size comes from a linear cost model (peak = a + b * tile latent area) calibrated
   by measuring the peak of two small tiles on the actual device (CUDA peak allocated; elsewhere the
   live bytes of every tensor the decode allocates, tracked by a TorchDispatchMode).
@@ -33,6 +35,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import sys
 import time
 import weakref
 from typing import Callable, Iterator
@@ -548,6 +551,9 @@ class Codec:
     out_channels: int = 3
     latent_channels: int = 4
     sequential_blocks: bool = False   # the decoder is a plain chain of its blocks (shared statistics' cache)
+    calibrate_all_frames: bool = False   # video: the decoder holds every latent frame at once (a mid block over
+                                         # the whole clip), so its peak grows with the frame count: calibrate
+                                         # the cost model on the real frame count, not on two frames
 
     def frames_out(self, t_latent: int) -> int:
         return t_latent if not self.video else 1 + 4 * (t_latent - 1)
@@ -649,7 +655,71 @@ def codec_from_comfy(vae) -> Codec | None:
         return Codec("comfy-wan22", int(scale), decode=lambda z: fsm.decode(z), encode=lambda x: fsm.encode(x),
                      decode_stream=stream, module=fsm, device=device, dtype=dtype, video=True,
                      out_channels=3, latent_channels=vae.latent_channels)
+    hunyuan = _comfy_hunyuan_video_codec(vae, fsm, latent_dim, scale, device, dtype)
+    if hunyuan is not None:
+        return hunyuan
     return None
+
+
+def _comfy_hunyuan_video_codec(vae, fsm, latent_dim, scale, device, dtype) -> Codec | None:
+    """HunyuanVideo 1.0: ComfyUI's SD Encoder/Decoder (diffusionmodules.model) built with causal 3-D
+    convolutions (`ddconfig["conv3d"]`, `time_compress=4`), 8x spatial, 4x temporal.
+
+    Its decoder runs conv_in and the mid block (attention included) over every latent frame at once,
+    then the up path on chunks of two latent frames, each causal convolution carrying its last two
+    input frames to the next chunk (`conv_carry_causal_3d`). `decode_stream` drives the same modules in
+    the same order and yields each chunk's frames as soon as they are decoded, so per spatial tile only
+    the latent-resolution mid activations hold all frames; the full-resolution work is flat in the
+    frame count. Decoders without the carried path (VideoConv3d: attention at some resolution) decode
+    each spatial tile whole. The encoder chunks its input itself (`fsm.encode` per spatial tile)."""
+    dec, enc = getattr(fsm, "decoder", None), getattr(fsm, "encoder", None)
+    if latent_dim != 3 or type(fsm).__name__ not in ("AutoencoderKL", "AutoencodingEngineLegacy") \
+            or not type(fsm).__module__.endswith("models.autoencoder") or getattr(fsm, "bn", None) is not None:
+        return None
+    if type(dec).__name__ != "Decoder" or not type(dec).__module__.endswith("diffusionmodules.model"):
+        return None
+    conv3d = ("CarriedConv3d", "VideoConv3d")
+    if type(getattr(dec, "conv_in", None)).__name__ not in conv3d:
+        return None
+    try:
+        tc = vae.temporal_compression_decode() if hasattr(vae, "temporal_compression_decode") else None
+    except Exception:
+        tc = None
+    if tc != 4:
+        return None          # Codec.frames_out assumes 1 + 4 * (t - 1)
+    encode = None
+    if type(enc).__name__ == "Encoder" and type(enc).__module__.endswith("diffusionmodules.model") \
+            and type(getattr(enc, "conv_in", None)).__name__ in conv3d:
+        encode = lambda x: fsm.encode(x)
+    stream = None
+    dm = sys.modules.get(type(dec).__module__)
+    step = getattr(dm, "conv_carry_causal_3d", None)
+    if step is not None and getattr(dec, "carried", False) and hasattr(dm, "nonlinearity") \
+            and all(len(getattr(u, "attn", ())) == 0 for u in dec.up) and not getattr(fsm, "max_batch_size", None):
+        def stream(z):
+            h = step([fsm.post_quant_conv(z)], dec.conv_in)
+            h = dec.mid.block_1(h, None)
+            h = dec.mid.attn_1(h)
+            h = dec.mid.block_2(h, None)
+            n = h.shape[2]
+            carry_in = None
+            for a in range(0, n, 2):
+                carry_out = [] if a + 2 < n else None     # the last chunk carries nothing on
+                x = h[:, :, a:a + 2]
+                for level in reversed(range(dec.num_resolutions)):
+                    for block in dec.up[level].block:
+                        x = block(x, None, carry_in, carry_out)
+                    if level != 0:
+                        x = dec.up[level].upsample(x, carry_in, carry_out)
+                x = step([dm.nonlinearity(dec.norm_out(x))], dec.conv_out, carry_in, carry_out)
+                if getattr(dec, "tanh_out", False):
+                    x = torch.tanh(x)
+                yield x
+                carry_in = carry_out
+    return Codec("comfy-hunyuan-video", int(scale), decode=lambda z: fsm.decode(z), encode=encode,
+                 decode_stream=stream, module=fsm, device=device, dtype=dtype, video=True,
+                 out_channels=getattr(vae, "output_channels", 3), latent_channels=vae.latent_channels,
+                 calibrate_all_frames=True)
 
 
 def codec_from_fn(decode_fn, scale: int, encode_fn=None, module=None, device="cpu", dtype=torch.float32) -> Codec:
@@ -736,7 +806,7 @@ class TiledVAE:
             th, tw = min(s, h), min(s, w)
             shape = list(sample.shape)
             shape[-2], shape[-1] = th * f, tw * f
-            if self.codec.video and not encode:
+            if self.codec.video and not encode and not self.codec.calibrate_all_frames:
                 shape[2] = min(shape[2], 2)   # first chunk + one steady-state chunk
             z = torch.randn(shape, device=self.codec.device, dtype=self.codec.dtype)
             pts.append((th * tw, self._measure_tile(fn, z)))

@@ -187,3 +187,93 @@ def test_bench_runs_comfyuis_own_tiled_decode_node(comfyui, sd_vae):
     want = sd_vae.decode_tiled(z, tile_x=64, tile_y=64, overlap=8).movedim(-1, 1) * 2 - 1
     assert got.shape == (1, 3, 576, 640)
     torch.testing.assert_close(got, want)
+
+
+@pytest.fixture(scope="module")
+def hunyuan_vae(comfyui):
+    """HunyuanVideo 1.0 VAE as comfy.sd.VAE builds it from a state dict in its key layout (the
+    `decoder.conv_in.conv.weight` branch: SD Encoder/Decoder with causal 3-D convolutions, 16 latent
+    channels, 8x spatial, 4x temporal). That branch hard-codes the real width (ch 128, ~250M parameters),
+    so comfy.sd's AutoencoderKL is narrowed to ch 32 while the VAE is built; everything else, the
+    detection included, is ComfyUI's."""
+    import comfy.sd
+    from comfy.ldm.models.autoencoder import AutoencoderKL
+
+    seen = {}
+
+    def narrow(ddconfig, embed_dim, **kw):
+        seen.update(ddconfig)
+        return AutoencoderKL(ddconfig={**ddconfig, "ch": 32}, embed_dim=embed_dim, **kw)
+
+    ddconfig = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 32,
+                "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0,
+                "conv3d": True, "time_compress": 4}
+    sd = _fill(AutoencoderKL(ddconfig=ddconfig, embed_dim=16), 2)
+    assert "decoder.conv_in.conv.weight" in sd
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(comfy.sd, "AutoencoderKL", narrow)
+        vae = comfy.sd.VAE(sd=sd)
+    assert seen.get("conv3d") is True and seen.get("time_compress") == 4, seen     # ComfyUI's HunyuanVideo branch
+    assert vae.latent_dim == 3 and vae.latent_channels == 16 and vae.temporal_compression_decode() == 4
+    return vae
+
+
+def test_hunyuan_video_decode_and_encode_tiled_vs_untiled(comfyui, hunyuan_vae, caplog):
+    """HunyuanVideo 1.0: spatial tiles, each decoded causally two latent frames at a time through the
+    decoder's own carried 3-D convolutions (decode_stream), against ComfyUI's untiled decode; the
+    node tiles it (not the fallback); encode tiles through the encoder's own chunking."""
+    import dataclasses
+
+    from comfy_metal.nodes import vae_tiling as vt
+    from comfy_metal.nodes.vae_tiled import MetalVAEDecodeTiled, MetalVAEEncodeTiled
+
+    vae = hunyuan_vae
+    codec = vt.codec_from_comfy(vae)
+    assert codec is not None and codec.name == "comfy-hunyuan-video" and codec.video and codec.scale == 8
+    assert codec.decode_stream is not None and codec.encode is not None and not codec.sequential_blocks
+    torch.manual_seed(2)
+    small = torch.randn(1, 16, 4, 12, 10)
+    # one tile: the chunked stream (three chunks of up to two latent frames, causal carries) is exact
+    one = vt.TiledVAE(codec, vt.TilingOptions(tile=12)).decode(small)
+    want = vae.decode(small)
+    assert one.shape == (1, 3, 13, 96, 80) and want.shape == (1, 13, 96, 80, 3)
+    assert _psnr01(vae.process_output(one).movedim(1, -1), want) >= 60
+    # 2 x 2 tiles: streamed chunks accumulate exactly as each tile's whole (non-streamed 5-D) decode does
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=8, overlap=4))
+    streamed = eng.decode(small)
+    assert eng.info.tiles == 4
+    whole = vt.TiledVAE(dataclasses.replace(codec, decode_stream=None), vt.TilingOptions(tile=8, overlap=4)).decode(small)
+    assert whole.shape == streamed.shape == one.shape
+    torch.testing.assert_close(streamed, whole, atol=1e-4, rtol=1e-4)
+
+    z = torch.randn(1, 16, 2, 40, 32)
+    ref = vae.decode(z)                                       # [1, 5, 320, 256, 3]
+    assert ref.shape == (1, 5, 320, 256, 3)
+    assert float((ref[:, 0] - ref[:, -1]).abs().mean()) > 1e-3     # the frames differ
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=14))
+    out = eng.decode(z)
+    assert eng.info.tiles == 4
+    p = _psnr01(vae.process_output(out).movedim(1, -1), ref)
+    print("ComfyUI HunyuanVideo decode PSNR", p, "tiles", eng.info.tiles)
+    assert p >= 32.0
+    with caplog.at_level("INFO", logger="comfy_metal"):
+        (images,) = MetalVAEDecodeTiled().decode({"samples": z}, vae, memory_budget_gb=0.5, overlap=14)
+    assert "ComfyUI's own tiled decode" not in caplog.text
+    assert images.shape == (5, 320, 256, 3) and images.min() >= 0 and images.max() <= 1
+    p = _psnr01(images, ref.reshape(images.shape))
+    print("node PSNR", p, "tiles", _tiles_logged(caplog.text))
+    assert _tiles_logged(caplog.text) > 1 and p >= 28.0
+
+    pixels = ref.reshape(images.shape)
+    lat_ref = vae.encode(pixels)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="comfy_metal"):
+        (lat,) = MetalVAEEncodeTiled().encode(pixels, vae, memory_budget_gb=0.5, overlap=14)
+    assert "ComfyUI's own tiled encode" not in caplog.text
+    print("encode tiles", _tiles_logged(caplog.text))
+    assert _tiles_logged(caplog.text) > 1
+    assert lat["samples"].shape == lat_ref.shape == (1, 16, 2, 40, 32)
+    mse = float(((lat["samples"] - lat_ref) ** 2).mean())
+    p = 10 * math.log10(float(lat_ref.abs().max()) ** 2 / mse) if mse else float("inf")
+    print("ComfyUI HunyuanVideo encode PSNR", p)
+    assert p >= 32.0
