@@ -49,6 +49,17 @@ except ImportError as e:  # only while that module does not exist yet
 
 
 @pytest.fixture
+def reference_backend(monkeypatch):
+    """Every public kernel takes its pure-torch reference."""
+    from comfy_metal.metal_kernels import dispatch
+
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "reference")
+    dispatch.reset()
+    yield
+    dispatch.reset()
+
+
+@pytest.fixture
 def emulator_backend(monkeypatch):
     """Every public kernel runs its real Metal source and launch glue through the MSL emulator on
     CPU tensors. Skips only when clang-19 is missing: an emulator that fails to import fails."""

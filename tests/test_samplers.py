@@ -93,14 +93,6 @@ def _emulator_reason():
     return None if emulator.available() else "clang-19 not found: MSL emulator unavailable"
 
 
-@pytest.fixture
-def reference_backend(monkeypatch):
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "reference")
-    dispatch.reset()
-    yield
-    dispatch.reset()
-
-
 def _run(name, model, x, sigmas, **kw):
     kw.setdefault("extra_args", {"seed": 42})
     return S.SAMPLER_FUNCTIONS[name](model, x.clone(), sigmas.clone(), disable=True, **kw)

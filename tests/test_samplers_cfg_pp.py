@@ -28,7 +28,7 @@ import sync_count
 from comfy_metal.metal_kernels import dispatch
 from comfy_metal.nodes import samplers as S
 from test_samplers import CONST, ToyDenoiser, ToyEPS, _comfy_model_sampling, _conds, _emulator_reason, \
-    _tiny_unet_patcher, toy_schedule
+    _run, _tiny_unet_patcher, toy_schedule
 
 CFG_PP = ("euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp", "dpmpp_2s_ancestral_cfg_pp",
           "res_multistep_cfg_pp")
@@ -90,19 +90,6 @@ def standin_model_patcher(monkeypatch):
 @pytest.fixture
 def no_model_patcher(monkeypatch):
     monkeypatch.delitem(sys.modules, "comfy.model_patcher", raising=False)
-
-
-@pytest.fixture
-def reference_backend(monkeypatch):
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "reference")
-    dispatch.reset()
-    yield
-    dispatch.reset()
-
-
-def _run(name, model, x, sigmas, **kw):
-    kw.setdefault("extra_args", {"seed": 42})
-    return S.SAMPLER_FUNCTIONS[name](model, x.clone(), sigmas.clone(), disable=True, **kw)
 
 
 def _setup(kind, steps=5, shape=(1, 4, 3, 5), seed=2):
