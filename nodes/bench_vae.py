@@ -2,9 +2,10 @@
 
 One table per case; rows are decoders, measured one after another in this process:
 * SDXL: a 1024x1024 image latent (128x128x4) through a KL VAE of SDXL's widths (quick: 256x256).
-* Wan 2.2: ComfyUI's Wan 2.2 VAE at its real width (48 latent channels, 16x), one latent frame at
-  640x368 (untiled reference fits) and at 1280x720 (untiled is skipped when the cost model, calibrated
-  on this device, says it would not fit in free memory); needs ComfyUI (COMFYUI_PATH).
+* Wan 2.2: ComfyUI's Wan 2.2 VAE at its real width (48 latent channels, 16x): 640x368 with 9 frames
+  (3 latent frames; the untiled reference fits) and one frame at 1280x720 (untiled is skipped when the
+  cost model, calibrated on this device, says it would not fit in free memory); needs ComfyUI
+  (COMFYUI_PATH).
 
 ComfyUI's VAEDecodeTiled runs with the node's defaults (512 px tiles, 64 px overlap; for video 64
 frames / 8 overlap), through the node itself when ComfyUI's nodes.py is importable. Ours runs at the
@@ -34,7 +35,7 @@ COMFY_TEMPORAL, COMFY_TEMPORAL_OVERLAP = 64, 8
 SDXL_WIDTHS = (128, 256, 512, 512)                  # SDXL's VAE block_out_channels
 SDXL_SIDE = {False: 128, True: 32}                   # latent side: 1024 px (quick: 256 px)
 WAN22_DIM = 160                                      # ComfyUI's Wan 2.2 VAE width (comfy/sd.py)
-WAN22_SIZES = {False: [(23, 40, 1), (45, 80, 1)], True: [(4, 6, 1)]}   # latent (h, w, t)
+WAN22_SIZES = {False: [(23, 40, 3), (45, 80, 1)], True: [(4, 6, 1)]}   # latent (h, w, t)
 COLUMNS = ["decoder", "tiles", "seconds", "peak", "PSNR dB", "time / ComfyUI tiled", "peak / ComfyUI tiled"]
 
 
