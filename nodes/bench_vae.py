@@ -150,9 +150,10 @@ class _Case:
         if comfy:
             self.comfy = (t, peak)
         psnr = "—" if reference else (round(_psnr(out, self.ref), 1) if self.ref is not None else "n/a")
-        ratio_t = f"{t / self.comfy[0]:.2f}x" if self.comfy and not comfy else ("1x" if comfy else "n/a")
-        ratio_p = f"{peak / self.comfy[1]:.2f}x" if self.comfy and not comfy and self.comfy[1] else \
-            ("1x" if comfy else "n/a")
+        ratio_t = ratio_p = "1x" if comfy else "n/a"
+        if self.comfy and not comfy:
+            ratio_t = f"{t / self.comfy[0]:.2f}x"
+            ratio_p = f"{peak / self.comfy[1]:.2f}x" if self.comfy[1] else "n/a"
         self.table.add(label, tiles() if callable(tiles) else tiles, round(t, 2), human_bytes(peak), psnr,
                        ratio_t, ratio_p)
         print(f"[bench vae]   {t:.1f} s, peak {human_bytes(peak)}, PSNR {psnr}", file=sys.stderr, flush=True)
