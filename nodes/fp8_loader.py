@@ -174,6 +174,12 @@ def load_text_encoder(path, clip_type="stable_diffusion", device="gpu", compute_
                         model_options=opts, disable_dynamic=True)
     clip.patcher = wrap_patcher(clip.patcher)
     clip.patcher.cached_patcher_init = None
+    # The encoder runs later inside a core node (CLIPTextEncode): its FP8 kernels' backends go to
+    # that node's badge through forward hooks on the encoder (nodes/status.py).
+    from .fp8_ops import RUN_KERNELS
+    from .status import record_forward_kernels
+
+    record_forward_kernels(clip.cond_stage_model, RUN_KERNELS)
     return clip
 
 

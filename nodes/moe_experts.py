@@ -32,6 +32,9 @@ from ..metal_kernels import moe as moe_kernels
 
 log = logging.getLogger("comfy_metal")
 
+# The registry kernels the sync-free experts path can call (torch._grouped_mm records none).
+EXPERTS_KERNELS = ("moe_experts_gemm", "moe_grouped_gemm")
+
 FP8_FORMATS = {"float8_e4m3fn": "e4m3fn", "float8_e5m2": "e5m2"}
 
 
@@ -148,5 +151,11 @@ def patch_clip(clip):
     clip = clip.clone()
     for key, fn in patches.items():
         clip.patcher.add_object_patch(key, fn)
+    # The experts run later inside a core node (CLIPTextEncode): their kernels' backends go to that
+    # node's badge through forward hooks on the encoder (nodes/status.py; no record when the
+    # unpatched clone, sharing the model, runs none of them).
+    from .status import record_forward_kernels
+
+    record_forward_kernels(clip.cond_stage_model, EXPERTS_KERNELS)
     log.info("comfy_metal: %d MoE experts modules run through the sync-free grouped path", len(patches))
     return clip

@@ -16,7 +16,9 @@ Per-node backends: a node of the pack calls, at the end of its function,
     from .status import record_node_backend
     record_node_backend("MetalKSampler", ["sampler_euler_step", ...])
 
-with the kernels it called. The record (backend per kernel + the dispatcher's reason) is kept for
+with the kernels it called. Code that runs inside a core node records for the executing node:
+`recording_kernels(None, kernels)` around a block, or `record_forward_kernels(model, kernels)`
+(forward hooks) on an encoder the pack loads or patches and CLIPTextEncode runs. The record (backend per kernel + the dispatcher's reason) is kept for
 the status route and `python -m comfy_metal run`'s summary, and sent to the browser as the
 websocket event `comfy_metal.backend` (the node badge listens for it). Recording never raises.
 
@@ -167,6 +169,78 @@ def recording_kernels(node_class: str | None, kernels):
             last.setdefault(name, backend)
         if done:
             record_node_backend(node_class, ran)
+
+
+class _ForwardRecorder:
+    """State of `record_forward_kernels` on one model: the kernels it records, the forward nesting
+    depth, and the `last_backend` entries set aside when the outermost hooked forward started."""
+
+    def __init__(self, kernels):
+        self.kernels: tuple = tuple(dict.fromkeys(kernels))
+        self.depth = 0
+        self.before: dict = {}
+
+    def pre(self, module, args):
+        try:
+            self.depth += 1
+            if self.depth == 1:
+                from ..metal_kernels import dispatch
+
+                last = dispatch.last_backend
+                self.before = {name: last.pop(name) for name in self.kernels if name in last}
+        except Exception as e:  # a badge must never break the encoder
+            log.debug("comfy_metal: forward record (start) failed: %s", e)
+
+    def post(self, module, args, output):
+        try:
+            self.depth = max(self.depth - 1, 0)
+            if self.depth:
+                return
+            from ..metal_kernels import dispatch
+
+            last = dispatch.last_backend
+            ran = [name for name in self.kernels if name in last]
+            for name, backend in self.before.items():
+                last.setdefault(name, backend)
+            self.before = {}
+            if ran and output is not None:  # None: the forward raised (always_call) -> no record
+                record_node_backend(None, ran)
+        except Exception as e:
+            log.debug("comfy_metal: forward record failed: %s", e)
+
+
+RECORDER_ATTR = "_comfy_metal_forward_recorder"
+
+
+def record_forward_kernels(model, kernels, depth: int = 2):
+    """Record (for the badge of the node ComfyUI is executing, e.g. CLIPTextEncode) the backends of
+    those of `kernels` that run inside a forward of `model`: what `recording_kernels(None, kernels)`
+    does around a block, as PyTorch forward hooks, for models the pack builds or patches but a core
+    node runs. Hooks go on `model` and its submodules down to `depth` levels (a text encoder's
+    forward is often called on a child, e.g. SD1ClipModel.clip_l or Lens' gpt_oss.transformer);
+    the outermost hooked forward makes one record, listing only the kernels that ran, and none when
+    none ran. Registered once per model (a second call adds its kernels to the same record). Never
+    raises; returns the recorder or None."""
+    try:
+        recorder = getattr(model, RECORDER_ATTR, None)
+        if isinstance(recorder, _ForwardRecorder):
+            recorder.kernels = tuple(dict.fromkeys(recorder.kernels + tuple(kernels)))
+            return recorder
+        recorder = _ForwardRecorder(kernels)
+        level = [model]
+        for d in range(depth + 1):
+            for m in level:
+                m.register_forward_pre_hook(recorder.pre)
+                try:
+                    m.register_forward_hook(recorder.post, always_call=True)
+                except TypeError:  # torch without always_call
+                    m.register_forward_hook(recorder.post)
+            level = [c for m in level for c in m.children()] if d < depth else []
+        object.__setattr__(model, RECORDER_ATTR, recorder)
+        return recorder
+    except Exception as e:
+        log.debug("comfy_metal: could not add the forward record hooks: %s", e)
+        return None
 
 
 def records_since(index: int) -> tuple[list[dict], int]:

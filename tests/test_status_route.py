@@ -207,6 +207,72 @@ def test_record_never_raises(fake_comfyui):
     assert status.record_node_backend("MetalThing", 12345) is None  # not a list of names: logged, not raised
 
 
+class _Encoder(torch.nn.Module):
+    """A text-encoder-shaped model: the root's own forward is not called, its child's is (as in
+    ComfyUI's SD1ClipModel -> SDClipModel), and a grandchild calls a registry kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.clip_l = torch.nn.Sequential(torch.nn.Module())
+        self.clip_l[0].forward = lambda x: metal_kernels.softmax(x) if self.call_kernel else x
+        self.call_kernel = True
+        self.fail = False
+
+    def encode(self, x):
+        if self.fail:
+            def boom(m, args):
+                raise RuntimeError("encoder failed")
+            handle = self.clip_l[0].register_forward_pre_hook(boom)
+            try:
+                return self.clip_l(x)
+            finally:
+                handle.remove()
+        return self.clip_l(x)
+
+
+def test_forward_hooks_record_for_the_executing_node_and_restore_last_backend(fake_comfyui):
+    """record_forward_kernels: one record per outermost forward, for the executing node (node_class None),
+    listing only the kernels that ran; last_backend entries of kernels that did not run are put back."""
+    instance, ctx = fake_comfyui
+    enc = _Encoder()
+    rec = status.record_forward_kernels(enc, ["softmax", "gemv"])
+    assert status.record_forward_kernels(enc, ["fp8_decode"]) is rec     # once per model: kernels added
+    assert rec.kernels == ("softmax", "gemv", "fp8_decode")
+    dispatch.last_backend["gemv"] = "metal"                              # from an earlier node
+    dispatch.last_backend.pop("softmax", None)
+    ctx["node"] = "6"
+    enc.encode(torch.randn(3, 5))
+    records, index = status.records_since(0)
+    assert len(records) == 1 and index == 1, records                     # nested forwards: one record
+    r = records[0]
+    assert r["node_id"] == "6" and r["node_class"] is None
+    assert set(r["kernels"]) == {"softmax"} and r["backend"] == "reference", r
+    assert dispatch.last_backend["gemv"] == "metal" and dispatch.last_backend["softmax"] == "reference"
+    assert instance.sent[-1] == (status.BACKEND_EVENT, r, "client-1")
+    # A run calling none of the kernels makes no record and keeps last_backend as it was.
+    enc.call_kernel = False
+    enc.encode(torch.randn(2, 2))
+    assert status.records_since(1)[0] == [] and dispatch.last_backend["softmax"] == "reference"
+    # A forward that raises: the error reaches the caller, no record, entries restored, depth reset.
+    enc.call_kernel, enc.fail = True, True
+    with pytest.raises(RuntimeError, match="encoder failed"):
+        enc.encode(torch.randn(2, 2))
+    assert status.records_since(1)[0] == [] and dispatch.last_backend["softmax"] == "reference"
+    assert rec.depth == 0 and rec.before == {}
+    enc.fail = False
+    enc.encode(torch.randn(2, 2))
+    assert [x["node_id"] for x in status.records_since(1)[0]] == ["6"]
+
+
+def test_forward_hooks_never_raise(fake_comfyui, monkeypatch):
+    enc = _Encoder()
+    status.record_forward_kernels(enc, ["softmax"])
+    monkeypatch.setattr(status, "record_node_backend", lambda *a, **k: 1 / 0)
+    out = enc.encode(torch.randn(2, 3))                                  # logged at debug, not raised
+    assert out.shape == (2, 3)
+    assert status.record_forward_kernels(object(), ["softmax"]) is None  # not a module: logged, None
+
+
 def test_routes_register_only_inside_comfyui_and_once(fake_comfyui, monkeypatch):
     instance, _ = fake_comfyui
     assert status.register_with_comfyui() is True
