@@ -80,6 +80,13 @@ def test_text_encoder_matches_stock(comfyui, loader_mod, clip_l_file):
     recs, _ = status.records_since(start)       # the loader node's badge record, by its node id
     assert [(r["node_id"], r["backend"]) for r in recs if r["node_class"] == "MetalFP8TextEncoderLoader"] \
         == [("1", "none")], recs
+    # CLIPTextEncode (a core node) ran the FP8 encoder: the forward hooks the loader put on it record
+    # its FP8 kernels, with their backend, for node "2" (the reference on this CPU run).
+    enc = [r for r in recs if r["node_id"] == "2"]
+    assert len(enc) == 1 and enc[0]["node_class"] is None, recs
+    assert enc[0]["kernels"] and set(enc[0]["kernels"]) <= {"fp8_decode", "gemv"}, enc
+    assert all(k["backend"] == "reference" for k in enc[0]["kernels"].values()), enc
+    assert enc[0]["backend"] == "reference" and status.node_backends["2"] is enc[0]
     ours, ca = res.node_outputs["1"][0], res.node_outputs["2"][0]
     ours = ours[0] if isinstance(ours, list) else ours          # the output cache keeps a list per slot
     if not isinstance(ca[0][0], torch.Tensor):                  # conditioning = [[cond, {pooled_output}]]

@@ -142,11 +142,9 @@ def comfyui_device():
     return comfy.model_management.get_torch_device()
 
 
-def test_experts_patch_node_on_a_comfy_clip(comfyui):
-    """MetalMoEExpertsPatch on a comfy.sd.CLIP holding ComfyUI's GPT-OSS encoder: same conditioning,
-    no host syncs left in the encode, the original CLIP untouched."""
+def _comfy_clip():
+    """A comfy.sd.CLIP holding ComfyUI's (tiny, random) GPT-OSS Lens encoder, on the CPU."""
     import comfy.sd
-    import comfy.ops
     from comfy.text_encoders import gpt_oss
 
     import moe_testutil
@@ -167,6 +165,13 @@ def test_experts_patch_node_on_a_comfy_clip(comfyui):
     clip = comfy.sd.CLIP(target=Target, tokenizer_data={"tokenizer_json": tok_json}, state_dict=[sd],
                          model_options={"load_device": torch.device("cpu"), "offload_device": torch.device("cpu"),
                                         "dtype": torch.float32})
+    return clip
+
+
+def test_experts_patch_node_on_a_comfy_clip(comfyui):
+    """MetalMoEExpertsPatch on a comfy.sd.CLIP holding ComfyUI's GPT-OSS encoder: same conditioning,
+    no host syncs left in the encode, the original CLIP untouched."""
+    clip = _comfy_clip()
     node = comfyui.nodes.NODE_CLASS_MAPPINGS["MetalMoEExpertsPatch"]()
     (patched,) = node.patch(clip, "keep")
     (on_gpu,) = node.patch(clip, "gpu")   # ComfyUI's device (the CPU in this harness)
@@ -184,6 +189,43 @@ def test_experts_patch_node_on_a_comfy_clip(comfyui):
     assert (got - want).abs().max().item() < 1e-4
     assert c_patched.total < c_default.total, (c_patched.counts, c_default.counts)
     assert c_patched.counts["aten::nonzero"] == 0 and c_patched.counts["aten::_local_scalar_dense"] == 0, c_patched.counts
+
+
+def test_experts_patch_records_a_badge_for_the_executing_node(comfyui, monkeypatch):
+    """The patched encoder run inside a core node (CLIPTextEncode's executing context) records its experts
+    kernels (here the real MSL in the emulator) for that node's badge; the unpatched CLIP sharing the model
+    records nothing."""
+    import importlib
+
+    from comfy_execution.utils import CurrentNodeContext
+    from comfy_metal.metal_kernels import emulator
+
+    # The node runs the pack as ComfyUI imported it: its own status and dispatch modules.
+    status = importlib.import_module(comfyui.pack_module.__name__ + ".nodes.status")
+    dispatch = importlib.import_module(comfyui.pack_module.__name__ + ".metal_kernels.dispatch")
+
+    if not emulator.available():
+        pytest.skip("the MSL emulator needs clang-19, which is not installed")
+    clip = _comfy_clip()
+    (patched,) = comfyui.nodes.NODE_CLASS_MAPPINGS["MetalMoEExpertsPatch"]().patch(clip, "keep")
+    tokens = clip.tokenize("a red cat")
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+    dispatch.reset()
+    try:
+        _, start = status.records_since(0)
+        with CurrentNodeContext("p", "7"):
+            patched.encode_from_tokens(tokens)
+        recs, start = status.records_since(start)
+        assert len(recs) == 1 and recs[0]["node_id"] == "7" and recs[0]["node_class"] is None, recs
+        kernels = {k: v["backend"] for k, v in recs[0]["kernels"].items()}
+        assert kernels and set(kernels) <= {"moe_experts_gemm", "moe_grouped_gemm"}, recs   # per-pair or tiled
+        assert set(kernels.values()) == {"emulator"}, recs
+        assert recs[0]["backend"] == "emulator" and status.node_backends["7"] is recs[0]
+        with CurrentNodeContext("p", "8"):
+            clip.encode_from_tokens(tokens)
+        assert status.records_since(start)[0] == []
+    finally:
+        dispatch.reset()
 
 
 def test_gpt_oss_sync_free_experts_in_emulator(comfyui, monkeypatch):
