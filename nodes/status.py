@@ -18,9 +18,10 @@ Per-node backends: a node of the pack calls, at the end of its function,
 
 with the kernels it called. Code that runs inside a core node records for the executing node:
 `recording_kernels(None, kernels)` around a block, or `record_forward_kernels(model, kernels)`
-(forward hooks) on an encoder the pack loads or patches and CLIPTextEncode runs. The record (backend per kernel + the dispatcher's reason) is kept for
-the status route and `python -m comfy_metal run`'s summary, and sent to the browser as the
-websocket event `comfy_metal.backend` (the node badge listens for it). Recording never raises.
+(forward hooks) on an encoder the pack loads or patches and CLIPTextEncode runs. The record
+(backend per kernel + the dispatcher's reason) is kept for the status route and
+`python -m comfy_metal run`'s summary, and sent to the browser as the websocket event
+`comfy_metal.backend` (the node badge listens for it). Recording never raises.
 
 ComfyUI modules are only touched when they are already imported (`"server" in sys.modules`); this
 module imports nothing of ComfyUI and touches no GPU at import.
