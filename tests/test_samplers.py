@@ -93,6 +93,22 @@ def _emulator_reason():
     return None if emulator.available() else "clang-19 not found: MSL emulator unavailable"
 
 
+def reference_then_emulator(monkeypatch, run):
+    """run() on the reference kernels, then on the real MSL in the emulator: (reference result,
+    emulator result, the backends the emulator run recorded)."""
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "reference")
+    dispatch.reset()
+    want = run()
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+    dispatch.reset()
+    try:
+        got = run()
+        backends = dict(dispatch.last_backend)
+    finally:
+        dispatch.reset()
+    return want, got, backends
+
+
 def _run(name, model, x, sigmas, **kw):
     kw.setdefault("extra_args", {"seed": 42})
     return S.SAMPLER_FUNCTIONS[name](model, x.clone(), sigmas.clone(), disable=True, **kw)
@@ -210,16 +226,9 @@ def test_sampler_in_emulator_matches_reference(name, kind, monkeypatch):
     model = ToyDenoiser(ToyEPS() if kind == "eps" else CONST())
     sigmas = toy_schedule(kind, 5)
     x = torch.randn(1, 4, 3, 5, generator=torch.Generator().manual_seed(2)) * sigmas[0]
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "reference")
-    dispatch.reset()
-    want = _run(name, model, x, sigmas, noise_mode="fast")
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
-    dispatch.reset()
-    try:
-        got = _run(name, model, x, sigmas, noise_mode="fast")
-        used = {k: v for k, v in dispatch.last_backend.items() if k.startswith("sampler_")}
-    finally:
-        dispatch.reset()
+    want, got, backends = reference_then_emulator(monkeypatch,
+                                                  lambda: _run(name, model, x, sigmas, noise_mode="fast"))
+    used = {k: v for k, v in backends.items() if k.startswith("sampler_")}
     assert used and set(used.values()) == {"emulator"}, used
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
@@ -234,16 +243,9 @@ def test_low_precision_latent_in_emulator(name, dtype, monkeypatch):
     model = ToyDenoiser(ToyEPS())
     sigmas = toy_schedule("eps", 4)
     x = (torch.randn(1, 4, 3, 5, generator=torch.Generator().manual_seed(4)) * sigmas[0]).to(dtype)
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "reference")
-    dispatch.reset()
-    want = _run(name, model, x, sigmas, noise_mode="fast")
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
-    dispatch.reset()
-    try:
-        got = _run(name, model, x, sigmas, noise_mode="fast")
-        assert dispatch.last_backend[f"sampler_{name}_step"] == "emulator"
-    finally:
-        dispatch.reset()
+    want, got, backends = reference_then_emulator(monkeypatch,
+                                                  lambda: _run(name, model, x, sigmas, noise_mode="fast"))
+    assert backends[f"sampler_{name}_step"] == "emulator"
     assert got.dtype == want.dtype == dtype
     tol = 1e-2 if dtype == torch.float16 else 5e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
@@ -616,16 +618,8 @@ def test_metal_sampler_select_node_whole_in_emulator(comfyui, tiny_unets, monkey
                                           disable_pbar=True)
 
     want = run(comfy.samplers.sampler_object("dpmpp_2m_sde"))
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "reference")
-    dispatch.reset()
-    ref = run(sampler)
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
-    dispatch.reset()
-    try:
-        emu = run(sampler)
-        assert dispatch.last_backend.get("sampler_dpmpp_2m_sde_step") == "emulator"
-    finally:
-        dispatch.reset()
+    ref, emu, backends = reference_then_emulator(monkeypatch, lambda: run(sampler))
+    assert backends.get("sampler_dpmpp_2m_sde_step") == "emulator"
     scale = max(want.abs().max().item(), 1)
     torch.testing.assert_close(ref, want, atol=1e-5 * scale, rtol=1e-5)
     torch.testing.assert_close(emu, ref, atol=1e-3 * scale, rtol=1e-3)

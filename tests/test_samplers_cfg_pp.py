@@ -28,7 +28,7 @@ import sync_count
 from comfy_metal.metal_kernels import dispatch
 from comfy_metal.nodes import samplers as S
 from test_samplers import CONST, ToyDenoiser, ToyEPS, _comfy_model_sampling, _conds, _emulator_reason, \
-    _run, _tiny_unet_patcher, toy_schedule
+    _run, _tiny_unet_patcher, reference_then_emulator, toy_schedule
 
 CFG_PP = ("euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp", "dpmpp_2s_ancestral_cfg_pp",
           "res_multistep_cfg_pp")
@@ -211,16 +211,9 @@ def test_emulator_matches_reference_with_distinct_uncond(name, kind, standin_mod
     model = CFGToy(ToyEPS() if kind == "eps" else CONST(), standin_cfg_function)
     sigmas, x = _setup(kind)
     opts = {"eta": 0.8} if name == "res_multistep_cfg_pp" else {}
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "reference")
-    dispatch.reset()
-    want = _run(name, model, x, sigmas, noise_mode="fast", **opts)
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
-    dispatch.reset()
-    try:
-        got = _run(name, model, x, sigmas, noise_mode="fast", **opts)
-        assert dispatch.last_backend[STEP_KERNEL[name]] == "emulator"
-    finally:
-        dispatch.reset()
+    want, got, backends = reference_then_emulator(monkeypatch,
+                                                  lambda: _run(name, model, x, sigmas, noise_mode="fast", **opts))
+    assert backends[STEP_KERNEL[name]] == "emulator"
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
 
@@ -370,16 +363,8 @@ def test_metal_sampler_select_cfg_pp_whole_in_emulator(comfyui, tiny_unet, name,
 
     builtin = comfy.samplers.ksampler(name, {"eta": 0.7} if "ancestral" in name else {})
     want = run(builtin)
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "reference")
-    dispatch.reset()
-    ref = run(sampler)
-    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
-    dispatch.reset()
-    try:
-        emu = run(sampler)
-        assert dispatch.last_backend.get(STEP_KERNEL[name]) == "emulator"
-    finally:
-        dispatch.reset()
+    ref, emu, backends = reference_then_emulator(monkeypatch, lambda: run(sampler))
+    assert backends.get(STEP_KERNEL[name]) == "emulator"
     scale = max(want.abs().max().item(), 1)
     torch.testing.assert_close(ref, want, atol=1e-5 * scale, rtol=1e-5)
     torch.testing.assert_close(emu, ref, atol=1e-3 * scale, rtol=1e-3)
