@@ -163,15 +163,9 @@ class _Case:
 def _ours(case, label, codec, z, tile, overlap, shared_stats=False):
     # the tile is fixed; the auto budget only sizes shared statistics' block cache (a quarter of it)
     eng = vt.TiledVAE(codec, vt.TilingOptions(tile=tile, overlap=overlap, shared_stats=shared_stats))
-    case.run(label, lambda: eng.decode(z), tiles=lambda: f"{eng.info.tiles} x {_tile_shape(eng, z)}")
+    case.run(label, lambda: eng.decode(z),
+             tiles=lambda: "{} x {}x{} (ov {})".format(eng.info.tiles, *eng.info.tile_shape, eng.info.overlap))
     return eng
-
-
-def _tile_shape(eng, z):
-    h, w = z.shape[-2:]
-    py = vt.plan_axis(h, min(eng.info.tile, h), eng.info.overlap)
-    px = vt.plan_axis(w, min(eng.info.tile, w), eng.info.overlap)
-    return f"{py[0][1] - py[0][0]}x{px[0][1] - px[0][0]} (ov {eng.info.overlap})"
 
 
 def _comfy_tiles(z, scale):

@@ -755,6 +755,7 @@ class RunInfo:
     tile: int = 0
     overlap: int = 0
     tiles: int = 0
+    tile_shape: tuple[int, int] = (0, 0)   # the first tile's (rows, cols) after balancing, latent grid
     passes: int = 0
     retries: int = 0
     cpu_fallback: bool = False
@@ -918,6 +919,7 @@ class TiledVAE:
                 th = min(h, max(th, tile * tile // max(w, 1)))
             tiles, py, px = plan_tiles(h, w, th, tw, overlap)
             self.info.tile, self.info.overlap, self.info.tiles = tile, overlap, len(tiles)
+            self.info.tile_shape = (py[0][1] - py[0][0], px[0][1] - px[0][0])
             shared = None
             if self.opt.shared_stats and c.module is not None and not c.video:
                 shared = SharedGroupNormStats(c.module, cache=self.opt.stats_cache,
