@@ -466,7 +466,6 @@ class _UncondCapture:
 
     def __init__(self, run):
         self.value = None
-        self.hooked = False
         model_patcher = sys.modules.get("comfy.model_patcher")
         set_post_cfg = getattr(model_patcher, "set_model_options_post_cfg_function", None)
         if set_post_cfg is None:
@@ -475,7 +474,6 @@ class _UncondCapture:
         model_options = dict(extra_args.get("model_options", None) or {})
         extra_args["model_options"] = set_post_cfg(model_options, self._post_cfg, disable_cfg1_optimization=True)
         run.extra_args = extra_args
-        self.hooked = True
 
     def _post_cfg(self, args):
         self.value = args.get("uncond_denoised")
