@@ -33,6 +33,25 @@ def _map_repo_to_package() -> None:
 _map_repo_to_package()
 
 
+class _RepoRootIsNotATestPackage:
+    """The repository root has an __init__.py (it *is* the pack), so pytest would collect it as a
+    Package and import that file under the folder's name at setup. A clone in
+    custom_nodes/comfy-metal has no valid module name, and the relative imports inside would fail.
+    The root is collected as a plain directory instead; the pack is imported only as
+    `comfy_metal` (above). Registered as a plugin, not a conftest hook, so that it also sees the
+    root, which lies above this folder."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collect_directory(self, path, parent):
+        if pathlib.Path(path).resolve() == ROOT:
+            return pytest.Dir.from_parent(parent, path=pathlib.Path(path))
+        return None
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_RepoRootIsNotATestPackage(), "comfy_metal_repo_root")
+
+
 def pytest_sessionstart(session):
     """Import the test oracles that touch torchvision before any ComfyUI fixture puts its
     torchvision stub on sys.path (transformers, imported by diffusers' VAEs, trusts find_spec)."""
