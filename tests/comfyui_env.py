@@ -1,9 +1,9 @@
-"""Run a real ComfyUI (a checkout found through $COMFYUI_PATH) for integration tests.
+"""Run a real ComfyUI for integration tests.
 
 Three pieces, all calling ComfyUI's own code (nothing of ComfyUI is copied here):
 
-* `comfyui_path_or_reason()` / `require_comfyui_path()`: find the checkout, or skip with
-  "COMFYUI_PATH is unset: ComfyUI integration tests skipped".
+* `comfyui_path_or_reason()` / `require_comfyui_path()`: find a ComfyUI ($COMFYUI_PATH, the
+  ComfyUI the pack sits in, or the prepared archive from ../shared/comfyui/), or skip with the reason.
 * `ComfyUIHarness`: ComfyUI loaded *in this process* (session-scoped in `comfyui_fixtures.py`),
   our pack loaded through `nodes.load_custom_node` exactly as ComfyUI does for custom_nodes/,
   with `run_prompt()`, `models_dir()` and `object_info()`.
@@ -41,7 +41,6 @@ import uuid
 from typing import Any, Iterator
 
 ENV_VAR = "COMFYUI_PATH"
-SKIP_REASON_UNSET = "COMFYUI_PATH is unset: ComfyUI integration tests skipped"
 
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -57,17 +56,70 @@ _REQUIRED_FILES = ("main.py", "nodes.py", "execution.py", "server.py", "folder_p
 # Finding ComfyUI
 # --------------------------------------------------------------------------------------------
 
+def missing_files(path: pathlib.Path) -> list[str]:
+    return [f for f in _REQUIRED_FILES if not (path / f).is_file()]
+
+
+# The archive of ComfyUI's source that sits beside the project (../shared/comfyui/), unpacked once
+# into a cache folder outside the repository by tests/tools/prepare_comfyui.py (tests/run.sh runs it).
+ARCHIVE_DIR = REPO_ROOT.parent / "shared" / "comfyui"
+ARCHIVE_GLOB = "ComfyUI-*.tar.gz"
+READY_MARKER = ".comfy-metal-ready"  # written once ComfyUI's requirements are installed
+
+
+def shared_archive() -> pathlib.Path | None:
+    """The newest ComfyUI source archive beside the project, if any."""
+    found = sorted(ARCHIVE_DIR.glob(ARCHIVE_GLOB)) if ARCHIVE_DIR.is_dir() else []
+    return found[-1] if found else None
+
+
+def cache_dir() -> pathlib.Path:
+    """$COMFY_METAL_CACHE, else $XDG_CACHE_HOME/comfy-metal, else ~/.cache/comfy-metal."""
+    raw = os.environ.get("COMFY_METAL_CACHE", "").strip()
+    if raw:
+        return pathlib.Path(raw).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (pathlib.Path(xdg) if xdg else pathlib.Path.home() / ".cache") / "comfy-metal"
+
+
+def unpacked_archive_path(archive: pathlib.Path) -> pathlib.Path:
+    """Where `archive` is unpacked: <cache>/<archive name without .tar.gz>/ComfyUI."""
+    return cache_dir() / archive.name[: -len(".tar.gz")] / "ComfyUI"
+
+
+def enclosing_comfyui() -> pathlib.Path | None:
+    """The ComfyUI this pack sits in (<ComfyUI>/custom_nodes/<pack>), where users install it."""
+    parent = REPO_ROOT.parent
+    if parent.name == "custom_nodes" and not missing_files(parent.parent):
+        return parent.parent
+    return None
+
+
 def comfyui_path_or_reason() -> tuple[pathlib.Path | None, str | None]:
-    """(path, None) for a usable $COMFYUI_PATH, else (None, reason to skip)."""
+    """(path, None) for the ComfyUI the tests use, else (None, the reason to skip).
+
+    In order: $COMFYUI_PATH; the ComfyUI the pack sits in; the archive beside the project once
+    tests/tools/prepare_comfyui.py unpacked it and installed its requirements."""
     raw = os.environ.get(ENV_VAR, "").strip()
-    if not raw:
-        return None, SKIP_REASON_UNSET
-    path = pathlib.Path(raw).expanduser().resolve()
-    missing = [f for f in _REQUIRED_FILES if not (path / f).is_file()]
-    if missing:
-        return None, (f"COMFYUI_PATH={raw!r} is not a ComfyUI checkout (missing {', '.join(missing)}): "
-                      "ComfyUI integration tests skipped")
-    return path, None
+    if raw:
+        path = pathlib.Path(raw).expanduser().resolve()
+        missing = missing_files(path)
+        if missing:
+            return None, (f"COMFYUI_PATH={raw!r} is not a ComfyUI checkout (missing {', '.join(missing)}): "
+                          "ComfyUI integration tests skipped")
+        return path, None
+    enclosing = enclosing_comfyui()
+    if enclosing is not None:
+        return enclosing, None
+    archive = shared_archive()
+    if archive is None:
+        return None, (f"COMFYUI_PATH is unset, the pack is not inside a ComfyUI/custom_nodes folder, and no "
+                      f"{ARCHIVE_GLOB} is in {ARCHIVE_DIR}: ComfyUI integration tests skipped")
+    unpacked = unpacked_archive_path(archive)
+    if not (unpacked.parent / READY_MARKER).is_file() or missing_files(unpacked):
+        return None, (f"{archive.name} is not prepared yet (run `python tests/tools/prepare_comfyui.py`, "
+                      f"which tests/run.sh does): ComfyUI integration tests skipped")
+    return unpacked, None
 
 
 def require_comfyui_path() -> pathlib.Path:

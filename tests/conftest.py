@@ -7,6 +7,7 @@ is only ever imported under the name `comfy_metal`.
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import sys
 
@@ -60,11 +61,21 @@ def pytest_sessionstart(session):
     except ImportError:
         pass
 
-try:
-    from comfyui_fixtures import *  # noqa: F401,F403  (fixtures `comfyui`, `comfyui_path`)
-except ImportError as e:  # only while that module does not exist yet
-    if "comfyui_fixtures" not in str(e):
-        raise
+from comfyui_fixtures import *  # noqa: F401,F403,E402  (fixtures `comfyui`, `comfyui_path`)
+import comfyui_env  # noqa: E402
+
+
+def _export_found_comfyui() -> None:
+    """Benches and subprocesses find ComfyUI through $COMFYUI_PATH: set it to the ComfyUI the tests
+    found (the one the pack sits in, or the prepared archive) when the user did not."""
+    if os.environ.get(comfyui_env.ENV_VAR, "").strip():
+        return
+    path, _ = comfyui_env.comfyui_path_or_reason()
+    if path is not None:
+        os.environ[comfyui_env.ENV_VAR] = str(path)
+
+
+_export_found_comfyui()
 
 
 @pytest.fixture
