@@ -8,9 +8,10 @@ run through `metal_kernels.moe.moe_experts_forward` (sync-free grouped dispatch;
 Loading: a Hugging Face folder (config.json + *.safetensors [+ index] + tokenizer.json), or a single
 .safetensors file (config from its metadata "config", a config.json beside it, or inferred from the
 tensor shapes with Qwen3 defaults; tokenizer from a tokenizer.json beside it or an embedded
-"tokenizer_json" byte tensor). Weights: fp32/bf16/fp16, FP8 with a per-tensor scale
-(`weight_scale` / `scale_weight`), or FP8 with 128x128 block scales (`weight_scale_inv`, decoded
-at load). Imports nothing from ComfyUI.
+"tokenizer_json" byte tensor). Weights: fp32/bf16/fp16, FP8 with a per-tensor or per-row scale
+(`weight_scale` / `scale_weight`; ComfyUI's `comfy_quant` markers as `fp8_quantize.quantize_file`
+writes them are accepted), or FP8 with 128x128 block scales (`weight_scale_inv`, decoded at load).
+Imports nothing from ComfyUI.
 """
 from __future__ import annotations
 
@@ -88,9 +89,9 @@ class MoEConfig:
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (silu)")
-        heads = int(d["num_attention_heads"])
-        hidden = int(d["hidden_size"])
         try:
+            heads = int(d["num_attention_heads"])
+            hidden = int(d["hidden_size"])
             cfg = cls(
                 model_type=model_type,
                 vocab_size=int(d["vocab_size"]),
@@ -117,6 +118,8 @@ class MoEConfig:
             )
         except KeyError as e:
             raise ModelLoadError(f"{source}: required field {e.args[0]!r} is missing") from None
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise ModelLoadError(f"{source}: a size field has an invalid value ({e})") from None
         if cfg.num_experts < 1 or not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
             raise ModelLoadError(f"{source}: num_experts={cfg.num_experts} and num_experts_per_tok="
                                  f"{cfg.num_experts_per_tok} are not a valid MoE configuration")
@@ -553,61 +556,91 @@ class _Loader:
             raise ModelLoadError(f"{self.src.file(key)}: tensor {key} has shape {list(got)}, expected {list(shape)} "
                                  f"from the config")
         self.used.add(key)
-        return self.src.get(key)
+        t = self.src.get(key)
+        self._check_comfy_quant(key, t)
+        return t
 
     def _scale_of(self, key: str):
+        """(kind, fp32 scale, its key) of an FP8 weight: "tensor" (a scalar or one per row) or "block"."""
         base = key[:-len("weight")] if key.endswith("weight") else key + "_"
         for name in (f"{base}weight_scale", f"{base}scale_weight", f"{key}_scale"):
             if name in self.src:
                 self.used.add(name)
-                return "tensor", self.src.get(name).float()
+                return "tensor", self.src.get(name).float(), name
         if f"{base}weight_scale_inv" in self.src:
             self.used.add(f"{base}weight_scale_inv")
-            return "block", self.src.get(f"{base}weight_scale_inv").float()
-        return None, None
+            return "block", self.src.get(f"{base}weight_scale_inv").float(), f"{base}weight_scale_inv"
+        return None, None, None
 
-    def dense(self, key: str, shape: tuple) -> torch.Tensor:
-        """A non-expert tensor in the compute dtype (FP8 decoded with its scale)."""
-        t = self._raw(key, shape)
+    def _check_comfy_quant(self, key: str, t: torch.Tensor):
+        """ComfyUI's comfy_quant marker beside a weight (fp8_quantize.quantize_file writes one per FP8
+        layer): accepted when it names the weight's own FP8 format."""
+        if not key.endswith(".weight"):
+            return
+        name = key[:-len("weight")] + "comfy_quant"
+        if name not in self.src:
+            return
+        try:
+            fmt = json.loads(bytes(self.src.get(name).tolist()).decode("utf-8")).get("format")
+        except Exception as e:
+            raise ModelLoadError(f"{self.src.file(name)}: tensor {name} is not a comfy_quant JSON marker ({e})") from None
+        want = f"float8_{FP8_DTYPES[t.dtype]}" if t.dtype in FP8_DTYPES else None
+        if fmt != want:
+            raise ModelLoadError(f"{self.src.file(name)}: tensor {name} says format {fmt!r} but {key} is {t.dtype}; "
+                                 "this loader reads float8_e4m3fn / float8_e5m2 comfy_quant layers")
+        self.used.add(name)
+
+    def _row_scales(self, key: str, s: torch.Tensor, name: str, rows: int) -> torch.Tensor:
+        """A per-tensor scale as [1], a per-row scale ([N], [N, 1]) as [N]; anything else is an error."""
+        if s.numel() == 1:
+            return s.reshape(1)
+        if s.numel() == rows and (s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1)):
+            return s.reshape(rows)
+        raise ModelLoadError(f"{self.src.file(name)}: tensor {name} has shape {list(s.shape)}, expected a scalar "
+                             f"or one scale per output row of {key} ([{rows}, 1])")
+
+    def _decode(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        """A tensor read by _raw in the compute dtype (FP8 decoded with its scale)."""
         if t.dtype in FP8_DTYPES:
-            kind, s = self._scale_of(key)
+            kind, s, name = self._scale_of(key)
             if kind == "block":
                 return _decode_fp8_block(t, s, self.block).to(self.dtype)
-            t = t.float() * (s if s is not None else 1.0)
+            t = t.float()
+            if s is not None:
+                s = self._row_scales(key, s, name, t.shape[0] if t.dim() else 1)
+                t = t * (s.reshape(()) if s.numel() == 1 else s.reshape((-1,) + (1,) * (t.dim() - 1)))
         elif not t.is_floating_point():
             raise ModelLoadError(f"{self.src.file(key)}: tensor {key} has dtype {t.dtype}, expected a float or FP8 dtype")
         return t.to(self.dtype)
 
+    def dense(self, key: str, shape: tuple) -> torch.Tensor:
+        """A non-expert tensor in the compute dtype (FP8 decoded with its scale)."""
+        return self._decode(self._raw(key, shape), key)
+
     def expert_bank(self, keys: list[str], shape: tuple):
-        """Stack per-expert tensors into a bank: (bank, fmt, scale[E] or None). FP8 with per-tensor
-        scales stays FP8 (uint8 bytes); block-scaled FP8 is decoded to the compute dtype."""
+        """Stack per-expert tensors into a bank: (bank, fmt, scale or None). FP8 with per-tensor or per-row
+        scales stays FP8 (uint8 bytes) with scale [E] (all per tensor) or [E, rows] (any per row);
+        block-scaled FP8 is decoded to the compute dtype."""
         first = self._raw(keys[0], shape)
         if first.dtype in FP8_DTYPES and self._scale_of(keys[0])[0] != "block":
             fmt = FP8_DTYPES[first.dtype]
             bank = torch.empty((len(keys),) + tuple(shape), dtype=torch.uint8)
-            scales = torch.ones(len(keys), dtype=torch.float32)
+            scales = []
             for j, k in enumerate(keys):
                 t = first if j == 0 else self._raw(k, shape)
                 if t.dtype != first.dtype:
                     raise ModelLoadError(f"{self.src.file(k)}: tensor {k} has dtype {t.dtype}, expected {first.dtype} "
                                          "like the other experts")
                 bank[j] = t.view(torch.uint8)
-                _, s = self._scale_of(k)
-                if s is not None:
-                    scales[j] = s.reshape(-1)[0]
-            return bank, fmt, scales
+                _, s, name = self._scale_of(k)
+                scales.append(torch.ones(1) if s is None else self._row_scales(k, s, name, shape[0]))
+            if all(s.numel() == 1 for s in scales):
+                return bank, fmt, torch.cat(scales)
+            return bank, fmt, torch.stack([s.expand(shape[0]) for s in scales]).contiguous()
         bank = torch.empty((len(keys),) + tuple(shape), dtype=self.dtype)
         for j, k in enumerate(keys):
-            bank[j] = self.dense(k, shape) if j else (self.dense_from(first, k))
+            bank[j] = self._decode(first if j == 0 else self._raw(k, shape), k)
         return bank, None, None
-
-    def dense_from(self, t, key):
-        if t.dtype in FP8_DTYPES:
-            kind, s = self._scale_of(key)
-            if kind == "block":
-                return _decode_fp8_block(t, s, self.block).to(self.dtype)
-            return (t.float() * (s if s is not None else 1.0)).to(self.dtype)
-        return t.to(self.dtype)
 
 
 def build_model(src: _TensorSource, cfg: MoEConfig, dtype: torch.dtype, device, where: str,
@@ -662,9 +695,10 @@ def build_model(src: _TensorSource, cfg: MoEConfig, dtype: torch.dtype, device, 
                 raise ModelLoadError(f"{where}: layer {i} mixes expert weight formats ({gfmt}, {ufmt}, {dfmt})")
             fmt = gfmt
             gs = gsc
-            if fmt is not None and not torch.equal(gsc, usc):
+            if fmt is not None and (gsc.dim() == 2 or usc.dim() == 2 or not torch.equal(gsc, usc)):
                 # gate and up share one bank: one scale per expert output row [E, 2I]
-                gs = torch.cat([gsc[:, None].expand(E, I), usc[:, None].expand(E, I)], dim=1).contiguous()
+                gs = torch.cat([s if s.dim() == 2 else s[:, None].expand(E, I) for s in (gsc, usc)],
+                               dim=1).contiguous()
             gu = torch.cat([g, u], dim=1)
             del g, u
         mlp.gate_up = nn.Parameter(gu.to(device), requires_grad=False)

@@ -202,6 +202,75 @@ def test_bad_inputs_give_clear_errors(tiny, tmp_path):
         qwen3_moe.load(other)
 
 
+@pytest.mark.parametrize("field", ["hidden_size", "num_attention_heads", "vocab_size", "num_hidden_layers"])
+def test_config_missing_a_required_field_names_file_and_field(tiny, tmp_path, field):
+    folder, _, _ = tiny
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg[field]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in ("model.safetensors", "tokenizer.json"):
+        (bad / name).write_bytes((folder / name).read_bytes())
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(qwen3_moe.ModelLoadError, match=rf"config\.json: required field '{field}' is missing"):
+        qwen3_moe.load(bad)
+
+
+def _quantize_all_projections(key, shape, dtype):
+    """fp8_quantize.quantize_file's `keep`: every 2-D projection becomes FP8 (the tiny model's are all
+    below the default size threshold), the rest stays fp32."""
+    return None if key.endswith("proj.weight") and len(shape) == 2 else "kept"
+
+
+@pytest.mark.parametrize("variant", ["rowwise", "tensorwise", "rowwise_without_comfy_quant"])
+def test_quantize_file_output_matches_transformers_on_its_dequantized_weights(tiny, tmp_path, variant):
+    """The pack's own quantizer output (comfy_quant markers, weight_scale [N, 1] per row or a scalar)
+    loads with FP8 expert banks, and agrees with transformers' Qwen3MoeForCausalLM holding the
+    dequantized weights (fp8 value * its row's scale)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3MoeForCausalLM
+
+    from comfy_metal.nodes import fp8_quantize
+
+    folder, _, _ = tiny
+    q = tmp_path / "q"
+    q.mkdir()
+    fp8_quantize.quantize_file(str(folder / "model.safetensors"), str(q / "model.safetensors"),
+                               rowwise=variant != "tensorwise", keep=_quantize_all_projections)
+    sd = load_file(str(q / "model.safetensors"))
+    expert = "model.layers.0.mlp.experts.3.down_proj"
+    assert sd[expert + ".weight"].dtype == torch.float8_e4m3fn and f"{expert}.comfy_quant" in sd
+    if variant != "tensorwise":
+        assert sd[expert + ".weight_scale"].shape == (32, 1)
+        assert sd[expert + ".weight_scale"].unique().numel() > 1  # the rows' scales really differ
+    if variant == "rowwise_without_comfy_quant":
+        sd = {k: v for k, v in sd.items() if not k.endswith(".comfy_quant")}
+        save_file(sd, str(q / "model.safetensors"))
+    for name in ("config.json", "tokenizer.json"):
+        (q / name).write_text((folder / name).read_text())
+    deq = {}
+    for k, v in sd.items():
+        if k.endswith((".weight_scale", ".comfy_quant")):
+            continue
+        deq[k] = v.float() * sd[k + "_scale"] if v.dtype == torch.float8_e4m3fn else v
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    save_file(deq, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    (ref / "config.json").write_text((folder / "config.json").read_text())
+    hf = Qwen3MoeForCausalLM.from_pretrained(str(ref), torch_dtype=torch.float32).eval()
+
+    m8 = qwen3_moe.load(q, dtype=torch.float32)
+    mlp = m8.model.layers[0].mlp
+    assert mlp.fmt == "e4m3fn" and mlp.gate_up.dtype == torch.uint8
+    ids = torch.tensor([[5, 9, 17, 3, 40, 41, 7, 8, 22, 63, 1, 2, 30]])
+    with torch.no_grad():
+        want = hf(ids).logits
+        for n in (ids[:, :2], ids):  # decode path and prefill path
+            got = m8.model(n, logits="all")["logits"]
+            err = (got - want[:, : n.shape[1]]).abs().max().item()
+            assert err < 1e-3, f"max abs logit error {err} against the dequantized model"
+
+
 def test_qwen2_moe_with_shared_expert_matches_transformers(tmp_path):
     """The optional shared expert (Qwen2-MoE layout: sigmoid-gated dense MLP beside the routed experts),
     q/k/v biases without q/k norm, norm_topk_prob off."""
