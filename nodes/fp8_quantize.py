@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import tempfile
 
 import torch
@@ -138,28 +139,54 @@ def comfy_quant_entries(layer: str, q: torch.Tensor, scale: torch.Tensor | None,
 
 
 def atomic_save(tensors: dict, path: str, metadata: dict | None = None, overwrite: bool = False) -> str:
-    """Write a .safetensors file atomically (temp file in the same folder + os.replace).
+    """Write a .safetensors file through a temp file in the same folder.
 
-    Refuses to replace an existing file unless `overwrite`."""
+    Never replaces an existing file unless `overwrite`: the final step is exclusive (a hard link of
+    the finished temp file, which fails if another writer created `path` meanwhile; an O_EXCL create
+    and copy where the file system has no hard links). With `overwrite`, os.replace."""
     from safetensors.torch import save_file
 
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    if os.path.exists(path) and not overwrite:
+    if os.path.exists(path) and not overwrite:  # fail before the work; the final step checks again
         raise FileExistsError(f"{path} already exists; not overwriting it (enable overwrite to replace it)")
     fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + ".", dir=folder)
     os.close(fd)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata or {})
-        os.replace(tmp, path)
-    except BaseException:
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            _publish_exclusive(tmp, path)
+    finally:
         try:
             os.unlink(tmp)
         except OSError:
             pass
-        raise
     return path
+
+
+def _publish_exclusive(tmp: str, path: str) -> None:
+    """Make the finished `tmp` appear at `path` only if nothing is there (FileExistsError otherwise)."""
+    exists = f"{path} already exists (another writer created it); not overwriting it"
+    try:
+        os.link(tmp, path)
+        return
+    except FileExistsError:
+        raise FileExistsError(exists) from None
+    except OSError:  # no hard links here (some FUSE / network / FAT file systems): exclusive create + copy
+        pass
+    try:
+        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
+    except FileExistsError:
+        raise FileExistsError(exists) from None
+    try:
+        with os.fdopen(out, "wb") as dst, open(tmp, "rb") as src:
+            shutil.copyfileobj(src, dst, 16 << 20)
+    except BaseException:
+        os.unlink(path)  # ours: created above by O_EXCL
+        raise
 
 
 # Header metadata of a source file that describes its old quantization; a saved file gets its own.

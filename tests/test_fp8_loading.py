@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import fp8_models as fm
 from comfy_metal.metal_kernels import dispatch
@@ -335,6 +335,36 @@ def test_atomic_save_leaves_old_file_on_failure(tmp_path):
     with pytest.raises(Exception):
         fp8_quantize.atomic_save({"a": torch.zeros(2), "b": object()}, str(dst), overwrite=True)
     assert dst.read_bytes() == b"old" and os.listdir(tmp_path) == ["out.safetensors"]
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_atomic_save_final_step_never_overwrites_a_file_created_meanwhile(tmp_path, monkeypatch, hard_links):
+    """Another writer creates the file after the exists-check, while the temp file is written: the
+    final step (os.link, or O_EXCL where hard links are unsupported) refuses; that file is untouched."""
+    import safetensors.torch
+
+    real_save = safetensors.torch.save_file
+    dst = tmp_path / "out.safetensors"
+    if not hard_links:
+        def no_link(src, dst_):
+            raise PermissionError(1, "Operation not permitted")  # as on file systems without hard links
+        monkeypatch.setattr(os, "link", no_link)
+
+    def save_then_race(tensors, filename, metadata=None):
+        real_save(tensors, filename, metadata=metadata)
+        dst.write_bytes(b"the user's file")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_then_race)
+    with pytest.raises(FileExistsError, match="another writer"):
+        fp8_quantize.atomic_save({"a": torch.arange(4.0)}, str(dst))
+    assert dst.read_bytes() == b"the user's file" and os.listdir(tmp_path) == ["out.safetensors"]
+    # without a race the same path publishes the file, and overwrite=True still replaces
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    dst.unlink()
+    fp8_quantize.atomic_save({"a": torch.arange(4.0)}, str(dst))
+    assert torch.equal(load_file(str(dst))["a"], torch.arange(4.0))
+    fp8_quantize.atomic_save({"a": torch.ones(2)}, str(dst), overwrite=True)
+    assert torch.equal(load_file(str(dst))["a"], torch.ones(2)) and os.listdir(tmp_path) == ["out.safetensors"]
 
 
 def test_quantize_on_load_modes(tmp_path):
