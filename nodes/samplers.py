@@ -5,16 +5,18 @@ step (each stage for heun and dpmpp_2s_ancestral_cfg_pp) one fused kernel
 (`metal_kernels.sampling`), no host sync inside the step loop.
 
 * `sample_<name>_metal(model, x, sigmas, extra_args, callback, disable, ...)`: the k-diffusion
-  signature and options of ComfyUI's `sample_<name>`, plus `noise_mode` ("fast" | "exact").
+  signature and options of ComfyUI's `sample_<name>`, plus `noise_mode` ("auto" | "fast" | "exact").
   The schedule is read to the host once before the loop (`sigmas.tolist()`), every per-step
   coefficient is computed on the host from that list, and NaN/inf is recorded on the device per
   step and checked once after the loop.
 * Noise: "exact" draws from ComfyUI's own noise sampler (BrownianTreeNoiseSampler for the SDE
   samplers, default_noise_sampler for the ancestral ones, the same seed), so results equal
-  ComfyUI's. "fast" (the default; env COMFY_METAL_SAMPLER_NOISE overrides it) generates the noise
-  inside the step kernel from a counter-based hash: a Brownian bridge (virtual Brownian tree,
-  `sampling.BrownianBridge`) for the SDE samplers, one i.i.d. normal per step for the ancestral
-  ones. A `noise_sampler` passed by the caller is always used as given.
+  ComfyUI's. "fast" generates the noise inside the step kernel from a counter-based hash: a Brownian
+  bridge (virtual Brownian tree, `sampling.BrownianBridge`) for the SDE samplers, one i.i.d. normal
+  per step for the ancestral ones. "auto" (the default; env COMFY_METAL_SAMPLER_NOISE overrides it)
+  is fast on MPS, where exact noise costs host syncs, and exact elsewhere (CPU, CUDA), where host
+  syncs cost nothing and the hashed noise is the slower one; exact falls back to fast when ComfyUI is
+  not importable. A `noise_sampler` passed by the caller is always used as given.
 * CFG++ (`*_cfg_pp`): like ComfyUI, the sampler adds a post-CFG function to
   extra_args["model_options"] (comfy.model_patcher.set_model_options_post_cfg_function, with the
   cfg=1 shortcut disabled) to capture each call's unconditional denoised output. Without ComfyUI
@@ -47,6 +49,7 @@ SAMPLER_NAMES = ("euler", "euler_ancestral", "heun", "dpmpp_2m", "dpmpp_2m_sde",
                  "dpmpp_2s_ancestral_cfg_pp", "res_multistep_cfg_pp")
 CFG_PP_NAMES = tuple(n for n in SAMPLER_NAMES if n.endswith("_cfg_pp"))
 NOISE_MODES = ("fast", "exact")
+NOISE_CHOICES = ("auto",) + NOISE_MODES   # "auto": default_noise_mode(device)
 NOISE_ENV = "COMFY_METAL_SAMPLER_NOISE"
 
 
@@ -54,11 +57,16 @@ class SamplingError(ValueError):
     """Bad input to a Metal sampler, or a NaN/inf produced while sampling."""
 
 
-def default_noise_mode() -> str:
-    value = os.environ.get(NOISE_ENV, "fast").strip().lower() or "fast"
-    if value not in NOISE_MODES:
-        raise SamplingError(f"{NOISE_ENV}={value!r} is not one of {', '.join(NOISE_MODES)}")
-    return value
+def default_noise_mode(device) -> str:
+    """The noise mode for noise_mode "auto" on `device`: COMFY_METAL_SAMPLER_NOISE if set, else "fast"
+    on MPS (in-kernel noise, no host sync) and "exact" elsewhere (ComfyUI's noise sampler: on CPU and
+    CUDA host syncs cost nothing, and the hashed noise is slower there than torch's generator)."""
+    value = os.environ.get(NOISE_ENV, "").strip().lower() or "auto"
+    if value not in NOISE_CHOICES:
+        raise SamplingError(f"{NOISE_ENV}={value!r} is not one of {', '.join(NOISE_CHOICES)}")
+    if value != "auto":
+        return value
+    return "fast" if torch.device(device).type == "mps" else "exact"
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,9 +128,9 @@ class _Run:
     def __init__(self, name, model, x, sigmas, extra_args, noise_mode):
         self.name = f"{name}_metal"
         self.extra_args = {} if extra_args is None else extra_args
-        self.noise_mode = default_noise_mode() if noise_mode is None else str(noise_mode).lower()
-        if self.noise_mode not in NOISE_MODES:
-            raise SamplingError(f"{self.name}: noise_mode {noise_mode!r} is not one of {', '.join(NOISE_MODES)}")
+        mode = "auto" if noise_mode is None else str(noise_mode).lower()
+        if mode not in NOISE_CHOICES:
+            raise SamplingError(f"{self.name}: noise_mode {noise_mode!r} is not one of {', '.join(NOISE_CHOICES)}")
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise SamplingError(f"{self.name}: the latent must be a floating-point tensor, got "
                                 f"{type(x).__name__} {getattr(x, 'dtype', '')}")
@@ -144,6 +152,8 @@ class _Run:
                                     "use a built-in sampler for increasing (unsampling) schedules")
         if x.numel() and not bool(torch.isfinite(x).all()):
             raise SamplingError(f"{self.name}: the input latent (shape {tuple(x.shape)}) contains NaN or inf")
+        self.noise_auto = mode == "auto"
+        self.noise_mode = default_noise_mode(x.device) if self.noise_auto else mode
         self.steps = max(len(self.sig) - 1, 0)
         self.flags = torch.zeros(max(self.steps, 1), dtype=torch.int32, device=x.device)
         self.x = x
@@ -159,6 +169,10 @@ class _Run:
             try:
                 import comfy.k_diffusion.sampling as kds
             except ImportError as e:
+                if self.noise_auto:   # chosen, not asked for: outside ComfyUI (bench, doctor) use the hashed noise
+                    log.info("comfy_metal: %s: ComfyUI is not importable, so fast noise instead of exact", self.name)
+                    self.noise_mode = "fast"
+                    return self.noise_source(kind, sigmas, noise_sampler, original_sigmas)
                 raise SamplingError(f"{self.name}: noise_mode='exact' uses ComfyUI's noise sampler, and ComfyUI "
                                     f"is not importable ({e})") from e
             if kind == "brownian":
@@ -635,11 +649,11 @@ def get_sampler_function(name: str):
     return fn
 
 
-def sampler_options(name: str, noise_mode: str = "fast", eta: float = 1.0, s_noise: float = 1.0) -> dict:
+def sampler_options(name: str, noise_mode: str = "auto", eta: float = 1.0, s_noise: float = 1.0) -> dict:
     """The KSAMPLER extra_options for a sampler: noise_mode, and eta / s_noise where it takes them."""
     fn = get_sampler_function(name)
-    if noise_mode not in NOISE_MODES:
-        raise SamplingError(f"noise_mode {noise_mode!r} is not one of {', '.join(NOISE_MODES)}")
+    if noise_mode not in NOISE_CHOICES:
+        raise SamplingError(f"noise_mode {noise_mode!r} is not one of {', '.join(NOISE_CHOICES)}")
     params = inspect.signature(fn).parameters
     options = {"noise_mode": noise_mode}
     # ComfyUI's res_multistep(_cfg_pp) run with eta 0 (eta > 0 is its separate _ancestral sampler)
@@ -693,9 +707,10 @@ class MetalSamplerSelect:
     def INPUT_TYPES(cls):
         return {"required": {
             "sampler_name": (list(SAMPLER_NAMES), {"tooltip": "ComfyUI's sampler of the same name, fused kernels"}),
-            "noise_mode": (list(NOISE_MODES), {"default": "fast", "tooltip":
-                           "fast: device-side Brownian/i.i.d. noise, no host syncs; exact: ComfyUI's own noise "
-                           "sampler (results identical to ComfyUI's sampler)"}),
+            "noise_mode": (list(NOISE_CHOICES), {"default": "auto", "tooltip":
+                           "auto: fast on Apple GPUs (MPS), exact on CPU/CUDA (faster there); fast: device-side "
+                           "Brownian/i.i.d. noise, no host syncs; exact: ComfyUI's own noise sampler (results "
+                           "identical to ComfyUI's sampler)"}),
             "eta": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.01,
                               "tooltip": "ancestral / SDE noise amount (samplers that take eta)"}),
             "s_noise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.01}),
@@ -706,7 +721,7 @@ class MetalSamplerSelect:
     CATEGORY = "Comfy Metal/sampling"
     DESCRIPTION = "ComfyUI's samplers with one fused Metal kernel per step and no host sync in the loop."
 
-    def get_sampler(self, sampler_name, noise_mode="fast", eta=1.0, s_noise=1.0):
+    def get_sampler(self, sampler_name, noise_mode="auto", eta=1.0, s_noise=1.0):
         import comfy.samplers
 
         register_ksampler_entries()

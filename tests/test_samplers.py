@@ -309,7 +309,7 @@ def test_bad_input_errors():
     with pytest.raises(S.SamplingError, match="dtype torch.float64"):
         _run("euler", model, x.double(), sig)
     with pytest.raises(S.SamplingError, match="exceeds the fast Brownian noise range"):
-        _run("dpmpp_2m_sde", model, x, sig * 1000)
+        _run("dpmpp_2m_sde", model, x, sig * 1000, noise_mode="fast")
     # an empty schedule returns the latent unchanged, as ComfyUI's samplers do
     assert torch.equal(_run("dpmpp_3m_sde", model, x, sig[:1]), x)
 
@@ -335,6 +335,50 @@ def test_noise_modes_and_seeds():
     d = _run("dpmpp_2m_sde", model, x, sig, noise_mode="fast", eta=0.0)
     e = _run("dpmpp_2m_sde", model, x, sig, noise_mode="fast", eta=0.0, extra_args={"seed": 7})
     assert torch.equal(d, e)
+
+
+def test_default_noise_mode_per_device(monkeypatch):
+    """auto: fast (in-kernel hashed noise) on MPS, exact (ComfyUI's noise sampler) on CPU and CUDA,
+    where host syncs cost nothing and the hashed noise is the slower one; the env var overrides it."""
+    monkeypatch.delenv(S.NOISE_ENV, raising=False)
+    assert S.default_noise_mode("cpu") == "exact"
+    assert S.default_noise_mode(torch.device("cuda", 0)) == "exact"
+    assert S.default_noise_mode(torch.device("mps")) == "fast"
+    assert S.default_noise_mode("mps:0") == "fast"
+    monkeypatch.setenv(S.NOISE_ENV, "exact")
+    assert S.default_noise_mode("mps") == "exact"
+    monkeypatch.setenv(S.NOISE_ENV, "fast")
+    assert S.default_noise_mode("cpu") == "fast"
+    monkeypatch.setenv(S.NOISE_ENV, "auto")
+    assert (S.default_noise_mode("cpu"), S.default_noise_mode("mps")) == ("exact", "fast")
+    monkeypatch.setenv(S.NOISE_ENV, "slow")
+    with pytest.raises(S.SamplingError, match="COMFY_METAL_SAMPLER_NOISE='slow'"):
+        S.default_noise_mode("cpu")
+
+
+def test_auto_noise_without_comfyui_falls_back_to_fast_and_explicit_choices_are_kept(monkeypatch):
+    """On CPU, auto means exact; where ComfyUI's noise sampler cannot be imported (bench, doctor) auto
+    takes the fast noise, while an explicit noise_mode='exact' is an error, never silently replaced."""
+    monkeypatch.delenv(S.NOISE_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "comfy.k_diffusion.sampling", None)   # import fails as without ComfyUI
+    model = ToyDenoiser(ToyEPS())
+    sig = toy_schedule("eps", 5)
+    x = torch.randn(1, 4, 3, 5, generator=torch.Generator().manual_seed(3)) * sig[0]
+    fast = _run("dpmpp_2m_sde", model, x, sig, noise_mode="fast")
+    assert torch.equal(_run("dpmpp_2m_sde", model, x, sig), fast)
+    assert torch.equal(_run("dpmpp_2m_sde", model, x, sig, noise_mode="auto"), fast)
+    with pytest.raises(S.SamplingError, match="noise_mode='exact' uses ComfyUI's noise sampler"):
+        _run("dpmpp_2m_sde", model, x, sig, noise_mode="exact")
+
+
+def test_auto_noise_on_cpu_is_comfyuis_exact_noise(comfyui, monkeypatch):
+    monkeypatch.delenv(S.NOISE_ENV, raising=False)
+    model = ToyDenoiser(ToyEPS())
+    sig = toy_schedule("eps", 5)
+    x = torch.randn(1, 4, 3, 5, generator=torch.Generator().manual_seed(3)) * sig[0]
+    exact = _run("dpmpp_2m_sde", model, x, sig, noise_mode="exact")
+    assert torch.equal(_run("dpmpp_2m_sde", model, x, sig), exact)
+    assert not torch.allclose(_run("dpmpp_2m_sde", model, x, sig, noise_mode="fast"), exact)
 
 
 def test_fast_sde_noise_is_split_invariant_in_a_sampler():
@@ -376,7 +420,7 @@ def test_register_ksampler_entries_with_stand_in_modules(monkeypatch):
 def test_sampler_options():
     assert S.sampler_options("dpmpp_2m_sde", "exact", 0.5, 0.9) == {"noise_mode": "exact", "eta": 0.5, "s_noise": 0.9}
     assert S.sampler_options("euler_metal", "fast") == {"noise_mode": "fast", "s_noise": 1.0}
-    assert S.sampler_options("dpmpp_2m") == {"noise_mode": "fast"}
+    assert S.sampler_options("dpmpp_2m") == {"noise_mode": "auto"}
     assert "eta" not in S.sampler_options("res_multistep")  # ComfyUI's res_multistep has eta 0
     assert "eta" not in S.sampler_options("res_multistep_cfg_pp")
     assert S.sampler_options("euler_ancestral_cfg_pp", "fast", 0.5)["eta"] == 0.5

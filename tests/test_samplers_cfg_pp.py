@@ -112,7 +112,7 @@ def test_registered_everywhere():
     assert S.sampler_options("euler_cfg_pp_metal", "exact") == {"noise_mode": "exact"}
     assert S.sampler_options("euler_ancestral_cfg_pp", "fast", 0.5, 0.9) == {"noise_mode": "fast", "eta": 0.5,
                                                                              "s_noise": 0.9}
-    assert S.sampler_options("dpmpp_2m_cfg_pp") == {"noise_mode": "fast"}
+    assert S.sampler_options("dpmpp_2m_cfg_pp") == {"noise_mode": "auto"}
     assert S.sampler_options("res_multistep_cfg_pp", "fast", 0.7) == {"noise_mode": "fast", "s_noise": 1.0}
 
 
