@@ -86,7 +86,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("doctor", help="capability report, kernel self-checks and a tiny end-to-end pipeline")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--out", default="comfy-metal-doctor", help="folder for the pipeline's PNG")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="folder for the pipeline's PNG (default: a new temporary folder; the report prints the path)")
     p.set_defaults(fn=doctor)
     p = sub.add_parser("bench", help="print benchmark tables")
     p.add_argument("--quick", action="store_true", help="small sizes only")

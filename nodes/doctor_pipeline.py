@@ -79,9 +79,11 @@ def _karras(n: int, sigma_min=0.03, sigma_max=14.6, rho=7.0) -> torch.Tensor:
 
 
 class Pipeline:
-    def __init__(self, out_dir: str, device: str | None = None, steps: int = 8, seed: int = 0):
+    def __init__(self, out_dir: str | None = None, device: str | None = None, steps: int = 8, seed: int = 0):
+        """out_dir: the PNG's folder; None = a new temporary folder (never the current one)."""
         self.device = torch.device(device or ("mps" if mps_available() else "cpu"))
-        self.out_dir = pathlib.Path(out_dir)
+        self.out_dir = pathlib.Path(out_dir) if out_dir else None
+        self.png_path: pathlib.Path | None = None
         self.steps, self.seed = steps, seed
         self.tmp = tempfile.TemporaryDirectory(prefix="comfy-metal-doctor-")
         self.model = self.cond = self.latent = self.image = None
@@ -187,10 +189,13 @@ class Pipeline:
         img = image[0].float().cpu()
         lo, hi = img.amin(), img.amax()
         img = ((img - lo) / (hi - lo + 1e-8) * 255).round().clamp(0, 255).to(torch.uint8)
+        if self.out_dir is None:   # kept after the run, for the user to open
+            self.out_dir = pathlib.Path(tempfile.mkdtemp(prefix="comfy-metal-doctor-"))
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / "comfy-metal-doctor.png"
         Image.fromarray(img.permute(1, 2, 0).numpy()).save(path)
-        return f"{img.shape[2]}x{img.shape[1]} PNG written to {path}"
+        self.png_path = path.resolve()
+        return f"{img.shape[2]}x{img.shape[1]} PNG written to {self.png_path}"
 
     def stages(self):
         return [("FP8 load", self.fp8_load), ("MoE text encode", self.text_encode),
@@ -198,4 +203,4 @@ class Pipeline:
 
 
 def doctor_stages(args):
-    return Pipeline(getattr(args, "out", "comfy-metal-doctor")).stages()
+    return Pipeline(getattr(args, "out", None)).stages()

@@ -10,14 +10,15 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run_doctor(tmp_path, *extra, env=None):
+def _run_doctor(out, *extra, env=None, cwd=None):
     # Run as `python -m comfy_metal` against this checkout, installed or not.
     boot = (f"import sys, importlib.util; spec = importlib.util.spec_from_file_location('comfy_metal', "
             f"{str(ROOT / '__init__.py')!r}, submodule_search_locations=[{str(ROOT)!r}]); "
             "m = importlib.util.module_from_spec(spec); sys.modules['comfy_metal'] = m; spec.loader.exec_module(m); "
             "import runpy; sys.argv = ['comfy_metal'] + sys.argv[1:]; runpy.run_module('comfy_metal', run_name='__main__')")
-    return subprocess.run([sys.executable, "-c", boot, "doctor", "--out", str(tmp_path), *extra],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    out_args = ["--out", str(out)] if out is not None else []
+    return subprocess.run([sys.executable, "-c", boot, "doctor", *out_args, *extra], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 def test_doctor_json_reports_every_kernel_and_runs_the_pipeline(tmp_path):
@@ -40,8 +41,19 @@ def test_doctor_json_reports_every_kernel_and_runs_the_pipeline(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_doctor_text_report_is_readable(tmp_path):
-    proc = _run_doctor(tmp_path)
+def test_doctor_text_report_is_readable_and_writes_nothing_into_the_current_folder(tmp_path):
+    """Without --out the PNG goes into a new temporary folder (the report prints its path), never into
+    the folder the doctor runs in (the README's quick start in a clone left comfy-metal-doctor/ there)."""
+    import re
+
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir()
+    tmp.mkdir()
+    proc = _run_doctor(None, env={"TMPDIR": str(tmp)}, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for heading in ("Capabilities", "Kernels (COMFY_METAL_BACKEND=auto)", "End-to-end pipeline on synthetic weights"):
         assert heading in proc.stdout
+    assert os.listdir(cwd) == []
+    png = pathlib.Path(re.search(r"PNG written to (\S+\.png)", proc.stdout).group(1))
+    assert png.is_absolute() and png.parent.parent == tmp.resolve(), png
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
