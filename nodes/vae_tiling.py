@@ -930,6 +930,10 @@ class TiledVAE:
                     shared = None
             self.info.shared_stats = shared is not None
             step = [0]
+            # Shared statistics run one pass per GroupNorm call plus the final one: count the calls on a
+            # small crop first, so the progress total is exact from the first report and never changes.
+            gn_calls = self._count_groupnorm_calls(shared.modules, x, fn, encode, device, dtype) \
+                if shared is not None else 0
             t0 = time.perf_counter()
             out = None
             pads = pad_mode_for(device, self.opt.route_pads)
@@ -947,7 +951,7 @@ class TiledVAE:
                     self.info.passes = 1
                     out = acc
                 else:
-                    out = self._lockstep(shared, x, fn, tiles, py, px, encode, device, dtype, t0)
+                    out = self._lockstep(shared, x, fn, tiles, py, px, encode, device, dtype, t0, gn_calls)
             if isinstance(pads, MetalPadMode):
                 self.info.pads_routed = pads.routed
             return out
@@ -955,14 +959,37 @@ class TiledVAE:
             if module_moved:
                 c.module.to(device=c.device, dtype=c.dtype)
 
-    def _lockstep(self, shared, x, fn, tiles, py, px, encode, device, dtype, t0):
+    def _count_groupnorm_calls(self, modules, x, fn, encode, device, dtype) -> int:
+        """GroupNorm calls of one forward, counted on a crop of at most 8x8 latent pixels (the decoder's
+        structure, not the tile size, sets the count)."""
+        f = self.codec.scale
+        side = 8 * f if encode else 8
+        crop = x[..., :side, :side].to(device=device, dtype=dtype)
+        calls = [0]
+
+        def count(m, args):
+            calls[0] += 1
+
+        hooks = [m.register_forward_pre_hook(count) for m in modules]
+        try:
+            with torch.no_grad():
+                out = fn(crop)
+                if isinstance(out, Iterator) or hasattr(out, "__next__"):
+                    for _ in out:
+                        pass
+                del out
+        finally:
+            for h in hooks:
+                h.remove()
+        return calls[0]
+
+    def _lockstep(self, shared, x, fn, tiles, py, px, encode, device, dtype, t0, gn_calls):
         """Shared statistics: pass k brings every tile to GroupNorm call k (gathering its statistics over
-        the tiles' cores), until a pass in which every tile runs to the end; that pass writes the output."""
+        the tiles' cores), until a pass in which every tile runs to the end; that pass writes the output.
+        Progress: `gn_calls` + 1 passes of len(tiles) steps, a total fixed before the first step."""
         k = 0
         steps = 0
-        part = getattr(self.codec.module, "encoder" if encode else "decoder", None)
-        n_est = sum(isinstance(m, torch.nn.GroupNorm) for m in part.modules()) \
-            if isinstance(part, torch.nn.Module) else len(shared.modules)
+        total = len(tiles) * (gn_calls + 1)
         while True:
             shared.start_pass(k)
             acc = None
@@ -974,10 +1001,8 @@ class TiledVAE:
                 except _StopAtGroupNorm:
                     stopped += 1
                 steps += 1
-                # progress: the number of passes is known after the first tile of the final pass; until
-                # then estimate it as the GroupNorm count
-                total = len(tiles) * max(k + 2, n_est + 1)
-                self._progress(min(steps, total - 1), total, t0)
+                if steps < total:   # the total stays fixed even if the crop's count were short
+                    self._progress(steps, total, t0)
             self.info.passes += 1
             if stopped == len(tiles):
                 shared.end_pass()
@@ -986,7 +1011,10 @@ class TiledVAE:
             if stopped:
                 raise RuntimeError(f"shared statistics: {stopped} of {len(tiles)} tiles called more GroupNorms "
                                    f"than the others (the decoder is not the same on every tile)")
-            self._progress(steps, steps, t0)
+            if k != gn_calls:
+                log.warning("comfy_metal: shared statistics: %d GroupNorm calls per tile, %d on the counting crop; "
+                            "the progress total was off", k, gn_calls)
+            self._progress(total, total, t0)
             self.info.groupnorm_calls = k
             self.info.blocks_computed, self.info.stats_cache_peak = shared.blocks_computed, shared.peak_cache_bytes
             if shared.unmapped:

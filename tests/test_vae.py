@@ -133,6 +133,44 @@ def test_kl_feather_decode_matches_untiled(kl_vae, kl_case):
     assert p >= 32.0
 
 
+class _TwiceNormed(torch.nn.Module):
+    """A decoder whose one GroupNorm module runs twice per forward (module count 1, calls 2)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.conv_in = torch.nn.Conv2d(4, 16, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(4, 16)
+        self.mid = torch.nn.Conv2d(16, 16, 3, padding=1)
+        self.up = torch.nn.Upsample(scale_factor=8.0, mode="nearest")
+        self.conv_out = torch.nn.Conv2d(16, 3, 3, padding=1)
+
+    def forward(self, z):
+        h = self.mid(F.silu(self.norm(self.conv_in(z))))
+        return self.conv_out(self.up(F.silu(self.norm(h))))
+
+
+@pytest.mark.parametrize("decoder", ["doctor", "groupnorm_called_twice"])
+def test_shared_statistics_progress_total_is_fixed_from_the_first_report(decoder):
+    """Every (done, total) reported during a shared-statistics decode has the same total, `done` only
+    grows, and the last report is (total, total) with total = tiles x passes (the doctor showed
+    36/45, then 40/54, then 45/45)."""
+    from comfy_metal.nodes import doctor_pipeline
+
+    module = doctor_pipeline.tiny_decoder(0) if decoder == "doctor" else _TwiceNormed().eval()
+    seen = []
+    eng = vt.TiledVAE(vt.codec_from_fn(module, 8, module=module),
+                      vt.TilingOptions(budget_bytes=8 * 2**20, tile=8, overlap=4, shared_stats=True,
+                                       progress=lambda done, total: seen.append((done, total))))
+    eng.decode(torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0)))
+    assert eng.info.tiles > 1 and eng.info.passes == eng.info.groupnorm_calls + 1
+    assert eng.info.groupnorm_calls == (4 if decoder == "doctor" else 2)
+    total = eng.info.tiles * eng.info.passes
+    assert {t for _, t in seen} == {total}, seen
+    done = [d for d, _ in seen]
+    assert done == sorted(done) and done[-1] == total, seen
+
+
 def test_kl_shared_statistics(kl_vae, kl_case):
     """Lock-step shared statistics on an AutoencoderKL with mid-block attention: >= 40 dB against the
     untiled decode, and better than feather alone (attention still sees only its tile)."""
