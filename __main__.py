@@ -1,6 +1,6 @@
 """python -m comfy_metal {doctor,bench,run}"""
 import sys
 
-from .nodes.cli import main
+from .nodes.cli.main import main
 
 sys.exit(main())

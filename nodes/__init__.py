@@ -9,8 +9,9 @@ from __future__ import annotations
 import importlib
 import logging
 
-# Feature modules, in the order their nodes appear.
-FEATURE_MODULES = ("fp8_loader", "samplers", "vae_tiled", "moe_encoder", "status")
+# Feature packages (nodes/<capability>/), in the order their nodes appear. A new capability adds its
+# package name here; its __init__.py exports NODE_CLASS_MAPPINGS / NODE_DISPLAY_NAME_MAPPINGS.
+FEATURE_MODULES = ("fp8", "samplers", "vae", "moe_encoder", "status")
 
 NODE_CLASS_MAPPINGS: dict = {}
 NODE_DISPLAY_NAME_MAPPINGS: dict = {}

@@ -95,9 +95,9 @@ class Pipeline:
         return value
 
     def fp8_load(self) -> str:
-        from .fp8_formats import open_checkpoint
-        from .fp8_loader import build_state_dict
-        from .fp8_ops import make_fp8_ops, weight_bytes
+        from .fp8.formats import open_checkpoint
+        from .fp8.loader import build_state_dict
+        from .fp8.ops import make_fp8_ops, weight_bytes
         from .fp8_quantize import atomic_save, comfy_quant_entries, quantize, quant_metadata
 
         torch.manual_seed(self.seed)

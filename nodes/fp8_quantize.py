@@ -13,7 +13,7 @@ import tempfile
 import torch
 
 from ..metal_kernels.fp8 import FP8_MAX
-from .fp8_formats import FP8_DTYPES, FORMAT_OF_DTYPE, CheckpointError
+from .fp8.formats import FP8_DTYPES, FORMAT_OF_DTYPE, CheckpointError
 
 # Layers that stay in high precision: the first and last projections and embeddings, norms,
 # modulation-free small layers. Matched against the weight key (dots and underscores included).
@@ -208,7 +208,7 @@ def quant_metadata(layers: dict[str, str]) -> dict:
 def quantize_file(src: str, dst: str, fmt: str = "e4m3fn", rowwise: bool = False, overwrite: bool = False,
                   keep=keep_reason) -> QuantSummary:
     """Quantize a bf16/fp16/fp32 .safetensors file to a comfy_quant FP8 file, one layer at a time."""
-    from .fp8_formats import open_checkpoint
+    from .fp8.formats import open_checkpoint
 
     if os.path.abspath(src) == os.path.abspath(dst):
         raise FileExistsError(f"{dst} is the source file; choose another output name")

@@ -132,7 +132,7 @@ def fill_module_(module: torch.nn.Module, seed=0, std=0.05):
 
 def dequantized_file(fmt_mod, path) -> dict:
     """An FP8 file's weights dequantized to fp32 with torch's own casts (the loader's decode is not
-    used); `fmt_mod` is the pack's fp8_formats module (for reading the file's layout)."""
+    used); `fmt_mod` is the pack's nodes/fp8/formats.py module (for reading the file's layout)."""
     out = {}
     with fmt_mod.open_checkpoint(path) as ck:
         for key in ck.model_keys():

@@ -26,7 +26,7 @@ FLUX_CFG = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=
 def loader_mod(comfyui):
     import importlib
 
-    return importlib.import_module(comfyui.pack_module.__name__ + ".nodes.fp8_loader")
+    return importlib.import_module(comfyui.pack_module.__name__ + ".nodes.fp8.loader")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from comfy_metal.nodes import bench_fp8
+from comfy_metal.nodes.cli.bench import fp8 as bench_fp8
 
 
 def test_load_table_times_both_loaders_doing_the_same(comfyui_path, monkeypatch):

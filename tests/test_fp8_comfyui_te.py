@@ -21,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def loader_mod(comfyui):
     import importlib
 
-    return importlib.import_module(comfyui.pack_module.__name__ + ".nodes.fp8_loader")
+    return importlib.import_module(comfyui.pack_module.__name__ + ".nodes.fp8.loader")
 
 
 @pytest.fixture(scope="module")

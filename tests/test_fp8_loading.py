@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 
 import fp8_models as fm
 from comfy_metal.metal_kernels import dispatch
-from comfy_metal.nodes import fp8_formats, fp8_loader, fp8_ops, fp8_quantize
+from comfy_metal.nodes import fp8_quantize
+from comfy_metal.nodes.fp8 import formats as fp8_formats, loader as fp8_loader, ops as fp8_ops
 
 KINDS = [("plain", False, False), ("scaled_fp8", False, False), ("scaled_fp8", True, False),
          ("comfy_quant", False, False), ("comfy_quant", True, False), ("comfy_quant", False, True),
@@ -181,7 +182,7 @@ PEAK_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     sys.path.insert(0, sys.argv[2])
     import conftest
-    from comfy_metal.nodes import fp8_formats, fp8_loader, fp8_ops
+    from comfy_metal.nodes.fp8 import formats as fp8_formats, loader as fp8_loader, ops as fp8_ops
     layers, n, k = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     ops = fp8_ops.make_fp8_ops(standalone=True)
     net = torch.nn.Module()

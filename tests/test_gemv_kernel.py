@@ -225,7 +225,7 @@ def test_gemv_node_path_runs_the_emulated_kernel(monkeypatch):
 def test_kernels_bench_tables(monkeypatch):
     """`bench(quick)` of nodes/bench_kernels.py at a toy size: both tables, every row filled (the GEMV
     crossover by M is bench_fp8's table)."""
-    from comfy_metal.nodes import bench_kernels
+    from comfy_metal.nodes.cli.bench import kernels as bench_kernels
 
     monkeypatch.setattr(bench_kernels, "SIZES", {True: 64, False: 64})
     tables = bench_kernels.bench(quick=True)

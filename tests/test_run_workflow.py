@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from comfy_metal.nodes import run_workflow as rw
+from comfy_metal.nodes.cli import run_workflow as rw
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY_WORKFLOW = {

@@ -679,7 +679,7 @@ def test_metal_sampler_select_node_whole_in_emulator(comfyui, tiny_unets, monkey
 def test_bench_runs_and_reports(monkeypatch, reference_backend):
     """The bench section on a tiny latent: both tables, every sampler, the fused-bytes column equal to the
     minimum tensor count, and the ComfyUI column either filled or saying ComfyUI was not found."""
-    from comfy_metal.nodes import bench_samplers as B
+    from comfy_metal.nodes.cli.bench import samplers as B
 
     monkeypatch.setattr(B, "LATENTS", [("tiny (4x8x8)", (1, 4, 8, 8))])
     if "comfy.k_diffusion.sampling" not in sys.modules:

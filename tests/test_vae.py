@@ -290,7 +290,7 @@ def test_budget_picks_tiles_and_oom_halves(kl_vae, kl_case, caplog):
 def test_node_runs_with_emulator_backend(emulator_backend, kl_vae):
     """The whole decode node on a VAE-like object (a diffusers model inside), every kernel launched
     through the real Metal source in the emulator."""
-    from comfy_metal.nodes.vae_tiled import MetalVAEDecodeTiled, MetalVAEEncodeTiled
+    from comfy_metal.nodes.vae.nodes import MetalVAEDecodeTiled, MetalVAEEncodeTiled
 
     vae = types.SimpleNamespace(first_stage_model=kl_vae, latent_dim=2, latent_channels=4, device="cpu",
                                 vae_dtype=torch.float32, output_device=torch.device("cpu"),
@@ -380,7 +380,7 @@ def test_bench_section_without_comfyui(monkeypatch):
     decoders measured, PSNR against untiled above the feather bar at this overlap, ComfyUI columns n/a
     with the reason, and the Wan table saying what it needs."""
     pytest.importorskip("diffusers")
-    from comfy_metal.nodes import bench_vae
+    from comfy_metal.nodes.cli.bench import vae as bench_vae
 
     monkeypatch.setattr(bench_vae, "SDXL_WIDTHS", (32, 64, 128, 128))   # SD ratios (ComfyUI infers them)
     monkeypatch.setattr(bench_vae, "SDXL_SIDE", {True: 24, False: 24})

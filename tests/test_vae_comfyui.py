@@ -62,7 +62,7 @@ def _tiles_logged(text):
 
 def test_sd_vae_decode_tiled_vs_untiled(comfyui, sd_vae, caplog):
     from comfy_metal.nodes import vae_tiling as vt
-    from comfy_metal.nodes.vae_tiled import MetalVAEDecodeTiled
+    from comfy_metal.nodes.vae.nodes import MetalVAEDecodeTiled
 
     torch.manual_seed(0)
     z = torch.randn(1, 4, 40, 32)
@@ -85,7 +85,7 @@ def test_sd_vae_shared_statistics_vs_untiled(comfyui, sd_vae, caplog):
     """Lock-step shared GroupNorm statistics on ComfyUI's SD VAE object (its Decoder, mid-block
     attention included): >= 40 dB against ComfyUI's untiled decode, above feather alone."""
     from comfy_metal.nodes import vae_tiling as vt
-    from comfy_metal.nodes.vae_tiled import SEAM_MODES, MetalVAEDecodeTiled
+    from comfy_metal.nodes.vae.nodes import SEAM_MODES, MetalVAEDecodeTiled
 
     torch.manual_seed(0)
     z = torch.randn(1, 4, 40, 32)
@@ -112,7 +112,7 @@ def test_sd_vae_shared_statistics_vs_untiled(comfyui, sd_vae, caplog):
 
 def test_wan21_decode_and_encode_tiled_vs_untiled(comfyui, wan_vae, caplog):
     from comfy_metal.nodes import vae_tiling as vt
-    from comfy_metal.nodes.vae_tiled import MetalVAEDecodeTiled, MetalVAEEncodeTiled
+    from comfy_metal.nodes.vae.nodes import MetalVAEDecodeTiled, MetalVAEEncodeTiled
 
     torch.manual_seed(1)
     z = torch.randn(1, 16, 3, 20, 16)
@@ -144,7 +144,7 @@ def test_wan21_decode_and_encode_tiled_vs_untiled(comfyui, wan_vae, caplog):
 
 def test_unknown_vae_falls_back_to_comfyui_tiled(comfyui, sd_vae, caplog, monkeypatch):
     from comfy_metal.nodes import vae_tiling
-    from comfy_metal.nodes.vae_tiled import MetalVAEDecodeTiled
+    from comfy_metal.nodes.vae.nodes import MetalVAEDecodeTiled
 
     monkeypatch.setattr(vae_tiling, "codec_from_comfy", lambda vae: None)
     z = torch.randn(1, 4, 8, 8)
@@ -158,7 +158,7 @@ def test_bench_section_against_comfyui_tiled(comfyui, monkeypatch):
     """`bench` of nodes/bench_vae.py against the real ComfyUI (narrow SDXL-shaped VAE, the quick Wan 2.2
     case at ComfyUI's real Wan 2.2 width): ComfyUI's tiled decode measured and every one of our rows
     given as a ratio of its time and peak, PSNR filled."""
-    from comfy_metal.nodes import bench_vae
+    from comfy_metal.nodes.cli.bench import vae as bench_vae
 
     monkeypatch.setattr(bench_vae, "SDXL_WIDTHS", (32, 64, 128, 128))   # SD ratios (ComfyUI infers them)
     monkeypatch.setattr(bench_vae, "SDXL_SIDE", {True: 24, False: 24})
@@ -179,7 +179,7 @@ def _psnr_cell(v):
 def test_bench_runs_comfyuis_own_tiled_decode_node(comfyui, sd_vae):
     """The full-size bench calls ComfyUI's VAEDecodeTiled node at its defaults: the same pixels as
     vae.decode_tiled with the node's arithmetic (512 px tiles, 64 px overlap -> 64 / 8 latent px)."""
-    from comfy_metal.nodes import bench_vae
+    from comfy_metal.nodes.cli.bench import vae as bench_vae
 
     torch.manual_seed(0)
     z = torch.randn(1, 4, 72, 80)
@@ -225,7 +225,7 @@ def test_hunyuan_video_decode_and_encode_tiled_vs_untiled(comfyui, hunyuan_vae, 
     import dataclasses
 
     from comfy_metal.nodes import vae_tiling as vt
-    from comfy_metal.nodes.vae_tiled import MetalVAEDecodeTiled, MetalVAEEncodeTiled
+    from comfy_metal.nodes.vae.nodes import MetalVAEDecodeTiled, MetalVAEEncodeTiled
 
     vae = hunyuan_vae
     codec = vt.codec_from_comfy(vae)

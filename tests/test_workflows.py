@@ -248,7 +248,7 @@ def test_moe_t2i_prompt_enhancer_executes(comfyui, models, tiny_text_encoders, d
 
 
 def test_quantize_and_save_executes_and_refuses_to_overwrite(comfyui, models, dispatch):
-    import comfy_metal.nodes.fp8_formats as fmt
+    import comfy_metal.nodes.fp8.formats as fmt
     from safetensors import safe_open
 
     _, api = load("quantize_and_save")

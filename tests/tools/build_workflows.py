@@ -24,7 +24,7 @@ WORKFLOWS_DIR = ROOT / "workflows"
 OBJECT_INFO_FILE = pathlib.Path(__file__).resolve().parent / "workflow_object_info.json"
 
 HF = "https://huggingface.co/"
-# The decode node of the pack (nodes/vae_tiled.py).
+# The decode node of the pack (nodes/vae/nodes.py).
 DECODE = "MetalVAEDecodeTiled"
 # Images (GroupNorm KL VAE): budget from the free memory, GroupNorm statistics shared over all tiles.
 IMAGE_DECODE = {"memory_budget_gb": 0.0, "overlap": 0, "temporal_chunk": 0, "temporal_overlap": 0,

@@ -8,7 +8,7 @@ import {
   kernelRows, memoryBar, memoryBarHTML, recordForNode, renderStatusHTML, statusSummary,
 } from "../../web/lib/status_model.js";
 
-// Shaped like nodes/status.py's record_node_backend() output.
+// Shaped like nodes/status's record_node_backend() output.
 const refRecord = {
   node_id: "7", node_class: "MetalKSampler", backend: "reference",
   reason: "Metal runs only on MPS tensors (this call is on cpu)",
@@ -75,7 +75,7 @@ test("status node_backends seed the state oldest first", () => {
   assert.equal(applyStatusNodes(s, {}), 0);
 });
 
-test("bytes format like nodes/report.py human_bytes", () => {
+test("bytes format like nodes/common/report.py human_bytes", () => {
   assert.equal(formatBytes(512), "512 B");
   assert.equal(formatBytes(1536), "1.5 KiB");
   assert.equal(formatBytes(21.5 * 1024 ** 3), "21.5 GiB");

@@ -11,7 +11,7 @@ export const ROUTES = Object.freeze({
   settings: "/comfy_metal/settings",
 });
 
-// Badge look per overall backend (nodes/status.py: summarize_backends).
+// Badge look per overall backend (nodes/status: summarize_backends).
 export const BACKEND_STYLES = Object.freeze({
   metal: { label: "Metal", fgColor: "#ffffff", bgColor: "#2e7d32" },
   emulator: { label: "Emulator", fgColor: "#ffffff", bgColor: "#1565c0" },

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .report import Table, human_bytes, median_seconds
+from ...common.report import Table, human_bytes, median_seconds
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -130,7 +130,7 @@ _LOAD_REPORT = textwrap.dedent("""
 """)
 
 _LOAD_OURS = _PRELUDE + _COMFY_SETUP + textwrap.dedent(f"""
-    from comfy_metal.nodes import fp8_loader, fp8_ops
+    from comfy_metal.nodes.fp8 import loader as fp8_loader
     import comfy.sd, comfy.ops, comfy.model_patcher, comfy.model_management as mm  # imported before timing
     with Peak() as p:
         m = fp8_loader.load_diffusion_model(sys.argv[3], "auto", "auto")
@@ -145,7 +145,7 @@ _LOAD_STOCK = _PRELUDE + _COMFY_SETUP + textwrap.dedent(f"""
 """) + _LOAD_REPORT
 
 _STANDALONE = _PRELUDE + textwrap.dedent("""
-    from comfy_metal.nodes import fp8_formats, fp8_loader, fp8_ops
+    from comfy_metal.nodes.fp8 import formats as fp8_formats, loader as fp8_loader, ops as fp8_ops
     path, layers, n, k, how = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
     ops = fp8_ops.make_fp8_ops(standalone=True)
     net = torch.nn.Module()
@@ -197,7 +197,7 @@ def load_table(quick: bool) -> Table:
     with tempfile.TemporaryDirectory(prefix="comfy-metal-bench-fp8-") as d:
         from safetensors.torch import save_file
 
-        from .fp8_quantize import comfy_quant_entries, quantize
+        from ...fp8_quantize import comfy_quant_entries, quantize
 
         layers, n, k = (8, 1024, 1024) if quick else (32, 3072, 3072)
         path = os.path.join(d, "stack_fp8.safetensors")
@@ -248,8 +248,8 @@ def load_table(quick: bool) -> Table:
 
 
 def crossover_table(quick: bool) -> Table:
-    from .. import metal_kernels as mk
-    from ..metal_kernels.probe import fp8_storage_dtype, mps_available
+    from .... import metal_kernels as mk
+    from ....metal_kernels.probe import fp8_storage_dtype, mps_available
 
     device = torch.device("mps" if mps_available() else "cpu")
     n = k = 1024 if quick else 4096
@@ -270,7 +270,7 @@ def crossover_table(quick: bool) -> Table:
         tg = median_seconds(lambda: mk.gemv(x, wq, None, fmt="e4m3fn", scale=scale, out_dtype=dtype), device, reps)
         td = median_seconds(lambda: torch.nn.functional.linear(x, mk.fp8_decode(wq, "e4m3fn", scale, out_dtype=dtype)),
                             device, reps)
-        from ..metal_kernels import dispatch
+        from ....metal_kernels import dispatch
 
         t.add(m, round(tg * 1e3, 3), round(td * 1e3, 3), f"{tg / td:.2f}x", dispatch.last_backend.get("gemv", "?"))
         faster.append((m, tg < td))

@@ -11,9 +11,9 @@ import logging
 
 import torch
 
-from . import vae_tiling
-from .status import recording_kernels
-from ..metal_kernels.registry import REGISTRY
+from .. import vae_tiling
+from ..status import recording_kernels
+from ...metal_kernels.registry import REGISTRY
 
 log = logging.getLogger("comfy_metal")
 

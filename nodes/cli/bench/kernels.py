@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from .report import Table, bench_device, human_bytes, median_seconds
+from ...common.report import Table, bench_device, human_bytes, median_seconds
 
 SIZES = {True: 1024, False: 4096}
 
@@ -23,8 +23,8 @@ def time_ms(fn, device: torch.device, reps: int) -> float:
 def _metal_launcher(name: str, device: torch.device):
     """spec.metal bound to the compiled library if dispatch would run Metal for `name` on `device`,
     else (None, why not)."""
-    from ..metal_kernels import dispatch
-    from ..metal_kernels.registry import REGISTRY
+    from ....metal_kernels import dispatch
+    from ....metal_kernels.registry import REGISTRY
 
     spec = REGISTRY[name]
     if device.type != "mps":
@@ -41,8 +41,8 @@ def _fp8_weight(n: int, k: int, device, gen) -> torch.Tensor:
 
 
 def bench(quick: bool) -> list[Table]:
-    from ..metal_kernels import fp8 as fp8_mod
-    from ..metal_kernels import linear as linear_mod
+    from ....metal_kernels import fp8 as fp8_mod
+    from ....metal_kernels import linear as linear_mod
 
     device = bench_device()
     size = SIZES[quick]
@@ -82,7 +82,7 @@ def bench(quick: bool) -> list[Table]:
             kt.add(name, label, ref_ms, metal_ms, f"{ref_ms / metal_ms:.2f}x")
 
     # ---- bytes per weight
-    from .. import metal_kernels
+    from .... import metal_kernels
 
     bt = Table("GEMV weight storage by type",
                ["weight type", "bytes / weight", f"{size}x{size} weight", "gemv M=1 ms", "weight GB/s"],

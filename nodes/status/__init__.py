@@ -121,7 +121,7 @@ def record_node_backend(node_class: str | None, kernels, node_id: str | None = N
     """
     global _history_count
     try:
-        from ..metal_kernels import dispatch
+        from ...metal_kernels import dispatch
 
         per_kernel: dict[str, dict] = {}
         for name in kernels or ():
@@ -155,7 +155,7 @@ def recording_kernels(node_class: str | None, kernels):
     (a sampler inside KSampler, an encoder inside CLIPTextEncode). Only kernels called in the block
     are listed: their `last_backend` entries are set aside first and put back afterwards for those
     the block did not call. Never raises on its own account."""
-    from ..metal_kernels import dispatch
+    from ...metal_kernels import dispatch
 
     names = tuple(kernels)
     last = dispatch.last_backend
@@ -185,7 +185,7 @@ class _ForwardRecorder:
         try:
             self.depth += 1
             if self.depth == 1:
-                from ..metal_kernels import dispatch
+                from ...metal_kernels import dispatch
 
                 last = dispatch.last_backend
                 self.before = {name: last.pop(name) for name in self.kernels if name in last}
@@ -197,7 +197,7 @@ class _ForwardRecorder:
             self.depth = max(self.depth - 1, 0)
             if self.depth:
                 return
-            from ..metal_kernels import dispatch
+            from ...metal_kernels import dispatch
 
             last = dispatch.last_backend
             ran = [name for name in self.kernels if name in last]
@@ -286,7 +286,7 @@ def _send_event(event: str, data: dict) -> None:
 def _device_kind() -> str:
     import torch
 
-    from ..metal_kernels.probe import mps_available
+    from ...metal_kernels.probe import mps_available
 
     if mps_available():
         return "mps"
@@ -362,8 +362,8 @@ def status_payload() -> dict:
     """Everything the panel shows; call it off the event loop. It runs no MPS work (the route's worker
     thread would race the prompt ComfyUI is executing on the GPU): MPS kernels not self-checked yet
     show as "pending" until their first use or the MetalStatus node, which runs on the executor."""
-    from .. import metal_kernels
-    from ..metal_kernels import dispatch
+    from ... import metal_kernels
+    from ...metal_kernels import dispatch
 
     status = metal_kernels.status(run_pending=False)
     with _lock:
@@ -455,7 +455,7 @@ register_with_comfyui()
 
 def status_report(status: dict, probe_backend: dict | None = None) -> str:
     """Plain-text tables of a status payload (as `doctor` prints them)."""
-    from .report import Table, human_bytes
+    from ..common.report import Table, human_bytes
 
     caps = Table("Capabilities", ["probe", "value"])
     for key, value in status["capabilities"].items():
@@ -495,7 +495,7 @@ class MetalStatus:
     def report(self):
         import torch
 
-        from .. import metal_kernels
+        from ... import metal_kernels
 
         try:
             import comfy.model_management

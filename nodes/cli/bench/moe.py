@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .report import Table, bench_device, median_seconds
+from ...common.report import Table, bench_device, median_seconds
 
 F = torch.nn.functional
 
@@ -61,7 +61,7 @@ def comfy_style_loop(x, experts, weights, gate_up, down):
 
 
 def _layer_table(quick: bool, device) -> Table:
-    from ..metal_kernels import moe
+    from ....metal_kernels import moe
 
     if quick:
         E, H, I, K = 32, 512, 256, 4
@@ -116,7 +116,7 @@ def _layer_table(quick: bool, device) -> Table:
 
 
 def _model_tables(quick: bool, device) -> list[Table]:
-    from . import qwen3_moe
+    from ... import qwen3_moe
 
     try:
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -164,7 +164,7 @@ def copy_bandwidth(device, nbytes=256 << 20) -> float:
 
 
 def _qwen30b_table(quick: bool, device) -> Table | None:
-    from . import qwen3_moe
+    from ... import qwen3_moe
 
     layers = 1 if device.type == "cpu" else (2 if quick else 4)
     if device.type == "cpu" and quick:

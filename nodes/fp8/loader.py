@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from .fp8_formats import ST_DTYPES, CheckpointError, open_checkpoint
-from .fp8_ops import FP8LayerError, fp8_modules, make_fp8_ops, storage_dtype, weight_bytes, wrap_patcher
-from .fp8_quantize import (QuantSummary, atomic_save, carried_metadata, comfy_quant_entries, keep_reason,
+from .formats import ST_DTYPES, CheckpointError, open_checkpoint
+from .ops import FP8LayerError, fp8_modules, make_fp8_ops, storage_dtype, weight_bytes, wrap_patcher
+from ..fp8_quantize import (QuantSummary, atomic_save, carried_metadata, comfy_quant_entries, keep_reason,
                            quant_metadata, quantize, relative_error)
 
 log = logging.getLogger("comfy_metal")
@@ -176,8 +176,8 @@ def load_text_encoder(path, clip_type="stable_diffusion", device="gpu", compute_
     clip.patcher.cached_patcher_init = None
     # The encoder runs later inside a core node (CLIPTextEncode): its FP8 kernels' backends go to
     # that node's badge through forward hooks on the encoder (nodes/status.py).
-    from .fp8_ops import RUN_KERNELS
-    from .status import record_forward_kernels
+    from .ops import RUN_KERNELS
+    from ..status import record_forward_kernels
 
     record_forward_kernels(clip.cond_stage_model, RUN_KERNELS)
     return clip
@@ -249,7 +249,7 @@ def model_state_for_saving(diffusion_model: torch.nn.Module, quantize_mode: str 
     the rules (models without FP8 layers), every other tensor in `_save_dtype`'s dtype: the source
     file's (`source_dtypes`, by key), else the storage dtype, else bf16. dtype_rules counts
     (rule, dtype) -> tensors."""
-    from .fp8_formats import FP8_DTYPES
+    from .formats import FP8_DTYPES
 
     fp8 = dict(fp8_modules(diffusion_model))
     rowwise = quantize_mode.endswith("rowwise")
@@ -337,7 +337,7 @@ QUANTIZE_KERNELS = ["fp8_encode", "fp8_decode"]
 
 
 def _record(node_class: str, kernels: list[str]) -> None:
-    from .status import record_node_backend
+    from ..status import record_node_backend
 
     record_node_backend(node_class, kernels)
 
@@ -375,7 +375,7 @@ class MetalFP8TextEncoderLoader:
     def INPUT_TYPES(cls):
         import folder_paths
 
-        from ..metal_kernels.probe import mps_available
+        from ...metal_kernels.probe import mps_available
 
         return {"required": {
             "clip_name": (folder_paths.get_filename_list("text_encoders"),),

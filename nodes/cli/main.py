@@ -8,21 +8,21 @@ import logging
 import sys
 import time
 
-from .report import Table
+from ..common.report import Table
 
-# Modules (in nodes/) that contribute bench tables: each has `bench(quick: bool) -> list[Table]`.
-BENCH_MODULES = ("bench_kernels", "bench_fp8", "bench_samplers", "bench_vae", "bench_moe")
+# Modules (in nodes/cli/bench/) that contribute bench tables: each has `bench(quick: bool) -> list[Table]`.
+BENCH_MODULES = (".bench.kernels", ".bench.fp8", ".bench.samplers", ".bench.vae", ".bench.moe")
 # Modules that contribute doctor stages: each has `doctor_stages() -> list[(name, callable)]`.
-DOCTOR_MODULES = ("doctor_pipeline",)
+DOCTOR_MODULES = ("..doctor_pipeline",)
 
 
 def _modules(names):
     for name in names:
-        yield importlib.import_module(f".{name}", __package__)
+        yield importlib.import_module(name, __package__)
 
 
 def doctor(args) -> int:
-    from .. import metal_kernels
+    from ... import metal_kernels
 
     status = metal_kernels.status()
     report = {"status": status, "stages": []}
@@ -64,7 +64,8 @@ def doctor(args) -> int:
 def bench(args) -> int:
     tables: list[Table] = []
     for module in _modules(BENCH_MODULES):
-        if args.only and not any(o in module.__name__ for o in args.only):
+        name = "bench_" + module.__name__.rpartition(".")[2]    # --only matches e.g. "vae" or "bench_vae"
+        if args.only and not any(o in name for o in args.only):
             continue
         for table in module.bench(quick=args.quick):
             print(table.render() + "\n", flush=True)
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", help="only bench modules whose name contains one of these")
     p.add_argument("--json", metavar="FILE", help="also save the tables as JSON")
     p.set_defaults(fn=bench)
-    for module in _modules(("run_workflow",)):
+    for module in _modules((".run_workflow",)):
         module.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.command != "doctor" or not args.json else logging.WARNING,

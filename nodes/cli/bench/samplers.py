@@ -19,7 +19,7 @@ import sys
 import time
 import types
 
-from .report import Table, human_bytes, synchronize
+from ...common.report import Table, human_bytes, synchronize
 
 LATENTS = [
     ("SDXL 1024x1024 (4x128x128)", (1, 4, 128, 128)),
@@ -149,8 +149,8 @@ def _time_per_step(fn, steps, device, repeats=3):
 def bench(quick: bool = False) -> list[Table]:
     import torch
 
-    from ..metal_kernels import probe
-    from . import samplers as S
+    from ....metal_kernels import probe
+    from ... import samplers as S
 
     kds, why_not = _comfy_sampling()
     devices = ["cpu"] + (["mps"] if probe.mps_available() else [])

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .fp8_formats import FORMAT_OF_DTYPE, CheckpointError, is_fp8_dtype
+from .formats import FORMAT_OF_DTYPE, CheckpointError, is_fp8_dtype
 
 log = logging.getLogger("comfy_metal")
 
@@ -35,14 +35,14 @@ class FP8LayerError(CheckpointError):
 
 
 def _kernels():
-    from .. import metal_kernels as mk
+    from ... import metal_kernels as mk
 
     return mk.fp8_decode, mk.gemv
 
 
 def storage_dtype(device, fmt: str) -> torch.dtype:
     """How FP8 weights are held for a model whose load device is `device`."""
-    from ..metal_kernels.probe import fp8_storage_dtype
+    from ...metal_kernels.probe import fp8_storage_dtype
 
     return fp8_storage_dtype(torch.device(device), fmt)
 
@@ -520,7 +520,7 @@ def record_fp8_run(model) -> None:
     """Badge record for the node in which an FP8 model just ran (never raises)."""
     try:
         if any(is_fp8_module(m) for m in model.modules()):
-            from .status import record_node_backend
+            from ..status import record_node_backend
 
             record_node_backend(None, RUN_KERNELS)
     except Exception as e:  # a badge must never break sampling

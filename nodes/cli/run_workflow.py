@@ -260,7 +260,7 @@ class NodeRecorder:
     def __init__(self, prompt: dict, progress: ProgressPrinter | None = None, interval: float = 0.02):
         import torch
 
-        from ..metal_kernels.probe import mps_available
+        from ...metal_kernels.probe import mps_available
 
         self.torch = torch
         self.mps = mps_available()
@@ -349,8 +349,8 @@ class NodeRecorder:
 # --------------------------------------------------------------------------------------------
 
 def _status_modules() -> list:
-    """Every loaded copy of this pack's nodes/status.py (ComfyUI loads the pack under its own name)."""
-    target = pathlib.Path(__file__).with_name("status.py").resolve()
+    """Every loaded copy of this pack's nodes/status (ComfyUI loads the pack under its own name)."""
+    target = (pathlib.Path(__file__).parents[1] / "status" / "__init__.py").resolve()
     found = []
     for name, module in list(sys.modules.items()):
         if not name.endswith("nodes.status") or module is None:
@@ -401,7 +401,7 @@ def _validation_text(error: dict | None, node_errors: dict | None) -> str:
 
 
 def attach_backends(nodes_out: dict[str, dict], records: list[dict]) -> None:
-    """Put each status record (nodes/status.py record_node_backend) on its node: by node id, else
+    """Put each status record (nodes/status record_node_backend) on its node: by node id, else
     (records made without ComfyUI's executing context) on the nodes of its class."""
     by_class: dict[str, dict] = {}
     for rec in sorted(records, key=lambda r: r.get("time") or 0):
@@ -444,7 +444,7 @@ class HeadlessComfyUI:
     def _parse_comfy_args(self):
         import torch
 
-        from ..metal_kernels.probe import mps_available
+        from ...metal_kernels.probe import mps_available
 
         gpu = torch.cuda.is_available() or mps_available()
         self.device = "cpu" if self.force_cpu or not gpu else ("cuda" if torch.cuda.is_available() else "mps")

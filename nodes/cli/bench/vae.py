@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from . import vae_tiling as vt
-from .report import Table, bench_device, human_bytes, synchronize
+from ... import vae_tiling as vt
+from ...common.report import Table, bench_device, human_bytes, synchronize
 
 log = logging.getLogger("comfy_metal")
 

@@ -71,7 +71,7 @@ def human_bytes(n: float | None) -> str:
 
 def bench_device() -> torch.device:
     """The device a benchmark measures: MPS, else CUDA, else the CPU."""
-    from ..metal_kernels.probe import mps_available
+    from ...metal_kernels.probe import mps_available
 
     if mps_available():
         return torch.device("mps")

@@ -1,0 +1,1 @@
+"""`python -m comfy_metal bench`: one module a capability, each with `bench(quick: bool) -> list[Table]`."""

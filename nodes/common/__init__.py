@@ -1,0 +1,1 @@
+"""Small things every capability uses, written once: report tables (report.py)."""
