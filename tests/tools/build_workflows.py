@@ -310,7 +310,7 @@ def render(object_info: dict) -> dict[pathlib.Path, str]:
 
 def live_object_info() -> dict:
     """object_info of a real ComfyUI ($COMFYUI_PATH) with the pack loaded, in this process."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "helpers")]
     import conftest  # noqa: F401  (the repo as the package comfy_metal)
     import comfyui_env
 
@@ -331,7 +331,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="compare with the committed files, write nothing")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "helpers")]
     files = render(live_object_info())
     stale = [p for p, text in files.items() if not p.exists() or p.read_text() != text]
     if args.check:

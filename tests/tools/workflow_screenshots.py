@@ -32,7 +32,7 @@ import time
 TOOLS = pathlib.Path(__file__).resolve().parent
 TESTS = TOOLS.parent
 ROOT = TESTS.parent
-for p in (TESTS, TOOLS):
+for p in (TESTS, TESTS / "helpers", TOOLS):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 

@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMFYUI_MODULES = ("comfy", "comfy_extras", "comfy_api", "folder_paths", "nodes", "server", "execution")
 
 # Imports every module of the pack under a folder-like name, with every GPU / compile / process entry

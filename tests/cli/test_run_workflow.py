@@ -15,7 +15,7 @@ import pytest
 
 from comfy_metal.nodes.cli import run_workflow as rw
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY_WORKFLOW = {
     "1": {"class_type": "EmptyImage", "inputs": {"width": 40, "height": 24, "batch_size": 1, "color": 0xFF8000},
           "_meta": {"title": "Blank image"}},

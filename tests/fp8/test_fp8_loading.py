@@ -235,7 +235,7 @@ def test_peak_rss_during_load(tmp_path, mode):
         save_file(sd, str(p))
     del sd
     file_size = os.path.getsize(p)
-    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(p), os.path.dirname(__file__), str(layers), str(n),
+    out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(p), os.path.dirname(os.path.dirname(__file__)), str(layers), str(n),
                           str(k), mode], capture_output=True, text=True, timeout=300,
                          # freed buffers go back to the OS (glibc would keep them): RSS = memory in use
                          env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})

@@ -25,7 +25,7 @@ import pytest
 
 import workflow_tools as wt
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "tools"))
 import build_workflows as bw  # noqa: E402
 

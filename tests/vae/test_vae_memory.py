@@ -18,7 +18,7 @@ import torch
 
 diffusers = pytest.importorskip("diffusers", reason="diffusers is needed for the reference VAEs")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
 import json, sys, gc
