@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from .dtypes import FORMAT_OF_DTYPE, FP8_DTYPES, MSL_TYPE
 from .registry import KernelSpec, register
 
 __all__ = ["fp8_decode", "fp8_encode", "fp8_max", "FP8_FORMATS", "FP8_MAX"]
@@ -40,9 +41,6 @@ FP8_FORMATS = ("e4m3fn", "e5m2")
 FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
 # (mantissa bits, exponent bias, has infinities)
 _LAYOUT = {"e4m3fn": (3, 7, False), "e5m2": (2, 15, True)}
-_NATIVE = {"e4m3fn": getattr(torch, "float8_e4m3fn", None), "e5m2": getattr(torch, "float8_e5m2", None)}
-_NATIVE_TO_FMT = {v: k for k, v in _NATIVE.items() if v is not None}
-MSL_TYPE = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
 
 GROUP = 256
 MAX_THREADS = 1 << 24          # each thread strides by MAX_THREADS * 4 elements beyond this
@@ -63,8 +61,8 @@ def _as_bytes(data: torch.Tensor, fmt, what: str = "fp8 data") -> tuple[torch.Te
     """(uint8 view of the bytes, format) for uint8 or native float8 `data`."""
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"{what}: expected a tensor, got {type(data).__name__}")
-    if data.dtype in _NATIVE_TO_FMT:
-        native_fmt = _NATIVE_TO_FMT[data.dtype]
+    if data.dtype in FORMAT_OF_DTYPE:
+        native_fmt = FORMAT_OF_DTYPE[data.dtype]
         if fmt is not None and fmt != native_fmt:
             raise ValueError(f"{what}: tensor dtype {data.dtype} does not match fmt={fmt!r}")
         return data.view(torch.uint8), native_fmt
@@ -103,7 +101,7 @@ def _broadcast_scale(mode: int, s: torch.Tensor | None, ndim: int) -> torch.Tens
 
 def native_fp8_on(device: torch.device, fmt: str) -> bool:
     """Whether torch can hold and cast float8 tensors of `fmt` on `device`."""
-    if _NATIVE[fmt] is None:
+    if FP8_DTYPES[fmt] is None:
         return False
     if device.type == "mps":
         from .probe import fp8_storage_dtype
@@ -189,7 +187,7 @@ def fp8_decode_reference(data: torch.Tensor, fmt: str | None = None, scale=None,
     _check_out_dtype(out_dtype)
     mode, s = scale_mode(scale, tuple(raw.shape), raw.device, "fp8_decode: scale")
     if native_fp8_on(raw.device, fmt):
-        native = raw.view(_NATIVE[fmt])
+        native = raw.view(FP8_DTYPES[fmt])
         if mode == 0:
             return native.to(out_dtype)          # exact: every FP8 value fits fp16/bf16/fp32
         values = native.to(torch.float32)
@@ -216,7 +214,7 @@ def fp8_encode_reference(x: torch.Tensor, fmt: str, scale=None) -> torch.Tensor:
         v = v / _broadcast_scale(mode, s, x.dim())
     if native_fp8_on(v.device, fmt):
         mx = FP8_MAX[fmt]
-        return v.clamp(-mx, mx).to(_NATIVE[fmt]).view(torch.uint8)
+        return v.clamp(-mx, mx).to(FP8_DTYPES[fmt]).view(torch.uint8)
     return encode_arith(v, fmt)
 
 

@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from .fp8 import _as_bytes, _NATIVE_TO_FMT, fp8_decode_reference, ones1, scale_mode
+from .dtypes import FORMAT_OF_DTYPE, MSL_TYPE
+from .fp8 import _as_bytes, fp8_decode_reference, ones1, scale_mode
 from .registry import KernelSpec, register
 
 __all__ = ["gemv", "GEMV_MAX_M", "weight_bytes_per_element"]
@@ -23,27 +24,26 @@ __all__ = ["gemv", "GEMV_MAX_M", "weight_bytes_per_element"]
 GEMV_MAX_M = 8        # rows of x per dispatch (GEMV_MAX_M in linear.metal)
 GEMV_COLS = 4         # output columns per simdgroup (GEMV_COLS in linear.metal)
 GROUP = 256
-FLOAT_KIND = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
 
 
 def weight_bytes_per_element(weight: torch.Tensor) -> int:
-    return 1 if weight.dtype == torch.uint8 or weight.dtype in _NATIVE_TO_FMT else weight.element_size()
+    return 1 if weight.dtype == torch.uint8 or weight.dtype in FORMAT_OF_DTYPE else weight.element_size()
 
 
 def _prepare(x, weight, bias, fmt, scale, out_dtype):
     """Validate and normalise: (x2 (M, K), kind, weight (N, K) [uint8 for FP8], fmt, lead shape, N,
     scale mode, scale fp32, bias, out_dtype)."""
-    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_KIND:
+    if not isinstance(x, torch.Tensor) or x.dtype not in MSL_TYPE:
         raise TypeError(f"gemv: x must be a float32/float16/bfloat16 tensor, got "
                         f"{getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() < 1:
         raise ValueError("gemv: x must have at least one dimension (..., K)")
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"gemv: weight must be a tensor, got {type(weight).__name__}")
-    if weight.dtype in FLOAT_KIND:
+    if weight.dtype in MSL_TYPE:
         if fmt is not None:
             raise ValueError(f"gemv: fmt={fmt!r} given for a {weight.dtype} weight (fmt is for FP8 bytes)")
-        kind, w = FLOAT_KIND[weight.dtype], weight
+        kind, w = MSL_TYPE[weight.dtype], weight
     else:
         w, fmt = _as_bytes(weight, fmt, "gemv: weight")
         kind = fmt
@@ -59,7 +59,7 @@ def _prepare(x, weight, bias, fmt, scale, out_dtype):
             raise ValueError(f"gemv: bias must be a float tensor of shape ({N},), got "
                              f"{getattr(bias, 'dtype', type(bias).__name__)} {tuple(getattr(bias, 'shape', ()))}")
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if out_dtype not in FLOAT_KIND:
+    if out_dtype not in MSL_TYPE:
         raise TypeError(f"gemv: out_dtype {out_dtype} is not supported; expected float32, float16 or bfloat16")
     lead = tuple(x.shape[:-1])
     x2 = x.reshape(math.prod(lead), K)
@@ -68,7 +68,7 @@ def _prepare(x, weight, bias, fmt, scale, out_dtype):
 
 def gemv_reference(x, weight, bias=None, *, fmt=None, scale=None, out_dtype=None):
     x2, kind, w, fmt, lead, N, mode, s, bias, out_dtype = _prepare(x, weight, bias, fmt, scale, out_dtype)
-    if kind in FLOAT_KIND.values():
+    if kind in MSL_TYPE.values():
         wf = w.to(torch.float32)
         if mode:
             wf = wf * (s.reshape(()) if mode == 1 else s.reshape(-1, 1))

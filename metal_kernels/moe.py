@@ -27,12 +27,12 @@ import functools
 import torch
 
 from . import dispatch
+from .dtypes import MSL_TYPE
 from .registry import KernelSpec, register
 
 __all__ = ["moe_route", "moe_experts_gemm", "moe_grouped_gemm", "moe_group", "moe_grouped_linear",
            "moe_experts_forward"]
 
-MSL_TYPE = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
 FP8_FORMATS = {"e4m3fn": "e4m3", "e5m2": "e5m2"}
 MAX_EXPERTS = 1024          # moe.metal MOE_MAX_EXPERTS
 GEMM_ROWS = 8               # moe.metal MOE_ROWS

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch
 
+from .dtypes import MSL_TYPE
 from .registry import KernelSpec, register
 
 __all__ = ["softmax"]
 
-MSL_TYPE = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
 MAX_ROW = 262_144
 MAX_LAUNCH_THREADS = 1 << 31   # [[threadgroup_position_in_grid]] and the grid are 32-bit: launch in row chunks
 

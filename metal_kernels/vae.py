@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .dtypes import MSL_TYPE
 from .registry import KernelSpec, register
 
 __all__ = ["vae_pad", "vae_blend_accumulate"]
 
-MSL_TYPE = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
 GROUP = 256
 MAX_THREADS = 1 << 24   # grid-stride beyond this (the kernels loop with stride = threads)
 
