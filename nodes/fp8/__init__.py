@@ -4,6 +4,6 @@ Metal FP8 kernels, save models back as FP8.
 formats.py reads the files, ops.py is the FP8 op set ComfyUI's model building uses
 (custom_operations), quantize.py writes FP8, loader.py builds models, nodes.py holds the node classes.
 """
-from .loader import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 import fp8_models as fm
 from comfy_metal.metal_kernels import dispatch
 from comfy_metal.nodes import fp8_quantize
-from comfy_metal.nodes.fp8 import formats as fp8_formats, loader as fp8_loader, ops as fp8_ops
+from comfy_metal.nodes.fp8 import formats as fp8_formats, loader as fp8_loader, nodes as fp8_nodes, ops as fp8_ops
 
 KINDS = [("plain", False, False), ("scaled_fp8", False, False), ("scaled_fp8", True, False),
          ("comfy_quant", False, False), ("comfy_quant", True, False), ("comfy_quant", False, True),
@@ -551,6 +551,6 @@ def test_quantize_file_carries_metadata(tmp_path):
 
 def test_fp8_nodes_category():
     """The FP8 nodes sit with the pack's other nodes in the node library, under Comfy Metal/loaders."""
-    assert set(fp8_loader.NODE_CLASS_MAPPINGS) == {"MetalFP8ModelLoader", "MetalFP8TextEncoderLoader",
+    assert set(fp8_nodes.NODE_CLASS_MAPPINGS) == {"MetalFP8ModelLoader", "MetalFP8TextEncoderLoader",
                                                    "MetalFP8SaveModel"}
-    assert {cls.CATEGORY for cls in fp8_loader.NODE_CLASS_MAPPINGS.values()} == {"Comfy Metal/loaders"}
+    assert {cls.CATEGORY for cls in fp8_nodes.NODE_CLASS_MAPPINGS.values()} == {"Comfy Metal/loaders"}

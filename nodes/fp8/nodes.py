@@ -1,0 +1,129 @@
+"""Nodes: Load Diffusion Model (FP8, Metal), Load Text Encoder (FP8, Metal), Save Model (FP8, comfy_quant).
+
+The node classes only; loading and saving are in loader.py.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from .loader import COMPUTE_DTYPES, WEIGHT_MODES, _clip_types, load_diffusion_model, load_text_encoder, save_model
+
+log = logging.getLogger("comfy_metal")
+
+
+def _safe_output_path(folder: str, filename: str) -> str:
+    name = filename.strip()
+    if not name:
+        raise ValueError("filename is empty")
+    if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        raise ValueError(f"filename {filename!r} must be a name inside the diffusion_models folder")
+    if not name.endswith(".safetensors"):
+        name += ".safetensors"
+    return os.path.join(folder, name)
+
+
+QUANTIZE_KERNELS = ["fp8_encode", "fp8_decode"]
+
+
+def _record(node_class: str, kernels: list[str]) -> None:
+    from ..status import record_node_backend
+
+    record_node_backend(node_class, kernels)
+
+
+class MetalFP8ModelLoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        import folder_paths
+
+        return {"required": {
+            "unet_name": (folder_paths.get_filename_list("diffusion_models"),),
+            "weight_mode": (WEIGHT_MODES, {"default": "auto", "tooltip":
+                            "auto: FP8 weights stay FP8, others as in the file. e4m3fn tensorwise/rowwise: also "
+                            "quantize bf16/fp16/fp32 Linear weights (norms, embeddings, first/last layers stay)."}),
+            "compute_dtype": (list(COMPUTE_DTYPES), {"default": "auto"}),
+        }}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "load"
+    CATEGORY = "Comfy Metal/loaders"
+    DESCRIPTION = "Loads a diffusion model keeping FP8 weights at 1 byte each (Metal FP8 kernels on Apple GPUs)."
+
+    def load(self, unet_name, weight_mode="auto", compute_dtype="auto"):
+        import folder_paths
+
+        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        model = load_diffusion_model(path, weight_mode, compute_dtype)
+        # Quantizing on load encodes (and decodes, for the error summary); an FP8 file loads as is.
+        _record("MetalFP8ModelLoader", QUANTIZE_KERNELS if weight_mode != "auto" else [])
+        return (model,)
+
+
+class MetalFP8TextEncoderLoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        import folder_paths
+
+        from ...metal_kernels.probe import mps_available
+
+        return {"required": {
+            "clip_name": (folder_paths.get_filename_list("text_encoders"),),
+            "type": (_clip_types(),),
+            "device": (["gpu", "cpu"], {"default": "gpu" if mps_available() else "cpu"}),
+        }}
+
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "load"
+    CATEGORY = "Comfy Metal/loaders"
+    DESCRIPTION = "Loads a text encoder keeping FP8 weights at 1 byte each; on Macs it runs on the GPU by default."
+
+    def load(self, clip_name, type="stable_diffusion", device="gpu"):
+        import folder_paths
+
+        path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
+        clip = load_text_encoder(path, type, device)
+        _record("MetalFP8TextEncoderLoader", [])
+        return (clip,)
+
+
+class MetalFP8SaveModel:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL",),
+            "filename": ("STRING", {"default": "model_fp8_e4m3fn"}),
+            "quantize_mode": (WEIGHT_MODES[1:], {"default": "e4m3fn tensorwise", "tooltip":
+                              "for models without FP8 layers: how to quantize their Linear weights"}),
+            "overwrite": ("BOOLEAN", {"default": False}),
+        }}
+
+    RETURN_TYPES = ()
+    FUNCTION = "save"
+    OUTPUT_NODE = True
+    CATEGORY = "Comfy Metal/loaders"
+    DESCRIPTION = "Saves a MODEL with FP8 weights to diffusion_models in ComfyUI's comfy_quant format (atomic write)."
+
+    def save(self, model, filename, quantize_mode="e4m3fn tensorwise", overwrite=False):
+        import folder_paths
+
+        folder = folder_paths.get_folder_paths("diffusion_models")[0]
+        path = _safe_output_path(folder, filename)
+        path, summary = save_model(model, path, overwrite=overwrite, quantize_mode=quantize_mode)
+        if summary.errors:
+            log.info("comfy_metal: %s", summary.text())
+        log.info("comfy_metal: saved %s", path)
+        _record("MetalFP8SaveModel", QUANTIZE_KERNELS if summary.errors else [])
+        return {"ui": {"text": [os.path.basename(path)]}}
+
+
+NODE_CLASS_MAPPINGS = {
+    "MetalFP8ModelLoader": MetalFP8ModelLoader,
+    "MetalFP8TextEncoderLoader": MetalFP8TextEncoderLoader,
+    "MetalFP8SaveModel": MetalFP8SaveModel,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "MetalFP8ModelLoader": "Load Diffusion Model (FP8, Metal)",
+    "MetalFP8TextEncoderLoader": "Load Text Encoder (FP8, Metal)",
+    "MetalFP8SaveModel": "Save Model (FP8 comfy_quant, Metal)",
+}
