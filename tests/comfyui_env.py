@@ -49,7 +49,6 @@ STUBS_DIR = TESTS_DIR / "comfy_stubs"
 PACK_LINK_NAME = "comfy-metal"
 
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
-_REQUIRED_FILES = ("main.py", "nodes.py", "execution.py", "server.py", "folder_paths.py")
 
 
 # --------------------------------------------------------------------------------------------
@@ -57,7 +56,9 @@ _REQUIRED_FILES = ("main.py", "nodes.py", "execution.py", "server.py", "folder_p
 # --------------------------------------------------------------------------------------------
 
 def missing_files(path: pathlib.Path) -> list[str]:
-    return [f for f in _REQUIRED_FILES if not (path / f).is_file()]
+    from comfy_metal.nodes.common.comfyui import missing_comfyui_files  # the pack's one ComfyUI check
+
+    return missing_comfyui_files(path)
 
 
 # The archive of ComfyUI's source that sits beside the project (../shared/comfyui/), unpacked once

@@ -29,10 +29,9 @@ import time
 import uuid
 from typing import Any
 
+from ..common.comfyui import COMFYUI_ENV, PACK_ROOT, comfyui_in_custom_nodes, missing_comfyui_files
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-COMFYUI_ENV = "COMFYUI_PATH"
-REQUIRED_COMFYUI_FILES = ("main.py", "nodes.py", "execution.py", "server.py", "folder_paths.py")
-PACK_ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLIENT_ID = "comfy-metal-run"
 
 log = logging.getLogger("comfy_metal")
@@ -161,25 +160,19 @@ def load_api_workflow(path: pathlib.Path) -> dict:
     return data
 
 
-def is_comfyui_checkout(path: pathlib.Path) -> bool:
-    return all((path / f).is_file() for f in REQUIRED_COMFYUI_FILES)
-
-
 def find_comfyui(explicit: str | None = None, pack_dirs=None) -> pathlib.Path:
     """--comfyui, else $COMFYUI_PATH, else the ComfyUI holding this pack (`pack_dirs`: where the pack
     is, as installed and resolved) in custom_nodes/. RunError(2) saying how to point at one."""
     for source, raw in (("--comfyui", explicit), (f"${COMFYUI_ENV}", os.environ.get(COMFYUI_ENV, "").strip())):
         if raw:
             path = pathlib.Path(raw).expanduser().resolve()
-            if not is_comfyui_checkout(path):
-                missing = ", ".join(f for f in REQUIRED_COMFYUI_FILES if not (path / f).is_file())
-                raise RunError(f"{source}={raw} is not a ComfyUI folder (missing {missing})")
+            missing = missing_comfyui_files(path)
+            if missing:
+                raise RunError(f"{source}={raw} is not a ComfyUI folder (missing {', '.join(missing)})")
             return path
-    if pack_dirs is None:  # as installed (maybe a symlink) and resolved
-        pack_dirs = (pathlib.Path(os.path.abspath(__file__)).parents[1], PACK_ROOT)
-    for pack in map(pathlib.Path, pack_dirs):
-        if pack.parent.name == "custom_nodes" and is_comfyui_checkout(pack.parent.parent):
-            return pack.parent.parent.resolve()
+    found = comfyui_in_custom_nodes(pack_dirs)
+    if found is not None:
+        return found
     raise RunError(
         "no ComfyUI found. `run` executes the workflow with a real ComfyUI: pass --comfyui /path/to/ComfyUI, "
         f"or set {COMFYUI_ENV}=/path/to/ComfyUI, or install this pack in ComfyUI/custom_nodes/ and run it "

@@ -1,1 +1,9 @@
-"""Small things every capability uses, written once: report tables (report.py)."""
+"""Small things every capability uses, written once.
+
+comfyui.py  finding a ComfyUI outside ComfyUI (run, benches, the test harness) and the pack's own folder
+memory.py   peak process memory (VmHWM, or an RSS sampler)
+quality.py  PSNR
+report.py   the plain-text tables of doctor and bench
+syncs.py    counting host syncs (benches and tests)
+The dtype names (MSL type names, FP8 dtype <-> name) live with the kernels: metal_kernels/dtypes.py.
+"""

@@ -20,7 +20,11 @@ import dataclasses
 import json
 import os
 import struct
+
 import torch
+
+# FP8 format name <-> torch dtype; comfy_quant "format" strings -> our short format names.
+from ...metal_kernels.dtypes import FORMAT_OF_DTYPE, FP8_DTYPES, QUANT_FORMAT_NAME
 
 __all__ = ["CheckpointError", "UnsupportedQuantFormat", "CheckpointMissing", "FP8Layer", "Checkpoint",
            "open_checkpoint", "read_header", "FP8_DTYPES", "FORMAT_OF_DTYPE", "SUPPORTED_FORMATS_TEXT",
@@ -31,10 +35,6 @@ SUPPORTED_FORMATS_TEXT = (
     "ComfyUI comfy_quant / _quantization_metadata layers of format float8_e4m3fn or float8_e5m2 with a "
     "tensorwise or per-row weight_scale")
 
-FP8_DTYPES = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-FORMAT_OF_DTYPE = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e5m2: "e5m2"}
-# comfy_quant "format" strings -> our short format names.
-QUANT_FORMAT_NAME = {"float8_e4m3fn": "e4m3fn", "float8_e5m2": "e5m2"}
 KNOWN_UNSUPPORTED = {"nvfp4": "NVFP4 (4-bit floats with FP8 block scales)",
                      "mxfp8": "MXFP8 (FP8 with e8m0 block scales)",
                      "int8_tensorwise": "INT8 tensorwise", "convrot_w4a4": "ConvRot W4A4 (int4)",

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from comfy_metal.nodes.cli import run_workflow as rw
+from comfy_metal.nodes.common.comfyui import REQUIRED_COMFYUI_FILES
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY_WORKFLOW = {
@@ -77,7 +78,7 @@ def test_bad_workflows_name_the_file_and_problem(tmp_path, content, needle):
 
 def _fake_comfyui(root: pathlib.Path) -> pathlib.Path:
     root.mkdir(parents=True)
-    for f in rw.REQUIRED_COMFYUI_FILES:
+    for f in REQUIRED_COMFYUI_FILES:
         (root / f).write_text("")
     (root / "custom_nodes").mkdir()
     return root

@@ -301,7 +301,7 @@ def test_decode_self_check_compare_is_exact_but_tolerates_flushed_subnormals():
 
 def test_launch_glue_makes_no_host_syncs():
     """The launchers only reshape, allocate and bind: nothing reads a device value back to the host."""
-    import sync_count
+    from comfy_metal.nodes.common import syncs as sync_count
 
     class FakeLib:
         def __getattr__(self, name):

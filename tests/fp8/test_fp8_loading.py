@@ -193,15 +193,10 @@ PEAK_SCRIPT = textwrap.dedent("""
     warm.load_state_dict({"weight": torch.randn(64, k).to(torch.float8_e4m3fn), "weight_scale": torch.ones(())})
     warm(x).sum().item()
     from safetensors import safe_open
-    def status(field):
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
+    from comfy_metal.nodes.common.memory import proc_status_bytes as status, reset_peak_rss
     rss = lambda: status("VmRSS")
     # Reset the kernel's peak-RSS counter (VmHWM) so the peak measured is the load's, not the imports'.
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    assert reset_peak_rss()
     base = rss()
     peak_before = status("VmHWM")
     ck = fp8_formats.open_checkpoint(sys.argv[1])

@@ -11,7 +11,8 @@ import json
 import torch
 from safetensors.torch import save_file
 
-FP8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+from comfy_metal.metal_kernels.dtypes import FP8_DTYPES as FP8
+
 FMAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
 
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from comfy_metal.metal_kernels import dispatch, linear
+from comfy_metal.metal_kernels.dtypes import FP8_DTYPES
 from comfy_metal.metal_kernels.linear import gemv_metal, gemv_reference
 
-NATIVE = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+NATIVE = FP8_DTYPES
 WEIGHT_TYPES = (torch.float32, torch.float16, torch.bfloat16, "e4m3fn", "e5m2")
 EPS32 = 2.0 ** -24
 

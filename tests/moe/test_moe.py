@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-import sync_count
+from comfy_metal.nodes.common import syncs as sync_count
 from comfy_metal.metal_kernels import dispatch, moe
 from comfy_metal.metal_kernels.registry import REGISTRY
 

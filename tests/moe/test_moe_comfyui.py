@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import sync_count
+from comfy_metal.nodes.common import syncs as sync_count
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, num_local_experts=7, num_experts_per_tok=3, sliding_window=4)

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import moe_testutil  # noqa: E402
-import sync_count  # noqa: E402
+from comfy_metal.nodes.common import syncs as sync_count  # noqa: E402
 from comfy_metal.nodes import qwen3_moe  # noqa: E402
 
 

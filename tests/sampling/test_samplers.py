@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 
-import sync_count
+from comfy_metal.nodes.common import syncs as sync_count
 from comfy_metal.metal_kernels import dispatch, registry, sampling as K
 from comfy_metal.nodes import samplers as S
 

@@ -24,7 +24,7 @@ import types
 import pytest
 import torch
 
-import sync_count
+from comfy_metal.nodes.common import syncs as sync_count
 from comfy_metal.metal_kernels import dispatch
 from comfy_metal.nodes import samplers as S
 from test_samplers import CONST, ToyDenoiser, ToyEPS, _comfy_model_sampling, _conds, _emulator_reason, \

@@ -13,13 +13,11 @@ from comfy_metal.metal_kernels import dispatch
 from comfy_metal.metal_kernels.vae import (vae_blend_accumulate, vae_blend_accumulate_reference, vae_pad,
                                            vae_pad_reference)
 from comfy_metal.nodes import vae_tiling as vt
+from comfy_metal.nodes.common.quality import psnr as psnr_db
 
 
 def psnr(a, b, peak=None):
-    a, b = a.float(), b.float()
-    peak = float(b.abs().max()) if peak is None else peak
-    mse = float(((a - b) ** 2).mean())
-    return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(peak * peak / mse)).item()
+    return psnr_db(a, b, float(b.abs().max()) if peak is None else peak)
 
 
 def img_psnr(a, b):

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from comfy_metal.nodes.common.quality import psnr
+
 
 def _fill(module: torch.nn.Module, seed: int) -> dict:
     """Explicit random weights (ComfyUI layers skip init), at PyTorch's default init scale
@@ -21,11 +23,6 @@ def _fill(module: torch.nn.Module, seed: int) -> dict:
         else:
             sd[k] = 0.05 * torch.randn(v.shape, generator=gen)
     return sd
-
-
-def _psnr01(a, b):
-    mse = float(((a.detach().float() - b.detach().float()) ** 2).mean())
-    return float("inf") if mse == 0 else 10 * math.log10(1.0 / mse)
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +67,15 @@ def test_sd_vae_decode_tiled_vs_untiled(comfyui, sd_vae, caplog):
     codec = vt.codec_from_comfy(sd_vae)
     assert codec is not None and codec.name == "comfy-kl"
     out = vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=16)).decode(z)
-    p = _psnr01(sd_vae.process_output(out).movedim(1, -1), ref)
+    p = psnr(sd_vae.process_output(out).movedim(1, -1), ref)
     print("ComfyUI SD VAE feather PSNR", p)
     assert p >= 32.0
     with caplog.at_level("INFO", logger="comfy_metal"):
         (images,) = MetalVAEDecodeTiled().decode({"samples": z}, sd_vae, memory_budget_gb=0.06, overlap=12)
     assert _tiles_logged(caplog.text) > 1
     assert images.shape == ref.shape and images.min() >= 0 and images.max() <= 1
-    print("node PSNR", _psnr01(images, ref))
-    assert _psnr01(images, ref) >= 28.0
+    print("node PSNR", psnr(images, ref))
+    assert psnr(images, ref) >= 28.0
 
 
 def test_sd_vae_shared_statistics_vs_untiled(comfyui, sd_vae, caplog):
@@ -91,13 +88,13 @@ def test_sd_vae_shared_statistics_vs_untiled(comfyui, sd_vae, caplog):
     z = torch.randn(1, 4, 40, 32)
     ref = sd_vae.decode(z)
     codec = vt.codec_from_comfy(sd_vae)
-    feather = _psnr01(sd_vae.process_output(vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=16)).decode(z))
+    feather = psnr(sd_vae.process_output(vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=16)).decode(z))
                       .movedim(1, -1), ref)
     eng = vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=16, shared_stats=True))
     out = eng.decode(z)
     n_gn = sum(isinstance(m, torch.nn.GroupNorm) for m in sd_vae.first_stage_model.decoder.modules())
     assert eng.info.tiles > 1 and eng.info.groupnorm_calls == n_gn
-    p = _psnr01(sd_vae.process_output(out).movedim(1, -1), ref)
+    p = psnr(sd_vae.process_output(out).movedim(1, -1), ref)
     print("ComfyUI SD VAE shared-statistics PSNR", p, "feather", feather)
     assert p >= 40.0 and p > feather
     assert all("forward" not in m.__dict__ for m in sd_vae.first_stage_model.modules())
@@ -105,7 +102,7 @@ def test_sd_vae_shared_statistics_vs_untiled(comfyui, sd_vae, caplog):
         (images,) = MetalVAEDecodeTiled().decode({"samples": z}, sd_vae, memory_budget_gb=0.08, overlap=16,
                                                  seam_mode=SEAM_MODES[1])
     assert _tiles_logged(caplog.text) > 1 and "shared GroupNorm statistics" in caplog.text
-    p = _psnr01(images, ref)
+    p = psnr(images, ref)
     print("node shared-statistics PSNR", p)
     assert p >= 40.0
 
@@ -123,9 +120,9 @@ def test_wan21_decode_and_encode_tiled_vs_untiled(comfyui, wan_vae, caplog):
         (images,) = MetalVAEDecodeTiled().decode({"samples": z}, wan_vae, memory_budget_gb=0.0, overlap=6)
     assert images.shape == (9, 160, 128, 3)
     one = vt.TiledVAE(codec, vt.TilingOptions(tile=20)).decode(z)      # one tile: the streaming is exact
-    assert _psnr01(wan_vae.process_output(one).movedim(1, -1), ref) >= 60
+    assert psnr(wan_vae.process_output(one).movedim(1, -1), ref) >= 60
     out = vt.TiledVAE(codec, vt.TilingOptions(tile=14, overlap=6)).decode(z)
-    p = _psnr01(wan_vae.process_output(out).movedim(1, -1).reshape(images.shape), ref.reshape(images.shape))
+    p = psnr(wan_vae.process_output(out).movedim(1, -1).reshape(images.shape), ref.reshape(images.shape))
     print("ComfyUI Wan 2.1 decode PSNR", p)
     assert p >= 35.0
     pixels = ref.reshape(images.shape)
@@ -136,8 +133,7 @@ def test_wan21_decode_and_encode_tiled_vs_untiled(comfyui, wan_vae, caplog):
     print("encode tiles", _tiles_logged(caplog.text))
     assert _tiles_logged(caplog.text) > 1
     assert lat["samples"].shape == lat_ref.shape
-    mse = float(((lat["samples"] - lat_ref) ** 2).mean())
-    p = 10 * math.log10(float(lat_ref.abs().max()) ** 2 / mse) if mse else float("inf")
+    p = psnr(lat["samples"], lat_ref, peak=float(lat_ref.abs().max()))
     print("ComfyUI Wan 2.1 encode PSNR", p)
     assert p >= 35.0
 
@@ -237,7 +233,7 @@ def test_hunyuan_video_decode_and_encode_tiled_vs_untiled(comfyui, hunyuan_vae, 
     one = vt.TiledVAE(codec, vt.TilingOptions(tile=12)).decode(small)
     want = vae.decode(small)
     assert one.shape == (1, 3, 13, 96, 80) and want.shape == (1, 13, 96, 80, 3)
-    assert _psnr01(vae.process_output(one).movedim(1, -1), want) >= 60
+    assert psnr(vae.process_output(one).movedim(1, -1), want) >= 60
     # 2 x 2 tiles: streamed chunks accumulate exactly as each tile's whole (non-streamed 5-D) decode does
     eng = vt.TiledVAE(codec, vt.TilingOptions(tile=8, overlap=4))
     streamed = eng.decode(small)
@@ -253,14 +249,14 @@ def test_hunyuan_video_decode_and_encode_tiled_vs_untiled(comfyui, hunyuan_vae, 
     eng = vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=14))
     out = eng.decode(z)
     assert eng.info.tiles == 4
-    p = _psnr01(vae.process_output(out).movedim(1, -1), ref)
+    p = psnr(vae.process_output(out).movedim(1, -1), ref)
     print("ComfyUI HunyuanVideo decode PSNR", p, "tiles", eng.info.tiles)
     assert p >= 32.0
     with caplog.at_level("INFO", logger="comfy_metal"):
         (images,) = MetalVAEDecodeTiled().decode({"samples": z}, vae, memory_budget_gb=0.5, overlap=14)
     assert "ComfyUI's own tiled decode" not in caplog.text
     assert images.shape == (5, 320, 256, 3) and images.min() >= 0 and images.max() <= 1
-    p = _psnr01(images, ref.reshape(images.shape))
+    p = psnr(images, ref.reshape(images.shape))
     print("node PSNR", p, "tiles", _tiles_logged(caplog.text))
     assert _tiles_logged(caplog.text) > 1 and p >= 28.0
 
@@ -273,7 +269,6 @@ def test_hunyuan_video_decode_and_encode_tiled_vs_untiled(comfyui, hunyuan_vae, 
     print("encode tiles", _tiles_logged(caplog.text))
     assert _tiles_logged(caplog.text) > 1
     assert lat["samples"].shape == lat_ref.shape == (1, 16, 2, 40, 32)
-    mse = float(((lat["samples"] - lat_ref) ** 2).mean())
-    p = 10 * math.log10(float(lat_ref.abs().max()) ** 2 / mse) if mse else float("inf")
+    p = psnr(lat["samples"], lat_ref, peak=float(lat_ref.abs().max()))
     print("ComfyUI HunyuanVideo encode PSNR", p)
     assert p >= 32.0

@@ -27,16 +27,7 @@ import conftest  # maps the repo to comfy_metal
 import torch
 from diffusers import AutoencoderKL
 from comfy_metal.nodes import vae_tiling as vt
-
-def rss(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+from comfy_metal.nodes.common.memory import proc_status_bytes as rss, reset_peak_rss
 
 torch.manual_seed(0)
 torch.set_num_threads(1)
@@ -49,7 +40,7 @@ with torch.inference_mode():
     vae.decode(torch.randn(1, 4, 8, 8))
     vt.TiledVAE(vt.codec_from_diffusers(vae), vt.TilingOptions(tile=8, calibrate=False)).decode(torch.randn(1, 4, 8, 8))
 gc.collect()
-reset_peak()
+assert reset_peak_rss()
 base = rss("VmRSS")
 with torch.inference_mode():
     if mode == "untiled":

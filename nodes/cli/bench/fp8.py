@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 
 import torch
 
+from ...common.comfyui import PACK_ROOT, find_comfyui_dir
 from ...common.report import Table, human_bytes, median_seconds
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = PACK_ROOT
 
 _PRELUDE = textwrap.dedent("""
     import importlib.util, json, os, sys, threading, time
@@ -29,15 +28,6 @@ _PRELUDE = textwrap.dedent("""
                                                   submodule_search_locations=[root])
     pkg = importlib.util.module_from_spec(spec); sys.modules["comfy_metal"] = pkg; spec.loader.exec_module(pkg)
     import torch
-
-    def _status(field):
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith(field + ":"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
 
     def linear_bytes(model):
         # (Linear weights, bytes of their weights + scales) as held by the model
@@ -49,37 +39,7 @@ _PRELUDE = textwrap.dedent("""
             b += sum(t.nbytes for key, t in mod.state_dict().items() if not key.endswith(("bias", "comfy_quant")))
         return n, b
 
-    class Peak:
-        def __enter__(self):
-            import psutil
-            self.proc = psutil.Process()
-            self.hwm = False
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-                self.hwm = _status("VmHWM") is not None
-            except OSError:
-                pass
-            self.base = self.proc.memory_info().rss
-            self.peak = self.base
-            self.stop = False
-            if not self.hwm:
-                def run():
-                    while not self.stop:
-                        self.peak = max(self.peak, self.proc.memory_info().rss)
-                        time.sleep(0.001)
-                self.t = threading.Thread(target=run, daemon=True); self.t.start()
-            self.t0 = time.perf_counter()
-            return self
-
-        def __exit__(self, *a):
-            self.seconds = time.perf_counter() - self.t0
-            if self.hwm:
-                self.peak = _status("VmHWM")
-            else:
-                self.stop = True; self.t.join()
-                self.peak = max(self.peak, self.proc.memory_info().rss)
-            self.grown = self.peak - self.base
+    from comfy_metal.nodes.common.memory import PeakRSS as Peak
 """)
 
 _COMFY_SETUP = textwrap.dedent("""
@@ -181,13 +141,8 @@ def _run(script: str, *args, timeout=900) -> dict:
 
 
 def _comfy_path() -> str | None:
-    p = os.environ.get("COMFYUI_PATH", "").strip()
-    if p and os.path.isfile(os.path.join(p, "comfy", "sd.py")):
-        return p
-    for entry in sys.path:
-        if entry and os.path.isfile(os.path.join(entry, "comfy", "sd.py")):
-            return entry
-    return None
+    path = find_comfyui_dir()
+    return None if path is None else str(path)
 
 
 def load_table(quick: bool) -> Table:

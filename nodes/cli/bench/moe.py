@@ -17,29 +17,9 @@ from __future__ import annotations
 import torch
 
 from ...common.report import Table, bench_device, median_seconds
+from ...common.syncs import count_syncs
 
 F = torch.nn.functional
-
-
-def _syncs(fn) -> int | str:
-    try:
-        from torch.utils._python_dispatch import TorchDispatchMode
-    except ImportError:
-        return "n/a"
-    ops = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select",
-           "aten::bincount", "aten::unique", "aten::_unique2", "aten::is_nonzero"}
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func._schema.name in ops:
-                Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
 
 
 def comfy_style_loop(x, experts, weights, gate_up, down):
@@ -107,7 +87,7 @@ def _layer_table(quick: bool, device) -> Table:
             runs.append((f"transformers Qwen3MoeSparseMoeBlock ({hf_impl})", lambda: hf_block(x[None])))
         with torch.no_grad():
             rep = 3 if quick else 5
-            res = [(name, median_seconds(fn, device, repeat=rep), _syncs(fn)) for name, fn in runs]
+            res = [(name, median_seconds(fn, device, repeat=rep), count_syncs(fn)) for name, fn in runs]
         loop_s = res[1][1]
         for name, s, n in res:
             t.add(T, name, s * 1e3, T / s, n, f"{loop_s / s:.2f}x")

@@ -14,12 +14,12 @@ comparison column says "ComfyUI not found".
 from __future__ import annotations
 
 import math
-import os
-import sys
 import time
 import types
 
+from ...common.comfyui import import_comfy
 from ...common.report import Table, human_bytes, synchronize
+from ...common.syncs import SyncCounter
 
 LATENTS = [
     ("SDXL 1024x1024 (4x128x128)", (1, 4, 128, 128)),
@@ -34,31 +34,11 @@ FUSED_TENSORS = {"euler": (3, 3), "euler_ancestral": (3, 4), "heun": (7, 7), "dp
                  "dpmpp_2m_sde": (4, 5), "dpmpp_3m_sde": (5, 6), "lcm": (2, 3), "res_multistep": (4, 4),
                  "euler_cfg_pp": (4, 4), "euler_ancestral_cfg_pp": (4, 5), "dpmpp_2m_cfg_pp": (5, 5),
                  "dpmpp_2s_ancestral_cfg_pp": (9, 10), "res_multistep_cfg_pp": (5, 5)}
-_SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::is_nonzero", "aten::equal",
-             "aten::masked_select", "aten::allclose"}
 
 
 def _comfy_sampling():
     """ComfyUI's k-diffusion sampling module, or (None, why not)."""
-    if "comfy.k_diffusion.sampling" in sys.modules:
-        return sys.modules["comfy.k_diffusion.sampling"], None
-    path = os.environ.get("COMFYUI_PATH", "").strip()
-    if not path:
-        return None, "ComfyUI not found (set COMFYUI_PATH)"
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    try:
-        import torch
-
-        import comfy.cli_args  # parses no command line unless ComfyUI's main enabled it
-
-        if not torch.cuda.is_available() and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-            comfy.cli_args.args.cpu = True  # a standalone bench process on a CPU-only machine
-        import comfy.k_diffusion.sampling as kds
-
-        return kds, None
-    except Exception as e:
-        return None, f"ComfyUI not found ({type(e).__name__}: {e})"
+    return import_comfy("comfy.k_diffusion.sampling")
 
 
 class _Denoiser:
@@ -93,29 +73,24 @@ class _EpsSampling:
 
 def _traffic_mode():
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Traffic(TorchDispatchMode):
+    class Traffic(SyncCounter):
         """Bytes of every tensor each aten op reads and writes, and host syncs (model excluded)."""
 
         def __init__(self):
             super().__init__()
             self.bytes = 0
-            self.syncs = 0
             self.paused = False
+
+        @property
+        def syncs(self) -> int:
+            return self.total
 
         def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
             if not self.paused:
-                name = func._schema.name
-                if name in _SYNC_OPS:
-                    self.syncs += 1
-                elif name in ("aten::_to_copy", "aten::copy_") and any(
-                        isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args):
-                    dst = kwargs.get("device") if name == "aten::_to_copy" else args[0].device
-                    if dst is not None and torch.device(dst).type == "cpu":
-                        self.syncs += 1
+                self.note(func, args, kwargs)
                 seen = set()
                 for t in list(args) + list(kwargs.values()) + (list(out) if isinstance(out, (tuple, list)) else [out]):
                     if isinstance(t, torch.Tensor) and id(t) not in seen:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import sys
 import time
 
 import torch
 
 from ... import vae_tiling as vt
+from ...common.comfyui import import_comfy
+from ...common.quality import psnr as psnr_db
 from ...common.report import Table, bench_device, human_bytes, synchronize
 
 log = logging.getLogger("comfy_metal")
@@ -50,30 +51,14 @@ def _measure(fn, device, inference=False):
 
 
 def _psnr(a, b):
-    a = a.detach().float().cpu().clamp(-1, 1)
-    b = b.detach().float().cpu().clamp(-1, 1)
-    mse = float(((a - b) ** 2).mean()) / 4.0     # [-1, 1] -> [0, 1]
-    return float("inf") if mse == 0 else 10 * math.log10(1.0 / mse)
+    """PSNR of two [-1, 1] images (clamped), as ComfyUI shows them in [0, 1]."""
+    return psnr_db(a.detach().cpu().clamp(-1, 1), b.detach().cpu().clamp(-1, 1), peak=2.0)
 
 
 def _comfy():
     """comfy.sd when ComfyUI is importable (inside ComfyUI, or COMFYUI_PATH set); else the reason."""
-    path = os.environ.get("COMFYUI_PATH")
-    if path and path not in sys.path:
-        sys.path.insert(0, path)
-        stubs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "comfy_stubs")
-        if os.path.isdir(stubs):
-            sys.path.append(stubs)
-    try:
-        import comfy.cli_args
-
-        if not (torch.cuda.is_available() or torch.backends.mps.is_available()):
-            comfy.cli_args.args.cpu = True
-        import comfy.sd  # noqa: F401
-
-        return comfy.sd
-    except Exception as e:
-        return f"ComfyUI not importable ({type(e).__name__}: {str(e)[:80]})"
+    module, why_not = import_comfy("comfy.sd")
+    return module if module is not None else why_not
 
 
 def _comfy_node_class(name):

@@ -3,14 +3,13 @@
 A TorchDispatchMode sees every aten op. Host syncs are: reading a value to Python (item,
 _local_scalar_dense), data-dependent output shapes (nonzero, masked_select, unique, ...), and
 copies from a device to the CPU. On CPU-only runs the last kind cannot occur, but the first two
-are counted exactly as they would be on MPS or CUDA.
+are counted exactly as they would be on MPS or CUDA. Used by the benches and the tests.
 """
 from __future__ import annotations
 
 import collections
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 SYNC_OPS = {
     "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::nonzero_static",
@@ -19,8 +18,20 @@ SYNC_OPS = {
     "aten::is_nonzero", "aten::equal", "aten::allclose", "aten::_assert_async",
 }
 
+try:
+    from torch.utils._python_dispatch import TorchDispatchMode
+except ImportError:  # a torch without dispatch modes: nothing can be counted
+    TorchDispatchMode = None
 
-class SyncCounter(TorchDispatchMode):
+
+class _NoDispatchMode:
+    def __init__(self):
+        raise RuntimeError("this torch has no TorchDispatchMode: host syncs cannot be counted")
+
+
+class SyncCounter(TorchDispatchMode or _NoDispatchMode):
+    """`with SyncCounter() as c:` ... then c.counts (op name -> count) and c.total."""
+
     def __init__(self):
         super().__init__()
         self.counts = collections.Counter()
@@ -31,6 +42,11 @@ class SyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.note(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def note(self, func, args, kwargs) -> None:
+        """Count `func(*args, **kwargs)` if it makes the host wait."""
         name = func._schema.name
         if name in SYNC_OPS:
             # repeat_interleave with output_size given needs no sync
@@ -42,4 +58,12 @@ class SyncCounter(TorchDispatchMode):
             if isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst_dev is not None \
                     and torch.device(dst_dev).type == "cpu":
                 self.counts["device->cpu copy"] += 1
-        return func(*args, **kwargs)
+
+
+def count_syncs(fn) -> int | str:
+    """Host syncs `fn()` makes, or "n/a" where this torch cannot count them."""
+    if TorchDispatchMode is None:
+        return "n/a"
+    with SyncCounter() as counter:
+        fn()
+    return counter.total
