@@ -1,24 +1,29 @@
 // Comfy Metal in the ComfyUI frontend:
-//  * a badge on each of the pack's nodes (class names starting with "Metal") with the backend its
-//    kernels used on the last run: Metal, Emulator, Reference (click it for the reason), Mixed;
+//  * a badge on each of the pack's nodes (the node classes the status route lists as the pack's) with
+//    the backend its kernels used on the last run: Metal, Emulator, Reference (click it for the reason), Mixed;
 //  * a "Metal" sidebar tab (or a floating panel on frontends without sidebar tabs) with the
 //    capability probe, each kernel's backend and why, the last node runs, and device memory in use
 //    against the recommended maximum (polled while a prompt runs);
 //  * the setting "Comfy Metal: force reference kernels" (POST /comfy_metal/settings, this server
 //    process only).
 // Data: GET /comfy_metal/status, GET /comfy_metal/memory, websocket event "comfy_metal.backend".
-import { app } from "../../scripts/app.js";
-import { api } from "../../scripts/api.js";
+// ComfyUI's `app` and `api`: the frontend's documented globals (window.comfyAPI), else the legacy
+// /scripts/ modules (older frontends; newer ones serve them as shims of the same globals).
 import {
   BACKEND_EVENT, ROUTES, TextBadge, applyBackendRecord, applyStatusNodes, badgeFor,
-  createBackendState, createPoller, isPackNode, memoryBarHTML, recordForNode, renderStatusHTML,
+  createBackendState, createPoller, isPackNode, memoryBarHTML, packNodeSet, recordForNode, renderStatusHTML,
 } from "./lib/status_model.js";
+
+const { app } = globalThis.comfyAPI?.app ?? (await import("../../scripts/app.js"));
+const { api } = globalThis.comfyAPI?.api ?? (await import("../../scripts/api.js"));
 
 const SETTING_ID = "ComfyMetal.ForceReference";
 const state = createBackendState();
 let lastStatus = null;
 let lastMemory = null;
 const panels = new Set();
+let packNodes = null;          // the pack's node classes (status route), null until the first status
+const unsorted = new Set();    // nodes created before that list arrived
 
 async function getJSON(route, options) {
   const res = await api.fetchApi(route, options);
@@ -63,6 +68,12 @@ async function refreshStatus() {
     lastStatus = await getJSON(ROUTES.status);
     lastMemory = lastStatus.memory ?? lastMemory;
     applyStatusNodes(state, lastStatus);
+    const listed = packNodeSet(lastStatus);
+    if (listed) {
+      packNodes = listed;
+      for (const node of unsorted) considerNode(node);
+      unsorted.clear();
+    }
     redrawCanvas();
   } catch (err) {
     lastStatus = { error: String(err?.message ?? err) };
@@ -252,9 +263,15 @@ app.registerExtension({
   },
 
   nodeCreated(node) {
-    if (isPackNode(node.comfyClass ?? node.type)) attachBadge(node);
+    considerNode(node);
   },
 });
+
+// A pack node gets its badge; a node created before the pack's node list is known waits for it.
+function considerNode(node) {
+  if (packNodes === null) unsorted.add(node);
+  else if (isPackNode(node.comfyClass ?? node.type, packNodes)) attachBadge(node);
+}
 
 // For the headless browser test and for debugging from the console.
 globalThis.comfyMetal = { state, refreshStatus, get lastStatus() { return lastStatus; }, poller, attachBadge };

@@ -364,6 +364,7 @@ def status_payload() -> dict:
     show as "pending" until their first use or the MetalStatus node, which runs on the executor."""
     from ... import metal_kernels
     from ...metal_kernels import dispatch
+    from .. import NODE_CLASS_MAPPINGS
 
     status = metal_kernels.status(run_pending=False)
     with _lock:
@@ -377,6 +378,7 @@ def status_payload() -> dict:
         "last_backend": dict(dispatch.last_backend),
         "node_backends": nodes,
         "memory": memory_info(),
+        "pack_nodes": list(NODE_CLASS_MAPPINGS),     # the frontend badges exactly these node classes
     }
 
 

@@ -32,21 +32,27 @@ api.fetchApi = async (route, options = {}) => {
 api.emit = (type, detail) => api.dispatchEvent(new CustomEvent(type, { detail }));
 `;
 
-async function loadExtension() {
+// `globals`: provide app/api as the current frontend does (window.comfyAPI) and serve no /scripts/
+// modules, so the legacy import path would fail; else only the legacy /scripts/ modules exist.
+async function loadExtension({ globals = false } = {}) {
   const root = await mkdtemp(path.join(tmpdir(), "comfy-metal-web-"));
-  await mkdir(path.join(root, "scripts"), { recursive: true });
-  await writeFile(path.join(root, "scripts", "app.js"), FAKE_APP);
-  await writeFile(path.join(root, "scripts", "api.js"), FAKE_API);
+  await mkdir(path.join(root, "fakes"), { recursive: true });
+  await writeFile(path.join(root, "fakes", "app.js"), FAKE_APP);
+  await writeFile(path.join(root, "fakes", "api.js"), FAKE_API);
   await writeFile(path.join(root, "package.json"), JSON.stringify({ type: "module" }));
+  if (!globals) await cp(path.join(root, "fakes"), path.join(root, "scripts"), { recursive: true });
   const ext = path.join(root, "extensions", "comfy-metal");
   await cp(WEB, ext, { recursive: true });
-  const { app } = await import(pathToFileURL(path.join(root, "scripts", "app.js")).href);
-  const { api } = await import(pathToFileURL(path.join(root, "scripts", "api.js")).href);
+  const dir = globals ? "fakes" : "scripts";
+  const { app } = await import(pathToFileURL(path.join(root, dir, "app.js")).href);
+  const { api } = await import(pathToFileURL(path.join(root, dir, "api.js")).href);
+  globalThis.comfyAPI = globals ? { app: { app }, api: { api } } : undefined;
   api.responses["/comfy_metal/status"] = {
     capabilities: { mps_available: false }, backend_setting: "auto", force_reference: false,
     kernels: { softmax: { backend: "reference", reason: "cpu", device: "cpu" } }, last_backend: {},
     node_backends: { MetalLoader: { node_id: null, node_class: "MetalLoader", backend: "metal", kernels: {}, time: 1 } },
     memory: { device: "cpu", in_use: 1, recommended_max: 2 },
+    pack_nodes: ["MetalKSampler", "MetalLoader", "MetalStatus"],
   };
   api.responses["/comfy_metal/settings"] = { force_reference: true, backend_setting: "reference" };
   await import(pathToFileURL(path.join(ext, "comfy_metal.js")).href);
@@ -71,14 +77,17 @@ test("extension registers, badges pack nodes from events, and posts the setting"
   assert.equal(typeof app.sidebarTabs[0].render, "function");
   assert.ok(api.requests.some((r) => r.route === "/comfy_metal/status"));
 
-  // Only pack nodes get a badge; it is empty until the node ran.
+  // Only pack nodes (the status route's list) get a badge; it is empty until the node ran.
   const sampler = { id: 7, comfyClass: "MetalKSampler", badges: [] };
   const core = { id: 8, comfyClass: "KSampler", badges: [] };
   const loader = { id: 9, comfyClass: "MetalLoader", badges: [] };
+  const other = { id: 10, comfyClass: "MetalFromAnotherPack", badges: [] };
   ext.nodeCreated(sampler);
   ext.nodeCreated(core);
   ext.nodeCreated(loader);
+  ext.nodeCreated(other);
   assert.equal(core.badges.length, 0);
+  assert.equal(other.badges.length, 0);
   assert.equal(sampler.badges.length, 1);
   assert.equal(sampler.badges[0]().visible, false);
   // seeded from the status route's class-only record
@@ -121,4 +130,24 @@ test("extension registers, badges pack nodes from events, and posts the setting"
   assert.equal(posts.length, 1);
   assert.equal(posts[0].options.method, "POST");
   assert.deepEqual(JSON.parse(posts[0].options.body), { force_reference: true });
+});
+
+test("extension takes app/api from window.comfyAPI, and badges nodes created before the status arrived", async () => {
+  const { app, api } = await loadExtension({ globals: true });
+  try {
+    assert.equal(app.extensions.length, 1);
+    const ext = app.extensions[0];
+    const early = { id: 1, comfyClass: "MetalStatus", badges: [] };
+    const core = { id: 2, comfyClass: "KSampler", badges: [] };
+    ext.nodeCreated(early);      // a saved workflow's nodes load before the first status
+    ext.nodeCreated(core);
+    assert.equal(early.badges.length, 0);
+    await ext.setup();
+    await tick();
+    assert.ok(api.requests.some((r) => r.route === "/comfy_metal/status"));
+    assert.equal(early.badges.length, 1);
+    assert.equal(core.badges.length, 0);
+  } finally {
+    delete globalThis.comfyAPI;
+  }
 });

@@ -4,7 +4,7 @@ import { test } from "node:test";
 
 import {
   BACKEND_STYLES, TextBadge, applyBackendRecord, applyStatusNodes, badgeFor, badgeForNode,
-  capabilityRows, createBackendState, createPoller, escapeHtml, formatBytes, isPackNode,
+  capabilityRows, createBackendState, createPoller, escapeHtml, formatBytes, isPackNode, packNodeSet,
   kernelRows, memoryBar, memoryBarHTML, recordForNode, renderStatusHTML, statusSummary,
 } from "../../web/lib/status_model.js";
 
@@ -20,11 +20,14 @@ const metalRecord = {
   kernels: { vae_conv: { backend: "metal", reason: "passed its self-check", device: "mps" } }, time: 11,
 };
 
-test("pack nodes are recognised by the Metal prefix only", () => {
-  assert.equal(isPackNode("MetalKSampler"), true);
-  assert.equal(isPackNode("KSampler"), false);
-  assert.equal(isPackNode("metalish"), false);
-  assert.equal(isPackNode(undefined), false);
+test("pack nodes are the classes the status route lists, not a name prefix", () => {
+  const pack = packNodeSet({ pack_nodes: ["MetalKSampler", "MetalStatus"] });
+  assert.equal(isPackNode("MetalKSampler", pack), true);
+  assert.equal(isPackNode("KSampler", pack), false);
+  assert.equal(isPackNode("MetalFromAnotherPack", pack), false);   // a "Metal" prefix is not enough
+  assert.equal(isPackNode(undefined, pack), false);
+  assert.equal(isPackNode("MetalKSampler", null), false);           // no list yet: nothing is the pack's
+  assert.equal(packNodeSet({ error: "down" }), null);
 });
 
 test("badge text, colour and tooltip follow the record", () => {

@@ -27,21 +27,22 @@ def _chromium() -> str:
     pytest.skip(reason)
 
 
-# Runs in the page: a real LGraphNode standing in for a pack node (class name starting with Metal),
-# our nodeCreated hook, a backend event through ComfyUI's api, then a canvas redraw.
+# Runs in the page: a real LGraphNode standing in for a pack node (a class the status route lists as the
+# pack's), our nodeCreated hook once the pack's node list is known, a backend event through ComfyUI's api, then a canvas redraw.
 BADGE_JS = r"""
 (async () => {
   const app = window.comfyAPI.app.app, api = window.comfyAPI.api.api;
   const ext = app.extensions.find((e) => e.name === "comfy_metal.status");
+  await window.comfyMetal.refreshStatus();
   const node = LiteGraph.createNode("EmptyImage");
-  node.comfyClass = "MetalBrowserTest";
+  node.comfyClass = "MetalStatus";
   node.title = "Metal node (test)";
   node.pos = [520, 160];
   app.graph.add(node);
   ext.nodeCreated(node);
   const ours = () => node.badges.map((b) => (typeof b === "function" ? b() : b)).filter((b) => b.tooltip !== undefined);
   const before = ours().map((b) => b.visible);
-  api.dispatchCustomEvent("comfy_metal.backend", { node_id: String(node.id), node_class: "MetalBrowserTest",
+  api.dispatchCustomEvent("comfy_metal.backend", { node_id: String(node.id), node_class: "MetalStatus",
     backend: "reference", reason: "forced by COMFY_METAL_BACKEND/COMFY_METAL_REFERENCE", kernels: {}, time: Date.now() / 1000 });
   app.canvas.setDirty(true, true);
   app.canvas.draw(true, true);

@@ -3,7 +3,6 @@
 // injected timers. No DOM, no ComfyUI imports: tested with `node --test tests/web`.
 // (ComfyUI loads every .js under web/ as an extension module; this one only exports.)
 
-export const PACK_NODE_PREFIX = "Metal";
 export const BACKEND_EVENT = "comfy_metal.backend";
 export const ROUTES = Object.freeze({
   status: "/comfy_metal/status",
@@ -22,8 +21,16 @@ export const BACKEND_STYLES = Object.freeze({
   pending: { label: "Pending", fgColor: "#1a1a1a", bgColor: "#b0bec5" },
 });
 
-export function isPackNode(className) {
-  return typeof className === "string" && className.startsWith(PACK_NODE_PREFIX);
+// The pack's node classes from the status route's `pack_nodes` (the pack's NODE_CLASS_MAPPINGS), or null
+// when the payload has none (an error, or not loaded yet).
+export function packNodeSet(status) {
+  return Array.isArray(status?.pack_nodes) ? new Set(status.pack_nodes) : null;
+}
+
+// A node class of this pack: listed by the pack itself, not guessed from a name prefix (another pack's
+// node can be called "Metal..." too).
+export function isPackNode(className, packNodes) {
+  return typeof className === "string" && packNodes instanceof Set && packNodes.has(className);
 }
 
 export function styleFor(backend) {
