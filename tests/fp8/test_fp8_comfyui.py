@@ -23,27 +23,13 @@ FLUX_CFG = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=
 
 
 @pytest.fixture(scope="module")
-def loader_mod(comfyui):
-    import importlib
-
-    return importlib.import_module(comfyui.pack_module.__name__ + ".nodes.fp8.nodes")
-
-
-def _pack_module(loader_mod, name):
-    """The pack's module `name` (e.g. "nodes.fp8.ops") as ComfyUI loaded it (under the folder's name)."""
-    import importlib
-
-    return importlib.import_module(loader_mod.__name__.split(".nodes.")[0] + "." + name)
-
-
-@pytest.fixture(scope="module")
 def flux_files(comfyui, loader_mod):
     """(bf16 file name, fp8 file name) in the diffusion_models folder."""
     import comfy.ldm.flux.model
     import comfy.ops
     from safetensors.torch import save_file
 
-    quant = _pack_module(loader_mod, "nodes.fp8_quantize")
+    quant = fm.pack_module(loader_mod, "nodes.fp8_quantize")
     folder = comfyui.models_dir("diffusion_models")
     net = comfy.ldm.flux.model.Flux(**FLUX_CFG, dtype=torch.float32, operations=comfy.ops.manual_cast)
     fm.fill_module_(net, seed=1)
@@ -61,7 +47,7 @@ def flux_files(comfyui, loader_mod):
 
 
 def _dequantized(loader_mod, path) -> dict:
-    fmt_mod = _pack_module(loader_mod, "nodes.fp8.formats")
+    fmt_mod = fm.pack_module(loader_mod, "nodes.fp8.formats")
     return fm.dequantized_file(fmt_mod, path)
 
 
@@ -87,7 +73,7 @@ def test_flux_fp8_matches_stock_loader(comfyui, loader_mod, flux_files):
     _, fp8_name, _ = flux_files
     (ours,) = loader_mod.MetalFP8ModelLoader().load(fp8_name, "auto", "fp32")
     (stock,) = comfyui.nodes.UNETLoader().load_unet(fp8_name, "default")
-    ops_mod = _pack_module(loader_mod, "nodes.fp8.ops")
+    ops_mod = fm.pack_module(loader_mod, "nodes.fp8.ops")
     n_fp8 = sum(1 for _ in ops_mod.fp8_modules(ours.model))
     assert n_fp8 >= 8
     a = _sample(comfyui, ours)
@@ -105,8 +91,8 @@ def test_wan_fp8_matches_stock_loader(comfyui, loader_mod):
     import comfy.ops
     from safetensors.torch import save_file
 
-    quant = _pack_module(loader_mod, "nodes.fp8_quantize")
-    ops_mod = _pack_module(loader_mod, "nodes.fp8.ops")
+    quant = fm.pack_module(loader_mod, "nodes.fp8_quantize")
+    ops_mod = fm.pack_module(loader_mod, "nodes.fp8.ops")
     folder = comfyui.models_dir("diffusion_models")
     net = comfy.ldm.wan.model.WanModel(model_type="t2v", dim=128, ffn_dim=256, num_heads=1, num_layers=2,
                                        dtype=torch.float32, operations=comfy.ops.manual_cast)
@@ -142,7 +128,7 @@ def test_memory_accounting_sees_fp8_bytes(comfyui, loader_mod, flux_files):
 
     bf16_name, fp8_name, _ = flux_files
     (ours,) = loader_mod.MetalFP8ModelLoader().load(fp8_name, "auto", "bf16")
-    ops_mod = _pack_module(loader_mod, "nodes.fp8.ops")
+    ops_mod = fm.pack_module(loader_mod, "nodes.fp8.ops")
     fp8_bytes = 0
     fp8_elems = 0
     for _, m in ops_mod.fp8_modules(ours.model):
@@ -163,7 +149,7 @@ def test_quantize_on_load_and_save_roundtrip(comfyui, loader_mod, flux_files, tm
 
     caplog.set_level(logging.INFO, logger="comfy_metal")
     bf16_name, fp8_name, _ = flux_files
-    ops_mod = _pack_module(loader_mod, "nodes.fp8.ops")
+    ops_mod = fm.pack_module(loader_mod, "nodes.fp8.ops")
     saver = loader_mod.MetalFP8SaveModel()
     for mode in ("e4m3fn rowwise", "e4m3fn tensorwise"):
         (q,) = loader_mod.MetalFP8ModelLoader().load(bf16_name, mode, "fp32")
@@ -198,7 +184,7 @@ def test_save_node_quantizes_a_stock_model(comfyui, loader_mod, flux_files):
     name = loader_mod.MetalFP8SaveModel().save(stock_bf16, "tiny_flux_from_stock", "e4m3fn tensorwise",
                                                False)["ui"]["text"][0]
     comfyui.refresh_models()
-    fmt_mod = _pack_module(loader_mod, "nodes.fp8.formats")
+    fmt_mod = fm.pack_module(loader_mod, "nodes.fp8.formats")
     with fmt_mod.open_checkpoint(comfyui.models_dir("diffusion_models") / name) as ck:
         assert ck.quant_source == "comfy_quant" and len(ck.layers) >= 8
         assert "img_in.weight" not in ck.layers and "final_layer.linear.weight" not in ck.layers
@@ -394,7 +380,7 @@ def test_save_keeps_source_dtypes_and_is_smaller(comfyui, loader_mod, wan_fp16_f
     from safetensors import safe_open
 
     caplog.set_level(logging.INFO, logger="comfy_metal")
-    fmt_mod = _pack_module(loader_mod, "nodes.fp8.formats")
+    fmt_mod = fm.pack_module(loader_mod, "nodes.fp8.formats")
     q, target = _saved(loader_mod, comfyui, wan_fp16_file.name, "tiny_wan_meta_fp8_rowwise")
     # the model really computes in float32 in memory
     assert q.model.diffusion_model.head.head.weight.dtype == torch.float32
@@ -431,7 +417,7 @@ def test_save_carries_metadata_and_reloads(comfyui, loader_mod, wan_fp16_file):
 def test_badges_loader_saver_and_sampling(comfyui, loader_mod, wan_fp16_file):
     """record_node_backend: the loader and saver nodes record their kernels; a KSampler run of an FP8
     model records fp8_decode/gemv for the executing node (node_class None), once per run."""
-    status = _pack_module(loader_mod, "nodes.status")
+    status = fm.pack_module(loader_mod, "nodes.status")
     _, start = status.records_since(0)
     q, _ = _saved(loader_mod, comfyui, wan_fp16_file.name, "tiny_wan_meta_badges")
     recs, mid = status.records_since(start)

@@ -18,27 +18,13 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 @pytest.fixture(scope="module")
-def loader_mod(comfyui):
-    import importlib
-
-    return importlib.import_module(comfyui.pack_module.__name__ + ".nodes.fp8.nodes")
-
-
-def _pack_module(loader_mod, name):
-    """The pack's module `name` (e.g. "nodes.fp8.ops") as ComfyUI loaded it (under the folder's name)."""
-    import importlib
-
-    return importlib.import_module(loader_mod.__name__.split(".nodes.")[0] + "." + name)
-
-
-@pytest.fixture(scope="module")
 def clip_l_file(comfyui, loader_mod):
     """A random full-size CLIP-L text encoder (its tokenizer ships with ComfyUI), quantized to FP8."""
     import comfy.clip_model
     import comfy.ops
     from safetensors.torch import save_file
 
-    quant = _pack_module(loader_mod, "nodes.fp8_quantize")
+    quant = fm.pack_module(loader_mod, "nodes.fp8_quantize")
     import json
 
     import comfy.sd1_clip
@@ -71,7 +57,7 @@ def test_text_encoder_matches_stock(comfyui, loader_mod, clip_l_file):
 
     folder = comfyui.models_dir("text_encoders")
     # fp16 like ComfyUI's CPU text-encoder dtype: loading fp32 would round to the same fp16 values.
-    fmt_mod = _pack_module(loader_mod, "nodes.fp8.formats")
+    fmt_mod = fm.pack_module(loader_mod, "nodes.fp8.formats")
     deq = {k: v.to(torch.float16) for k, v in fm.dequantized_file(fmt_mod, folder / clip_l_file).items()}
     save_file(deq, str(folder / "clip_l_dequantized.safetensors"))
     del deq
@@ -81,7 +67,7 @@ def test_text_encoder_matches_stock(comfyui, loader_mod, clip_l_file):
     prompt = {"1": {"class_type": "MetalFP8TextEncoderLoader",
                     "inputs": {"clip_name": clip_l_file, "type": "stable_diffusion", "device": "cpu"}},
               "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": text}}}
-    status = _pack_module(loader_mod, "nodes.status")
+    status = fm.pack_module(loader_mod, "nodes.status")
     _, start = status.records_since(0)
     res = comfyui.run_prompt(prompt, execute=["1", "2"])
     recs, _ = status.records_since(start)       # the loader node's badge record, by its node id
@@ -99,7 +85,7 @@ def test_text_encoder_matches_stock(comfyui, loader_mod, clip_l_file):
     if not isinstance(ca[0][0], torch.Tensor):                  # conditioning = [[cond, {pooled_output}]]
         ca = ca[0]
     (stock,) = comfyui.nodes.CLIPLoader().load_clip("clip_l_dequantized.safetensors", "stable_diffusion", "cpu")
-    ops_mod = _pack_module(loader_mod, "nodes.fp8.ops")
+    ops_mod = fm.pack_module(loader_mod, "nodes.fp8.ops")
     n = sum(1 for _ in ops_mod.fp8_modules(ours.cond_stage_model))
     assert n >= 48
     info = ops_mod.weight_bytes(ours.cond_stage_model)

@@ -143,3 +143,10 @@ def dequantized_file(fmt_mod, path) -> dict:
             else:
                 out[key] = ck.tensor(key).float()
     return out
+
+
+def pack_module(loader_mod, name: str):
+    """The pack's module `name` (e.g. "nodes.fp8.ops") as ComfyUI loaded it, beside `loader_mod`."""
+    import importlib
+
+    return importlib.import_module(loader_mod.__name__.split(".nodes.")[0] + "." + name)
