@@ -276,7 +276,7 @@ def test_loader_node_through_executor_and_emulator(comfyui, loader_mod, flux_fil
     runs fp8_decode and gemv through the MSL emulator."""
     from comfy_metal.metal_kernels import dispatch
 
-    kernels = __import__(loader_mod.__name__.rsplit(".", 2)[0] + ".metal_kernels", fromlist=["x"])
+    kernels = fm.pack_module(loader_mod, "metal_kernels")
     _, fp8_name, _ = flux_files
     prompt = {"1": {"class_type": "MetalFP8ModelLoader",
                     "inputs": {"unet_name": fp8_name, "weight_mode": "auto", "compute_dtype": "fp32"}}}
