@@ -13,7 +13,7 @@ from ..common.report import Table
 # Modules (in nodes/cli/bench/) that contribute bench tables: each has `bench(quick: bool) -> list[Table]`.
 BENCH_MODULES = (".bench.kernels", ".bench.fp8", ".bench.samplers", ".bench.vae", ".bench.moe")
 # Modules that contribute doctor stages: each has `doctor_stages() -> list[(name, callable)]`.
-DOCTOR_MODULES = ("..doctor_pipeline",)
+DOCTOR_MODULES = (".doctor",)
 
 
 def _modules(names):

@@ -18,7 +18,7 @@ import torch
 
 from .formats import ST_DTYPES, CheckpointError, open_checkpoint
 from .ops import FP8LayerError, fp8_modules, make_fp8_ops, storage_dtype, weight_bytes, wrap_patcher
-from ..fp8_quantize import (QuantSummary, atomic_save, carried_metadata, comfy_quant_entries, keep_reason,
+from .quantize import (QuantSummary, atomic_save, carried_metadata, comfy_quant_entries, keep_reason,
                            quant_metadata, quantize, relative_error)
 
 log = logging.getLogger("comfy_metal")
@@ -175,7 +175,7 @@ def load_text_encoder(path, clip_type="stable_diffusion", device="gpu", compute_
     clip.patcher = wrap_patcher(clip.patcher)
     clip.patcher.cached_patcher_init = None
     # The encoder runs later inside a core node (CLIPTextEncode): its FP8 kernels' backends go to
-    # that node's badge through forward hooks on the encoder (nodes/status.py).
+    # that node's badge through forward hooks on the encoder (nodes/status).
     from .ops import RUN_KERNELS
     from ..status import record_forward_kernels
 

@@ -1,6 +1,6 @@
 """ComfyUI nodes: "VAE Decode (Low Memory, Metal)" and "VAE Encode (Low Memory, Metal)".
 
-Single-pass feathered tiling within a memory budget (nodes/vae_tiling.py), on the VAE object ComfyUI
+Single-pass feathered tiling within a memory budget (engine.py), on the VAE object ComfyUI
 hands the node: SD/SDXL (4 ch) and Flux/SD3 (16 ch) KL VAEs, Wan 2.1 / Qwen-Image, Wan 2.2 and
 HunyuanVideo 1.0 causal video VAEs. Any other VAE falls back to ComfyUI's own tiled decode/encode with
 a log line.
@@ -11,7 +11,8 @@ import logging
 
 import torch
 
-from .. import vae_tiling
+from . import codecs, memory
+from .engine import TiledVAE, TilingOptions
 from ..status import recording_kernels
 from ...metal_kernels.registry import REGISTRY
 
@@ -64,7 +65,7 @@ class _Progress:
 
 
 def _options(memory_budget_gb, overlap, seam_mode):
-    return vae_tiling.TilingOptions(
+    return TilingOptions(
         budget_bytes=int(memory_budget_gb * GIB),
         overlap=overlap or None,
         shared_stats=(seam_mode == SEAM_MODES[1]),
@@ -117,17 +118,17 @@ class MetalVAEDecodeTiled:
             latent = latent.unbind()[0]
         if getattr(vae, "latent_dim", 2) == 2 and latent.ndim == 5:
             latent = latent[:, :, 0]
-        codec = vae_tiling.codec_from_comfy(vae)
+        codec = codecs.codec_from_comfy(vae)
         if codec is None:
             return (self._fallback(vae, latent, overlap, temporal_chunk, temporal_overlap),)
         if latent.shape[1] != codec.latent_channels:
             raise ValueError(f"VAE Decode (Low Memory, Metal): the latent has {latent.shape[1]} channels "
                              f"(shape {tuple(latent.shape)}) but this VAE expects {codec.latent_channels}")
         opt = _options(memory_budget_gb, overlap, seam_mode)
-        budget = opt.budget_bytes or vae_tiling.auto_budget(codec.device)
+        budget = opt.budget_bytes or memory.auto_budget(codec.device)
         opt.budget_bytes = budget
         _load(vae, budget)
-        engine = vae_tiling.TiledVAE(codec, opt)
+        engine = TiledVAE(codec, opt)
         with _device_context(vae), recording_kernels("MetalVAEDecodeTiled", VAE_KERNELS):
             out = engine.decode(latent)
         info = engine.info
@@ -176,7 +177,7 @@ class MetalVAEEncodeTiled:
         if pixels.ndim not in (4, 5) or pixels.shape[-1] < 1:
             raise ValueError(f"VAE Encode (Low Memory, Metal): expected an IMAGE [batch, height, width, channels], "
                              f"got shape {tuple(pixels.shape)}")
-        codec = vae_tiling.codec_from_comfy(vae)
+        codec = codecs.codec_from_comfy(vae)
         if codec is None or codec.encode is None:
             log.info(f"comfy_metal: VAE Encode (Low Memory, Metal) has no tiling codec for "
                      f"{type(vae.first_stage_model).__name__}; using ComfyUI's own tiled encode")
@@ -187,9 +188,9 @@ class MetalVAEEncodeTiled:
         raw_encode = codec.encode
         codec.encode = lambda t: raw_encode(vae.process_input(t))
         opt = _options(memory_budget_gb, overlap, seam_mode)
-        opt.budget_bytes = opt.budget_bytes or vae_tiling.auto_budget(codec.device)
+        opt.budget_bytes = opt.budget_bytes or memory.auto_budget(codec.device)
         _load(vae, opt.budget_bytes)
-        engine = vae_tiling.TiledVAE(codec, opt)
+        engine = TiledVAE(codec, opt)
         with _device_context(vae), recording_kernels("MetalVAEEncodeTiled", VAE_KERNELS):
             out = engine.encode(x)
         info = engine.info

@@ -29,7 +29,7 @@ def flux_files(comfyui, loader_mod):
     import comfy.ops
     from safetensors.torch import save_file
 
-    quant = fm.pack_module(loader_mod, "nodes.fp8_quantize")
+    quant = fm.pack_module(loader_mod, "nodes.fp8.quantize")
     folder = comfyui.models_dir("diffusion_models")
     net = comfy.ldm.flux.model.Flux(**FLUX_CFG, dtype=torch.float32, operations=comfy.ops.manual_cast)
     fm.fill_module_(net, seed=1)
@@ -91,7 +91,7 @@ def test_wan_fp8_matches_stock_loader(comfyui, loader_mod):
     import comfy.ops
     from safetensors.torch import save_file
 
-    quant = fm.pack_module(loader_mod, "nodes.fp8_quantize")
+    quant = fm.pack_module(loader_mod, "nodes.fp8.quantize")
     ops_mod = fm.pack_module(loader_mod, "nodes.fp8.ops")
     folder = comfyui.models_dir("diffusion_models")
     net = comfy.ldm.wan.model.WanModel(model_type="t2v", dim=128, ffn_dim=256, num_heads=1, num_layers=2,

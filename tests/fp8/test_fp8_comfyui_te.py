@@ -24,7 +24,7 @@ def clip_l_file(comfyui, loader_mod):
     import comfy.ops
     from safetensors.torch import save_file
 
-    quant = fm.pack_module(loader_mod, "nodes.fp8_quantize")
+    quant = fm.pack_module(loader_mod, "nodes.fp8.quantize")
     import json
 
     import comfy.sd1_clip

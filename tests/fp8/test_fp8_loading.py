@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import fp8_models as fm
 from comfy_metal.metal_kernels import dispatch
-from comfy_metal.nodes import fp8_quantize
+from comfy_metal.nodes.fp8 import quantize as fp8_quantize
 from comfy_metal.nodes.fp8 import formats as fp8_formats, loader as fp8_loader, nodes as fp8_nodes, ops as fp8_ops
 
 KINDS = [("plain", False, False), ("scaled_fp8", False, False), ("scaled_fp8", True, False),

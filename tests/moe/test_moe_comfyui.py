@@ -48,7 +48,7 @@ def _state_dict():
 def test_gpt_oss_encoder_with_sync_free_experts_matches_default_ops(comfyui):
     import comfy.model_patcher
     import comfy.ops
-    from comfy_metal.nodes import moe_experts  # noqa: the pack as the tests import it
+    from comfy_metal.nodes.moe import experts_patch as moe_experts  # noqa: the pack as the tests import it
 
     sd = _state_dict()
     tokens = {"gpt_oss": [[(t, 1.0) for t in [3, 17, 5, 60, 61, 2, 9, 9, 40, 33, 12, 80, 1, 4, 7, 70, 71, 72, 73, 5, 6, 8, 10, 11, 13, 14]]]}
@@ -102,7 +102,7 @@ def test_gpt_oss_fp8_experts_stay_fp8_and_match_default_ops(comfyui):
 
     import comfy.model_patcher
     import comfy.ops
-    from comfy_metal.nodes import moe_experts
+    from comfy_metal.nodes.moe import experts_patch as moe_experts
 
     sd = _state_dict()
     E = TINY["num_local_experts"]
@@ -233,7 +233,7 @@ def test_gpt_oss_sync_free_experts_in_emulator(comfyui, monkeypatch):
     tiled grouped kernel (more tokens) run the real MSL and match ComfyUI's default ops."""
     import comfy.ops
     from comfy_metal.metal_kernels import dispatch, emulator
-    from comfy_metal.nodes import moe_experts
+    from comfy_metal.nodes.moe import experts_patch as moe_experts
 
     if not emulator.available():
         pytest.skip("the MSL emulator needs clang-19, which is not installed")

@@ -10,7 +10,7 @@ pytest.importorskip("tokenizers")
 
 import moe_testutil  # noqa: E402
 from comfy_metal.metal_kernels import dispatch  # noqa: E402
-from comfy_metal.nodes import moe_encoder, qwen3_moe  # noqa: E402
+from comfy_metal.nodes.moe import encoder as moe_clip, nodes as moe_encoder, qwen3 as qwen3_moe  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_encode_and_enhancer_record_their_kernel_backends(tiny):
     rec = records[0]
     assert rec["node_class"] is None and rec["node_id"] is None          # no ComfyUI executor here
     assert "moe_route" in rec["kernels"] and "moe_grouped_gemm" not in rec["kernels"], rec["kernels"]
-    assert set(rec["kernels"]) <= set(moe_encoder.MOE_NODE_KERNELS)
+    assert set(rec["kernels"]) <= set(moe_clip.MOE_NODE_KERNELS)
     assert rec["kernels"]["moe_route"]["backend"] == dispatch.last_backend["moe_route"]
     assert rec["backend"] in ("reference", "emulator", "metal")
     assert dispatch.last_backend["moe_grouped_gemm"] == "metal"        # put back: it did not run

@@ -11,7 +11,7 @@ pytest.importorskip("tokenizers")
 
 import moe_testutil  # noqa: E402
 from comfy_metal.nodes.common import syncs as sync_count  # noqa: E402
-from comfy_metal.nodes import qwen3_moe  # noqa: E402
+from comfy_metal.nodes.moe import qwen3 as qwen3_moe  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +230,7 @@ def test_quantize_file_output_matches_transformers_on_its_dequantized_weights(ti
     from safetensors.torch import load_file, save_file
     from transformers import Qwen3MoeForCausalLM
 
-    from comfy_metal.nodes import fp8_quantize
+    from comfy_metal.nodes.fp8 import quantize as fp8_quantize
 
     folder, _, _ = tiny
     q = tmp_path / "q"

@@ -110,8 +110,8 @@ def test_a_broken_feature_module_leaves_the_other_nodes_loaded(monkeypatch, capl
     real_import_module = real_importlib.import_module
 
     def import_module(name, package=None):
-        if name == ".samplers":
-            raise RuntimeError("boom in samplers")
+        if name == ".sampling":
+            raise RuntimeError("boom in sampling")
         return real_import_module(name, package)
 
     monkeypatch.setattr(nodes.importlib, "import_module", import_module)
@@ -121,5 +121,5 @@ def test_a_broken_feature_module_leaves_the_other_nodes_loaded(monkeypatch, capl
     with caplog.at_level(logging.ERROR, logger="comfy_metal"):
         nodes._load_features(nodes.FEATURE_MODULES)
     assert "MetalFP8ModelLoader" in nodes.NODE_CLASS_MAPPINGS and "MetalStatus" in nodes.NODE_CLASS_MAPPINGS
-    assert nodes.FAILED_FEATURES == {"samplers": "RuntimeError: boom in samplers"}
-    assert any("samplers nodes failed to load" in r.getMessage() for r in caplog.records)
+    assert nodes.FAILED_FEATURES == {"sampling": "RuntimeError: boom in sampling"}
+    assert any("sampling nodes failed to load" in r.getMessage() for r in caplog.records)

@@ -1,4 +1,4 @@
-"""Metal samplers (nodes/samplers.py + metal_kernels/sampling.py).
+"""Metal samplers (nodes/sampling/ + metal_kernels/sampling/).
 
 Always run: every step kernel vs its reference in the MSL emulator on odd shapes (and the NaN
 record), the launch glue issues no host sync, whole samplers in the emulator vs the reference path,
@@ -21,7 +21,7 @@ import torch
 
 from comfy_metal.nodes.common import syncs as sync_count
 from comfy_metal.metal_kernels import dispatch, registry, sampling as K
-from comfy_metal.nodes import samplers as S
+from comfy_metal.nodes import sampling as S
 
 SAMPLER_SPECS = sorted(n for n in registry.REGISTRY if n.startswith("sampler_"))
 
@@ -697,7 +697,7 @@ def test_bench_runs_and_reports(monkeypatch, reference_backend):
 
 def test_a_sampler_run_records_its_kernel_backends_for_the_badge():
     """The record goes to the executing node (node_class None) and lists only the kernels that ran."""
-    from comfy_metal.nodes import samplers, status
+    from comfy_metal.nodes import sampling as samplers, status
 
     status.clear_records()
     _, index = status.records_since(0)

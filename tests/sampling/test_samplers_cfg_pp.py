@@ -26,7 +26,7 @@ import torch
 
 from comfy_metal.nodes.common import syncs as sync_count
 from comfy_metal.metal_kernels import dispatch
-from comfy_metal.nodes import samplers as S
+from comfy_metal.nodes import sampling as S
 from test_samplers import CONST, ToyDenoiser, ToyEPS, _comfy_model_sampling, _conds, _emulator_reason, \
     _run, _tiny_unet_patcher, reference_then_emulator, toy_schedule
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from comfy_metal.metal_kernels import dispatch
-from comfy_metal.nodes import samplers as S
+from comfy_metal.nodes import sampling as S
 from test_samplers import _conds, _tiny_unet_patcher
 
 

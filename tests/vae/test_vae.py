@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from comfy_metal.metal_kernels import dispatch
 from comfy_metal.metal_kernels.vae import (vae_blend_accumulate, vae_blend_accumulate_reference, vae_pad,
                                            vae_pad_reference)
-from comfy_metal.nodes import vae_tiling as vt
+from comfy_metal.nodes import vae as vt
 from comfy_metal.nodes.common.quality import psnr as psnr_db
 
 

@@ -58,7 +58,7 @@ def _tiles_logged(text):
 
 
 def test_sd_vae_decode_tiled_vs_untiled(comfyui, sd_vae, caplog):
-    from comfy_metal.nodes import vae_tiling as vt
+    from comfy_metal.nodes import vae as vt
     from comfy_metal.nodes.vae.nodes import MetalVAEDecodeTiled
 
     torch.manual_seed(0)
@@ -81,7 +81,7 @@ def test_sd_vae_decode_tiled_vs_untiled(comfyui, sd_vae, caplog):
 def test_sd_vae_shared_statistics_vs_untiled(comfyui, sd_vae, caplog):
     """Lock-step shared GroupNorm statistics on ComfyUI's SD VAE object (its Decoder, mid-block
     attention included): >= 40 dB against ComfyUI's untiled decode, above feather alone."""
-    from comfy_metal.nodes import vae_tiling as vt
+    from comfy_metal.nodes import vae as vt
     from comfy_metal.nodes.vae.nodes import SEAM_MODES, MetalVAEDecodeTiled
 
     torch.manual_seed(0)
@@ -108,7 +108,7 @@ def test_sd_vae_shared_statistics_vs_untiled(comfyui, sd_vae, caplog):
 
 
 def test_wan21_decode_and_encode_tiled_vs_untiled(comfyui, wan_vae, caplog):
-    from comfy_metal.nodes import vae_tiling as vt
+    from comfy_metal.nodes import vae as vt
     from comfy_metal.nodes.vae.nodes import MetalVAEDecodeTiled, MetalVAEEncodeTiled
 
     torch.manual_seed(1)
@@ -139,10 +139,10 @@ def test_wan21_decode_and_encode_tiled_vs_untiled(comfyui, wan_vae, caplog):
 
 
 def test_unknown_vae_falls_back_to_comfyui_tiled(comfyui, sd_vae, caplog, monkeypatch):
-    from comfy_metal.nodes import vae_tiling
+    from comfy_metal.nodes.vae import codecs
     from comfy_metal.nodes.vae.nodes import MetalVAEDecodeTiled
 
-    monkeypatch.setattr(vae_tiling, "codec_from_comfy", lambda vae: None)
+    monkeypatch.setattr(codecs, "codec_from_comfy", lambda vae: None)
     z = torch.randn(1, 4, 8, 8)
     with caplog.at_level("INFO", logger="comfy_metal"):
         (images,) = MetalVAEDecodeTiled().decode({"samples": z}, sd_vae)
@@ -220,7 +220,7 @@ def test_hunyuan_video_decode_and_encode_tiled_vs_untiled(comfyui, hunyuan_vae, 
     node tiles it (not the fallback); encode tiles through the encoder's own chunking."""
     import dataclasses
 
-    from comfy_metal.nodes import vae_tiling as vt
+    from comfy_metal.nodes import vae as vt
     from comfy_metal.nodes.vae.nodes import MetalVAEDecodeTiled, MetalVAEEncodeTiled
 
     vae = hunyuan_vae

@@ -26,7 +26,7 @@ sys.path.insert(0, sys.argv[1])
 import conftest  # maps the repo to comfy_metal
 import torch
 from diffusers import AutoencoderKL
-from comfy_metal.nodes import vae_tiling as vt
+from comfy_metal.nodes import vae as vt
 from comfy_metal.nodes.common.memory import proc_status_bytes as rss, reset_peak_rss
 
 torch.manual_seed(0)
@@ -82,7 +82,7 @@ def test_peak_memory_within_budget_and_untiled_needs_4x():
 
 
 def test_video_peak_is_flat_in_frames():
-    from comfy_metal.nodes import vae_tiling as vt
+    from comfy_metal.nodes import vae as vt
 
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,

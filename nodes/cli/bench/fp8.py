@@ -63,7 +63,7 @@ _COMFY_SETUP = textwrap.dedent("""
 _MAKE_FLUX = _PRELUDE + _COMFY_SETUP + textwrap.dedent("""
     import comfy.ldm.flux.model, comfy.ops
     from safetensors.torch import save_file
-    from comfy_metal.nodes import fp8_quantize
+    from comfy_metal.nodes.fp8 import quantize as fp8_quantize
     hidden, depth, single, out = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
     cfg = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=768, context_in_dim=4096,
                hidden_size=hidden, mlp_ratio=4.0, num_heads=hidden // 128, depth=depth, depth_single_blocks=single,
@@ -152,7 +152,7 @@ def load_table(quick: bool) -> Table:
     with tempfile.TemporaryDirectory(prefix="comfy-metal-bench-fp8-") as d:
         from safetensors.torch import save_file
 
-        from ...fp8_quantize import comfy_quant_entries, quantize
+        from ...fp8.quantize import comfy_quant_entries, quantize
 
         layers, n, k = (8, 1024, 1024) if quick else (32, 3072, 3072)
         path = os.path.join(d, "stack_fp8.safetensors")

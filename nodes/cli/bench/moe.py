@@ -96,7 +96,7 @@ def _layer_table(quick: bool, device) -> Table:
 
 
 def _model_tables(quick: bool, device) -> list[Table]:
-    from ... import qwen3_moe
+    from ...moe import qwen3 as qwen3_moe
 
     try:
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -144,7 +144,7 @@ def copy_bandwidth(device, nbytes=256 << 20) -> float:
 
 
 def _qwen30b_table(quick: bool, device) -> Table | None:
-    from ... import qwen3_moe
+    from ...moe import qwen3 as qwen3_moe
 
     layers = 1 if device.type == "cpu" else (2 if quick else 4)
     if device.type == "cpu" and quick:

@@ -125,7 +125,7 @@ def bench(quick: bool = False) -> list[Table]:
     import torch
 
     from ....metal_kernels import probe
-    from ... import samplers as S
+    from ... import sampling as S
 
     kds, why_not = _comfy_sampling()
     devices = ["cpu"] + (["mps"] if probe.mps_available() else [])

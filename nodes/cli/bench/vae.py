@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ... import vae_tiling as vt
+from ... import vae as vt
 from ...common.comfyui import import_comfy
 from ...common.quality import psnr as psnr_db
 from ...common.report import Table, bench_device, human_bytes, synchronize

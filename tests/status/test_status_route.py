@@ -1,4 +1,4 @@
-"""nodes/status.py: the /comfy_metal routes (through aiohttp's test server), per-node backend
+"""nodes/status: the /comfy_metal routes (through aiohttp's test server), per-node backend
 records and the websocket event, route registration inside (and only inside) ComfyUI."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 def clean(monkeypatch):
     monkeypatch.delenv("COMFY_METAL_BACKEND", raising=False)
     monkeypatch.delenv("COMFY_METAL_REFERENCE", raising=False)
-    monkeypatch.setattr(status, "_saved_backend_env", status._UNSET)
+    monkeypatch.setattr(status.routes, "_saved_backend_env", status.routes._UNSET)
     dispatch.reset()
     status.clear_records()
     yield
@@ -71,7 +71,7 @@ def test_status_self_checks_run_off_the_event_loop(monkeypatch):
         seen["thread"] = threading.current_thread()
         return real()
 
-    monkeypatch.setattr(status, "status_payload", spy)
+    monkeypatch.setattr(status.routes, "status_payload", spy)
     code, _ = _call("GET", "/comfy_metal/status")
     assert code == 200
     assert seen["thread"] is not threading.main_thread()  # asyncio.run's loop runs on the main thread
@@ -81,7 +81,7 @@ def test_status_route_failure_is_a_json_500(monkeypatch):
     def broken():
         raise RuntimeError("probe exploded")
 
-    monkeypatch.setattr(status, "status_payload", broken)
+    monkeypatch.setattr(status.routes, "status_payload", broken)
     code, body = _call("GET", "/comfy_metal/status")
     assert code == 500
     assert body == {"error": "RuntimeError: probe exploded"}
@@ -268,7 +268,7 @@ def test_forward_hooks_record_for_the_executing_node_and_restore_last_backend(fa
 def test_forward_hooks_never_raise(fake_comfyui, monkeypatch):
     enc = _Encoder()
     status.record_forward_kernels(enc, ["softmax"])
-    monkeypatch.setattr(status, "record_node_backend", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(status.records, "record_node_backend", lambda *a, **k: 1 / 0)
     out = enc.encode(torch.randn(2, 3))                                  # logged at debug, not raised
     assert out.shape == (2, 3)
     assert status.record_forward_kernels(object(), ["softmax"]) is None  # not a module: logged, None

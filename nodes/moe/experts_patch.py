@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from ..metal_kernels import moe as moe_kernels
+from ...metal_kernels import moe as moe_kernels
 
 log = logging.getLogger("comfy_metal")
 
@@ -152,9 +152,9 @@ def patch_clip(clip):
     for key, fn in patches.items():
         clip.patcher.add_object_patch(key, fn)
     # The experts run later inside a core node (CLIPTextEncode): their kernels' backends go to that
-    # node's badge through forward hooks on the encoder (nodes/status.py; no record when the
+    # node's badge through forward hooks on the encoder (nodes/status; no record when the
     # unpatched clone, sharing the model, runs none of them).
-    from .status import record_forward_kernels
+    from ..status import record_forward_kernels
 
     record_forward_kernels(clip.cond_stage_model, EXPERTS_KERNELS)
     log.info("comfy_metal: %d MoE experts modules run through the sync-free grouped path", len(patches))

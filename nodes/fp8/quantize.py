@@ -12,8 +12,8 @@ import tempfile
 
 import torch
 
-from ..metal_kernels.fp8 import FP8_MAX
-from .fp8.formats import FP8_DTYPES, FORMAT_OF_DTYPE, CheckpointError
+from ...metal_kernels.fp8 import FP8_MAX
+from .formats import FP8_DTYPES, FORMAT_OF_DTYPE, CheckpointError
 
 # Layers that stay in high precision: the first and last projections and embeddings, norms,
 # modulation-free small layers. Matched against the weight key (dots and underscores included).
@@ -61,7 +61,7 @@ def compute_scale(w: torch.Tensor, fmt: str = "e4m3fn", rowwise: bool = False) -
 def quantize(w: torch.Tensor, fmt: str = "e4m3fn", rowwise: bool = False,
              scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(native float8 weight, float32 scale) with w ~= decode(q) * scale. Saturating, round-to-nearest-even."""
-    from .. import metal_kernels as mk
+    from ... import metal_kernels as mk
 
     if fmt not in FP8_DTYPES:
         raise ValueError(f"unknown FP8 format {fmt!r}; expected one of {sorted(FP8_DTYPES)}")
@@ -73,7 +73,7 @@ def quantize(w: torch.Tensor, fmt: str = "e4m3fn", rowwise: bool = False,
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor | None, fmt: str | None = None,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    from .. import metal_kernels as mk
+    from ... import metal_kernels as mk
 
     fmt = fmt or FORMAT_OF_DTYPE[q.dtype]
     return mk.fp8_decode(q, fmt, scale, out_dtype=dtype)
@@ -208,7 +208,7 @@ def quant_metadata(layers: dict[str, str]) -> dict:
 def quantize_file(src: str, dst: str, fmt: str = "e4m3fn", rowwise: bool = False, overwrite: bool = False,
                   keep=keep_reason) -> QuantSummary:
     """Quantize a bf16/fp16/fp32 .safetensors file to a comfy_quant FP8 file, one layer at a time."""
-    from .fp8.formats import open_checkpoint
+    from .formats import open_checkpoint
 
     if os.path.abspath(src) == os.path.abspath(dst):
         raise FileExistsError(f"{dst} is the source file; choose another output name")

@@ -15,8 +15,8 @@ import tempfile
 
 import torch
 
-from ..metal_kernels import dispatch
-from ..metal_kernels.probe import fp8_storage_dtype, mps_available
+from ...metal_kernels import dispatch
+from ...metal_kernels.probe import fp8_storage_dtype, mps_available
 
 LATENT_CHANNELS, LATENT_SIZE, VAE_SCALE = 4, 16, 8
 WIDTH, COND_DIM = 64, 32
@@ -95,10 +95,10 @@ class Pipeline:
         return value
 
     def fp8_load(self) -> str:
-        from .fp8.formats import open_checkpoint
-        from .fp8.loader import build_state_dict
-        from .fp8.ops import make_fp8_ops, weight_bytes
-        from .fp8_quantize import atomic_save, comfy_quant_entries, quantize, quant_metadata
+        from ..fp8.formats import open_checkpoint
+        from ..fp8.loader import build_state_dict
+        from ..fp8.ops import make_fp8_ops, weight_bytes
+        from ..fp8.quantize import atomic_save, comfy_quant_entries, quantize, quant_metadata
 
         torch.manual_seed(self.seed)
         reference = TinyDenoiser(torch.nn)
@@ -128,7 +128,7 @@ class Pipeline:
                 f"{stats['bytes_per_fp8_weight']:.3f} bytes/weight; {_backends(['fp8_', 'gemv'])}")
 
     def text_encode(self) -> str:
-        from .qwen3_moe import MoEConfig, random_model
+        from ..moe.qwen3 import MoEConfig, random_model
 
         cfg = MoEConfig(vocab_size=256, hidden_size=COND_DIM, intermediate_size=64, moe_intermediate_size=16,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -142,7 +142,7 @@ class Pipeline:
                 f"({cfg.num_experts} FP8 experts, top-{cfg.num_experts_per_tok}); {_backends(['moe_', 'softmax'])}")
 
     def sample(self) -> str:
-        from .samplers import sample_dpmpp_2m_metal
+        from ..sampling import sample_dpmpp_2m_metal
 
         model, cond = self._need("model", "FP8 load"), self._need("cond", "text encode")
         sigmas = _karras(self.steps).to(self.device)
@@ -159,7 +159,7 @@ class Pipeline:
         return f"dpmpp_2m_metal, {self.steps} steps, latent {tuple(self.latent.shape)}; {_backends(['sampler_'])}"
 
     def decode(self) -> str:
-        from .vae_tiling import TiledVAE, TilingOptions, codec_from_fn
+        from ..vae import TiledVAE, TilingOptions, codec_from_fn
 
         latent = self._need("latent", "sampler")
         decoder = tiny_decoder(self.seed).to(self.device)

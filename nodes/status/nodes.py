@@ -1,0 +1,69 @@
+"""Node: Comfy Metal Status (the doctor's tables inside ComfyUI)."""
+from __future__ import annotations
+
+from .records import record_node_backend
+from .routes import memory_info
+
+# --------------------------------------------------------------------------------------------
+# A diagnostic node
+# --------------------------------------------------------------------------------------------
+
+def status_report(status: dict, probe_backend: dict | None = None) -> str:
+    """Plain-text tables of a status payload (as `doctor` prints them)."""
+    from ..common.report import Table, human_bytes
+
+    caps = Table("Capabilities", ["probe", "value"])
+    for key, value in status["capabilities"].items():
+        caps.add(key, value)
+    kernels = Table(f"Kernels (COMFY_METAL_BACKEND={status['backend_setting']})",
+                    ["kernel", "device", "backend", "reason"])
+    for name, k in status["kernels"].items():
+        kernels.add(name, k["device"], k["backend"], k["reason"])
+    mem = status.get("memory") or {}
+    lines = [f"Memory ({mem.get('device')}): {human_bytes(mem.get('in_use'))} in use, "
+             f"recommended max {human_bytes(mem.get('recommended_max'))}"]
+    if probe_backend:
+        lines.append(f"This node's probe call: {probe_backend['backend']} ({probe_backend['reason']})")
+    return "\n\n".join([kernels.render(), caps.render(), "\n".join(lines)])
+
+
+class MetalStatus:
+    """Runs a probe kernel on ComfyUI's device (so the badge shows what this machine gets), the
+    pending kernel self-checks, and reports the capability probe and each kernel's backend."""
+
+    CATEGORY = "Comfy Metal"
+    RETURN_TYPES = ("STRING",)
+    RETURN_NAMES = ("report",)
+    FUNCTION = "report"
+    OUTPUT_NODE = True
+    DESCRIPTION = ("Comfy Metal status: which kernels run as Metal on this machine and why the others "
+                   "use the PyTorch reference, the capability probe, and device memory.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {}}
+
+    @classmethod
+    def IS_CHANGED(cls, **kwargs):
+        return float("nan")  # the answer depends on settings and state: always run
+
+    def report(self):
+        import torch
+
+        from ... import metal_kernels
+
+        try:
+            import comfy.model_management
+
+            device = comfy.model_management.get_torch_device()
+        except Exception:
+            device = torch.device("cpu")
+        metal_kernels.softmax(torch.linspace(-1.0, 1.0, 24, device=device).reshape(3, 8))
+        record = record_node_backend("MetalStatus", ["softmax"])
+        payload = {**metal_kernels.status(device), "memory": memory_info()}
+        text = status_report(payload, record)
+        return {"ui": {"text": [text]}, "result": (text,)}
+
+
+NODE_CLASS_MAPPINGS = {"MetalStatus": MetalStatus}
+NODE_DISPLAY_NAME_MAPPINGS = {"MetalStatus": "Comfy Metal Status"}

@@ -1,0 +1,211 @@
+"""Codecs: `decode(z_tile)` / `encode(x_tile)` adapters around a VAE's own modules (ComfyUI's VAE objects,
+diffusers' AutoencoderKL / AutoencoderKLWan, HunyuanVideo, or a bare function)."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Callable
+
+import torch
+
+# ---------------------------------------------------------------- codecs
+
+
+@dataclasses.dataclass
+class Codec:
+    """How to run one VAE on tiles.
+
+    decode(z) -> pixels for an image latent tile [N, C, h, w] (or a video tile, whole);
+    decode_stream(z) -> iterator of pixel chunks [N, C, tc, H, W] in time order (causal video VAEs,
+        each spatial tile with its own temporal cache); None for image VAEs;
+    encode(x) -> latent for a pixel tile (already in the VAE's input range).
+    scale: spatial pixels per latent pixel. module: the nn.Module holding the weights (GroupNorm
+    discovery, CPU fallback). device/dtype: where and in what the VAE runs.
+    """
+    name: str
+    scale: int
+    decode: Callable | None
+    encode: Callable | None = None
+    decode_stream: Callable | None = None
+    module: torch.nn.Module | None = None
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    video: bool = False
+    out_channels: int = 3
+    latent_channels: int = 4
+    sequential_blocks: bool = False   # the decoder is a plain chain of its blocks (shared statistics' cache)
+    calibrate_all_frames: bool = False   # video: the decoder holds every latent frame at once (a mid block over
+                                         # the whole clip), so its peak grows with the frame count: calibrate
+                                         # the cost model on the real frame count, not on two frames
+
+    def frames_out(self, t_latent: int) -> int:
+        return t_latent if not self.video else 1 + 4 * (t_latent - 1)
+
+
+def _module_device_dtype(module):
+    for p in module.parameters():
+        return p.device, p.dtype
+    return torch.device("cpu"), torch.float32
+
+
+def codec_from_diffusers(vae) -> Codec:
+    """diffusers AutoencoderKL (image) or AutoencoderKLWan (causal video)."""
+    device, dtype = _module_device_dtype(vae)
+    cls = type(vae).__name__
+    if cls == "AutoencoderKLWan":
+        import importlib
+
+        wan = importlib.import_module(type(vae).__module__)
+        patch = vae.config.patch_size
+
+        def stream(z):
+            x = vae.post_quant_conv(z)
+            counts = getattr(vae, "_cached_conv_counts", None)
+            n = counts["decoder"] if counts else sum(isinstance(m, wan.WanCausalConv3d) for m in vae.decoder.modules())
+            cache = [None] * n
+            for i in range(x.shape[2]):
+                out = vae.decoder(x[:, :, i:i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0))
+                if patch is not None:
+                    out = wan.unpatchify(out, patch_size=patch)
+                yield out.clamp(-1.0, 1.0)
+
+        def encode(x):
+            return vae.encode(x).latent_dist.mode()
+
+        scale = int(vae.spatial_compression_ratio) if hasattr(vae, "spatial_compression_ratio") else 8
+        return Codec("diffusers-wan", scale, decode=lambda z: vae.decode(z).sample, encode=encode,
+                     decode_stream=stream, module=vae, device=device, dtype=dtype, video=True,
+                     out_channels=3, latent_channels=vae.config.z_dim)
+    if cls in ("AutoencoderKL",):
+        scale = 2 ** (len(vae.config.block_out_channels) - 1)
+        return Codec("diffusers-kl", scale, decode=lambda z: vae.decode(z).sample,
+                     encode=lambda x: vae.encode(x).latent_dist.mode(), module=vae, device=device, dtype=dtype,
+                     out_channels=vae.config.out_channels, latent_channels=vae.config.latent_channels,
+                     sequential_blocks=True)
+    raise TypeError(f"no tiling codec for diffusers model {cls}")
+
+
+def codec_from_comfy(vae) -> Codec | None:
+    """A codec over a ComfyUI VAE object (comfy.sd.VAE) for the architectures we know; None otherwise
+    (the node then uses ComfyUI's own tiled decode)."""
+    fsm = getattr(vae, "first_stage_model", None)
+    if fsm is None:
+        return None
+    device = torch.device(getattr(vae, "device", "cpu"))
+    dtype = getattr(vae, "vae_dtype", torch.float32)
+    mod = type(fsm).__module__
+    cls = type(fsm).__name__
+    latent_dim = getattr(vae, "latent_dim", 2)
+    scale = vae.spacial_compression_decode() if hasattr(vae, "spacial_compression_decode") else 8
+    if getattr(vae, "handles_tiling", False) or getattr(fsm, "comfy_has_chunked_io", False):
+        return None
+    if mod.startswith("diffusers.") and cls in ("AutoencoderKL", "AutoencoderKLWan"):
+        return codec_from_diffusers(fsm)     # a VAE-like wrapper around a diffusers model
+    if latent_dim == 2 and cls in ("AutoencoderKL", "AutoencodingEngine", "AutoencodingEngineLegacy") \
+            and type(getattr(fsm, "decoder", None)).__name__ == "Decoder" \
+            and type(fsm.decoder).__module__.endswith("diffusionmodules.model") \
+            and getattr(fsm, "bn", None) is None and getattr(vae, "extra_1d_channel", None) is None:
+        return Codec("comfy-kl", int(scale), decode=lambda z: fsm.decode(z), encode=lambda x: fsm.encode(x),
+                     module=fsm, device=device, dtype=dtype, out_channels=getattr(vae, "output_channels", 3),
+                     latent_channels=vae.latent_channels, sequential_blocks=True)
+    if latent_dim == 3 and cls == "WanVAE" and mod.endswith("wan.vae"):
+        def stream(z):
+            import comfy.ldm.wan.vae as wan
+
+            cache = [None] * wan.count_cache_layers(fsm.decoder)
+            x = fsm.conv2(z)
+            chunks = [(0, 1)] + [(1 + 2 * (i - 1), min(1 + 2 * i, x.shape[2])) for i in range(1, 1 + x.shape[2] // 2)]
+            for a, b in chunks:
+                if a >= b:
+                    continue
+                out = fsm.decoder(x[:, :, a:b], feat_cache=cache, feat_idx=[0])
+                yield torch.cat(out, 2) if isinstance(out, (list, tuple)) else out
+        return Codec("comfy-wan21", int(scale), decode=lambda z: fsm.decode(z), encode=lambda x: fsm.encode(x),
+                     decode_stream=stream, module=fsm, device=device, dtype=dtype, video=True,
+                     out_channels=getattr(vae, "conv_out_channels", 3), latent_channels=vae.latent_channels)
+    if latent_dim == 3 and cls == "WanVAE" and mod.endswith("wan.vae2_2"):
+        def stream(z):
+            import comfy.ldm.wan.vae2_2 as wan
+
+            counter = getattr(wan, "count_conv3d", None)
+            cache = [None] * (counter(fsm.decoder) if counter else 256)
+            x = fsm.conv2(z)
+            for i in range(x.shape[2]):
+                out = fsm.decoder(x[:, :, i:i + 1], feat_cache=cache, feat_idx=[0], first_chunk=(i == 0))
+                if isinstance(out, (list, tuple)):
+                    out = torch.cat(out, 2)
+                yield wan.unpatchify(out, patch_size=2)
+        return Codec("comfy-wan22", int(scale), decode=lambda z: fsm.decode(z), encode=lambda x: fsm.encode(x),
+                     decode_stream=stream, module=fsm, device=device, dtype=dtype, video=True,
+                     out_channels=3, latent_channels=vae.latent_channels)
+    hunyuan = _comfy_hunyuan_video_codec(vae, fsm, latent_dim, scale, device, dtype)
+    if hunyuan is not None:
+        return hunyuan
+    return None
+
+
+def _comfy_hunyuan_video_codec(vae, fsm, latent_dim, scale, device, dtype) -> Codec | None:
+    """HunyuanVideo 1.0: ComfyUI's SD Encoder/Decoder (diffusionmodules.model) built with causal 3-D
+    convolutions (`ddconfig["conv3d"]`, `time_compress=4`), 8x spatial, 4x temporal.
+
+    Its decoder runs conv_in and the mid block (attention included) over every latent frame at once,
+    then the up path on chunks of two latent frames, each causal convolution carrying its last two
+    input frames to the next chunk (`conv_carry_causal_3d`). `decode_stream` drives the same modules in
+    the same order and yields each chunk's frames as soon as they are decoded, so per spatial tile only
+    the latent-resolution mid activations hold all frames; the full-resolution work is flat in the
+    frame count. Decoders without the carried path (VideoConv3d: attention at some resolution) decode
+    each spatial tile whole. The encoder chunks its input itself (`fsm.encode` per spatial tile)."""
+    dec, enc = getattr(fsm, "decoder", None), getattr(fsm, "encoder", None)
+    if latent_dim != 3 or type(fsm).__name__ not in ("AutoencoderKL", "AutoencodingEngineLegacy") \
+            or not type(fsm).__module__.endswith("models.autoencoder") or getattr(fsm, "bn", None) is not None:
+        return None
+    if type(dec).__name__ != "Decoder" or not type(dec).__module__.endswith("diffusionmodules.model"):
+        return None
+    conv3d = ("CarriedConv3d", "VideoConv3d")
+    if type(getattr(dec, "conv_in", None)).__name__ not in conv3d:
+        return None
+    try:
+        tc = vae.temporal_compression_decode() if hasattr(vae, "temporal_compression_decode") else None
+    except Exception:
+        tc = None
+    if tc != 4:
+        return None          # Codec.frames_out assumes 1 + 4 * (t - 1)
+    encode = None
+    if type(enc).__name__ == "Encoder" and type(enc).__module__.endswith("diffusionmodules.model") \
+            and type(getattr(enc, "conv_in", None)).__name__ in conv3d:
+        encode = lambda x: fsm.encode(x)
+    stream = None
+    dm = sys.modules.get(type(dec).__module__)
+    step = getattr(dm, "conv_carry_causal_3d", None)
+    if step is not None and getattr(dec, "carried", False) and hasattr(dm, "nonlinearity") \
+            and all(len(getattr(u, "attn", ())) == 0 for u in dec.up) and not getattr(fsm, "max_batch_size", None):
+        def stream(z):
+            h = step([fsm.post_quant_conv(z)], dec.conv_in)
+            h = dec.mid.block_1(h, None)
+            h = dec.mid.attn_1(h)
+            h = dec.mid.block_2(h, None)
+            n = h.shape[2]
+            carry_in = None
+            for a in range(0, n, 2):
+                carry_out = [] if a + 2 < n else None     # the last chunk carries nothing on
+                x = h[:, :, a:a + 2]
+                for level in reversed(range(dec.num_resolutions)):
+                    for block in dec.up[level].block:
+                        x = block(x, None, carry_in, carry_out)
+                    if level != 0:
+                        x = dec.up[level].upsample(x, carry_in, carry_out)
+                x = step([dm.nonlinearity(dec.norm_out(x))], dec.conv_out, carry_in, carry_out)
+                if getattr(dec, "tanh_out", False):
+                    x = torch.tanh(x)
+                yield x
+                carry_in = carry_out
+    return Codec("comfy-hunyuan-video", int(scale), decode=lambda z: fsm.decode(z), encode=encode,
+                 decode_stream=stream, module=fsm, device=device, dtype=dtype, video=True,
+                 out_channels=getattr(vae, "output_channels", 3), latent_channels=vae.latent_channels,
+                 calibrate_all_frames=True)
+
+
+def codec_from_fn(decode_fn, scale: int, encode_fn=None, module=None, device="cpu", dtype=torch.float32) -> Codec:
+    """A codec over bare functions (tests, custom VAEs)."""
+    return Codec("function", int(scale), decode=decode_fn, encode=encode_fn, module=module,
+                 device=torch.device(device), dtype=dtype)

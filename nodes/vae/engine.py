@@ -1,0 +1,419 @@
+"""The tiling engine behind "VAE Decode (Low Memory, Metal)" and its encode counterpart.
+
+It works on any *codec*: a small adapter with `decode(z_tile)` / `encode(x_tile)` around a VAE's own
+modules (ComfyUI's VAE objects, diffusers' AutoencoderKL / AutoencoderKLWan, or a bare function), so
+the core is testable without ComfyUI.
+
+* One pass: the latent is cut into overlapping tiles (planned on the latent grid); each decoded tile
+  is weighted by a separable feather mask whose weights sum to exactly 1 over every output pixel
+  (complementary cosine ramps inside each overlap) and added into an fp32 accumulator by the
+  `vae_blend_accumulate` kernel (Metal on MPS). No normalisation buffer, no second or third pass.
+* Shared statistics (GroupNorm VAEs): all tiles advance in lock-step from one GroupNorm to the next.
+  Pass k runs every tile up to GroupNorm call k (earlier calls normalised with final whole-image
+  statistics), adds that call's per-group count/mean/M2 over the tile's *core* region (the cores
+  partition the image, so each pixel counts once; combined in float64 with Chan's formula) and stops
+  the tile; once all tiles are there, call k's statistics are final. The last pass runs to the end and
+  writes the output. Finished blocks are cached per tile on the CPU so a pass recomputes only the block
+  holding its GroupNorm. The GroupNorms/blocks are wrapped for the duration of the call only
+  (instance-level forward override, restored in `finally`).
+* Video (causal 3D VAEs: Wan 2.1 / Qwen-Image, Wan 2.2): each spatial tile is decoded chunk by
+  chunk through the VAE's own decoder with its own temporal feature cache (`feat_cache`), and each
+  chunk goes straight into the accumulator, so working memory is flat in the number of frames.
+  HunyuanVideo 1.0 (ComfyUI's SD decoder with causal 3-D convolutions): the mid block runs over all
+  latent frames of the tile, then the up path two latent frames at a time with its conv carries.
+* Budget: the tile size comes from a linear cost model (peak = a + b * tile latent area) calibrated
+  by measuring the peak of two small tiles on the actual device (CUDA peak allocated; elsewhere the
+  live bytes of every tensor the decode allocates, tracked by a TorchDispatchMode).
+* Padding: on MPS with torch < 2.15 the VAE's constant/replicate F.pad calls on 4-D/5-D tensors go
+  through the `vae_pad` kernel (TorchFunctionMode, active only inside this call).
+* OOM: halve the tile and redo the pass (warning); below the minimum tile, decode on the CPU with a
+  clear message. The input latent is never modified.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from typing import Callable, Iterator
+
+import torch
+
+from .codecs import Codec
+from .memory import auto_budget, is_oom, measure_peak
+from .pad import MetalPadMode, pad_mode_for
+from .plan import Tile, axis_weights, plan_tiles
+from .shared_stats import SharedGroupNormStats, _StopAtGroupNorm
+
+log = logging.getLogger("comfy_metal")
+
+# On CPU, convolutions allocate im2col/oneDNN workspaces inside the op (invisible to tensor tracking);
+# measured against the process's peak RSS they add up to ~40% of the tracked tile peak.
+CPU_WORKSPACE_FACTOR = 1.5
+MIN_TILE = 8            # latent pixels: below this, OOM falls back to the CPU
+
+
+# ---------------------------------------------------------------- the engine
+
+
+# Shared statistics: the per-tile block cache's default share of the memory budget (1 / this).
+STATS_CACHE_SHARE = 4
+
+
+@dataclasses.dataclass
+class TilingOptions:
+    budget_bytes: int = 0          # 0 = auto
+    tile: int | None = None        # latent pixels per side; None = from the budget
+    overlap: int | None = None     # latent pixels; None = auto (tile // 4, at least 4 latent px... capped)
+    shared_stats: bool = False
+    stats_cache: bool = True       # shared statistics: keep finished block outputs per tile (fewer recomputes)
+    stats_cache_bytes: int | None = None   # cap on that cache (CPU memory); None = a quarter of the budget
+    route_pads: bool | None = None  # None = auto (MPS, torch < 2.15)
+    progress: Callable[[int, int], None] | None = None   # (done, total)
+    output_device: torch.device | str | None = None       # None = compute device if it fits the budget, else CPU
+    calibrate: bool = True
+    cpu_fallback: bool = True
+
+
+@dataclasses.dataclass
+class RunInfo:
+    tile: int = 0
+    overlap: int = 0
+    tiles: int = 0
+    tile_shape: tuple[int, int] = (0, 0)   # the first tile's (rows, cols) after balancing, latent grid
+    passes: int = 0
+    retries: int = 0
+    cpu_fallback: bool = False
+    seconds: float = 0.0
+    calibration: dict = dataclasses.field(default_factory=dict)
+    pads_routed: int = 0
+    shared_stats: bool = False
+    groupnorm_calls: int = 0
+    blocks_computed: int = 0        # shared statistics: block forwards run (cache hits and skips excluded)
+    stats_cache_peak: int = 0       # shared statistics: peak bytes of the block cache
+
+
+def default_overlap(tile: int) -> int:
+    """Latent pixels of overlap when the user leaves it on auto: 3/8 of the tile, up to 24. Feather-only
+    tiles normalise themselves, so the overlap is what hides their differences (on a 1024^2 SDXL-width
+    decode with 64 px tiles: 34.1 dB at ComfyUI's 8, 36.8 dB at 16); shared statistics need a halo of
+    ~16 px (the SD decoder's receptive field) to be exact. Balanced tiles keep the cost moderate."""
+    return max(2, min(tile * 3 // 8, 24))
+
+
+class TiledVAE:
+    """Tiled decode/encode of one codec. `decode(latent)` / `encode(pixels)` return fp32 tensors on
+    the output device; `info` describes the last run."""
+
+    def __init__(self, codec: Codec, options: TilingOptions | None = None):
+        self.codec = codec
+        self.opt = options or TilingOptions()
+        self._stats_cache_limit = 0
+        self.info = RunInfo()
+
+    # ---- cost model
+
+    def _measure_tile(self, fn, z: torch.Tensor) -> int:
+        with measure_peak(self.codec.device) as m, torch.no_grad():
+            out = fn(z)
+            if isinstance(out, Iterator) or hasattr(out, "__next__"):
+                for _ in out:
+                    pass
+            del out
+        return int(m["peak"])
+
+    def calibrate(self, fn, sample: torch.Tensor, encode: bool = False) -> tuple[float, float]:
+        """(a, b) of peak = a + b * tile_area (latent pixels), from two small tiles on the device."""
+        f = self.codec.scale if encode else 1
+        h, w = sample.shape[-2] // f, sample.shape[-1] // f
+        sides = [s for s in (8, 16) if s <= max(h, w) or s == 8]
+        pts = []
+        for s in sides:
+            th, tw = min(s, h), min(s, w)
+            shape = list(sample.shape)
+            shape[-2], shape[-1] = th * f, tw * f
+            if self.codec.video and not encode and not self.codec.calibrate_all_frames:
+                shape[2] = min(shape[2], 2)   # first chunk + one steady-state chunk
+            z = torch.randn(shape, device=self.codec.device, dtype=self.codec.dtype)
+            pts.append((th * tw, self._measure_tile(fn, z)))
+        if len(pts) == 1 or pts[1][0] == pts[0][0]:
+            a, b = 0.0, pts[0][1] / max(1, pts[0][0])
+        else:
+            (p1, m1), (p2, m2) = pts
+            b = max((m2 - m1) / (p2 - p1), m2 / p2 * 0.5)
+            a = max(0.0, m2 - b * p2)
+        if self.codec.device.type == "cpu":
+            a, b = a * CPU_WORKSPACE_FACTOR, b * CPU_WORKSPACE_FACTOR
+        self.info.calibration = {"points": pts, "a": a, "b": b}
+        return a, b
+
+    def _tile_for_budget(self, fn, sample, budget: int, h: int, w: int, encode=False) -> int:
+        a, b = self.calibrate(fn, sample, encode=encode)
+        area = max((budget * 0.85 - a) / max(b, 1e-9), MIN_TILE * MIN_TILE)
+        side = int(math.sqrt(area))
+        if side >= max(h, w):
+            return max(h, w)
+        # one short axis: give its unused area to the other
+        if h < side:
+            side = max(side, int(area // h))
+        elif w < side:
+            side = max(side, int(area // w))
+        return max(MIN_TILE, side)
+
+    # ---- public
+
+    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+        return self._run(latent, encode=False)
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels: [N, C, H, W] or [N, C, T, H, W] in the VAE's input range, H and W multiples of scale."""
+        return self._run(pixels, encode=True)
+
+    def _run(self, x: torch.Tensor, encode: bool) -> torch.Tensor:
+        c = self.codec
+        fn = c.encode if encode else (c.decode_stream or c.decode)
+        if fn is None:
+            raise ValueError(f"the {c.name} VAE has no {'encoder' if encode else 'decoder'}")
+        t_start = time.perf_counter()
+        self.info = RunInfo()
+        f = c.scale
+        if encode:
+            h, w = x.shape[-2] // f, x.shape[-1] // f
+            if h * f != x.shape[-2] or w * f != x.shape[-1]:
+                raise ValueError(f"encode: pixel size {tuple(x.shape[-2:])} must be a multiple of {f}")
+        else:
+            h, w = x.shape[-2:]
+        budget = self.opt.budget_bytes or auto_budget(c.device)
+        # Shared statistics cache finished blocks per tile: by default that cache gets a quarter of the
+        # budget and the tiles are planned within the rest, so tiles + cache stay within the budget.
+        if self.opt.stats_cache_bytes is not None:          # the caller chose the cache size
+            self._stats_cache_limit, tile_budget = self.opt.stats_cache_bytes, budget
+        elif self.opt.shared_stats and self.opt.stats_cache:
+            self._stats_cache_limit = budget // STATS_CACHE_SHARE
+            tile_budget = budget - self._stats_cache_limit
+        else:
+            self._stats_cache_limit, tile_budget = 0, budget
+        tile = self.opt.tile
+        if tile is None:
+            tile = self._tile_for_budget(fn, x, tile_budget, h, w, encode=encode) if self.opt.calibrate else 64
+        tile = max(1, min(int(tile), max(h, w)))
+        device = c.device
+        while True:
+            try:
+                out = self._pass_all(x, fn, tile, encode, device)
+                break
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                e = None
+                if device.type == "cpu" and tile <= MIN_TILE:
+                    raise
+                if tile > MIN_TILE:
+                    new = max(MIN_TILE, tile // 2)
+                    log.warning(f"comfy_metal: VAE {'encode' if encode else 'decode'} ran out of memory with "
+                                f"{tile}px latent tiles; retrying with {new}px tiles")
+                    tile = new
+                    self.info.retries += 1
+                    _empty_cache(device)
+                    continue
+                if not self.opt.cpu_fallback:
+                    raise
+                log.warning(f"comfy_metal: VAE {'encode' if encode else 'decode'} does not fit on {device} even "
+                            f"with {tile}px latent tiles; decoding on the CPU (slow, but the latent is kept)")
+                self.info.cpu_fallback = True
+                device = torch.device("cpu")
+                _empty_cache(c.device)
+        self.info.seconds = time.perf_counter() - t_start
+        return out
+
+    def _pass_all(self, x, fn, tile, encode, device):
+        c = self.codec
+        f = c.scale
+        module_moved = False
+        if device != c.device and c.module is not None:
+            c.module.to(device=device, dtype=torch.float32)
+            module_moved = True
+        dtype = c.dtype if device == c.device else torch.float32
+        try:
+            h, w = (x.shape[-2] // f, x.shape[-1] // f) if encode else x.shape[-2:]
+            overlap = self.opt.overlap if self.opt.overlap is not None else default_overlap(tile)
+            th, tw = min(tile, h), min(tile, w)
+            if self.opt.tile is None and h < tile:      # spend the unused area on the long axis
+                tw = min(w, max(tw, tile * tile // max(h, 1)))
+            elif self.opt.tile is None and w < tile:
+                th = min(h, max(th, tile * tile // max(w, 1)))
+            tiles, py, px = plan_tiles(h, w, th, tw, overlap)
+            self.info.tile, self.info.overlap, self.info.tiles = tile, overlap, len(tiles)
+            self.info.tile_shape = (py[0][1] - py[0][0], px[0][1] - px[0][0])
+            shared = None
+            if self.opt.shared_stats and c.module is not None and not c.video:
+                shared = SharedGroupNormStats(c.module, cache=self.opt.stats_cache,
+                                              cache_limit_bytes=self._stats_cache_limit,
+                                              sequential=c.sequential_blocks)
+                if not shared:
+                    log.info("comfy_metal: the VAE has no GroupNorm; shared statistics are not needed")
+                    shared = None
+            self.info.shared_stats = shared is not None
+            step = [0]
+            # Shared statistics run one pass per GroupNorm call plus the final one: count the calls on a
+            # small crop first, so the progress total is exact from the first report and never changes.
+            gn_calls = self._count_groupnorm_calls(shared.modules, x, fn, encode, device, dtype) \
+                if shared is not None else 0
+            t0 = time.perf_counter()
+            out = None
+            pads = pad_mode_for(device, self.opt.route_pads)
+            with contextlib.ExitStack() as stack:
+                if shared is not None:
+                    stack.enter_context(shared)
+                stack.enter_context(torch.no_grad())
+                stack.enter_context(pads)
+                if shared is None:
+                    acc = None
+                    for tile_ in tiles:
+                        acc = self._one_tile(x, fn, tile_, py, px, encode, device, dtype, acc, write=True)
+                        step[0] += 1
+                        self._progress(step[0], len(tiles), t0)
+                    self.info.passes = 1
+                    out = acc
+                else:
+                    out = self._lockstep(shared, x, fn, tiles, py, px, encode, device, dtype, t0, gn_calls)
+            if isinstance(pads, MetalPadMode):
+                self.info.pads_routed = pads.routed
+            return out
+        finally:
+            if module_moved:
+                c.module.to(device=c.device, dtype=c.dtype)
+
+    def _count_groupnorm_calls(self, modules, x, fn, encode, device, dtype) -> int:
+        """GroupNorm calls of one forward, counted on a crop of at most 8x8 latent pixels (the decoder's
+        structure, not the tile size, sets the count)."""
+        f = self.codec.scale
+        side = 8 * f if encode else 8
+        crop = x[..., :side, :side].to(device=device, dtype=dtype)
+        calls = [0]
+
+        def count(m, args):
+            calls[0] += 1
+
+        hooks = [m.register_forward_pre_hook(count) for m in modules]
+        try:
+            with torch.no_grad():
+                out = fn(crop)
+                if isinstance(out, Iterator) or hasattr(out, "__next__"):
+                    for _ in out:
+                        pass
+                del out
+        finally:
+            for h in hooks:
+                h.remove()
+        return calls[0]
+
+    def _lockstep(self, shared, x, fn, tiles, py, px, encode, device, dtype, t0, gn_calls):
+        """Shared statistics: pass k brings every tile to GroupNorm call k (gathering its statistics over
+        the tiles' cores), until a pass in which every tile runs to the end; that pass writes the output.
+        Progress: `gn_calls` + 1 passes of len(tiles) steps, a total fixed before the first step."""
+        k = 0
+        steps = 0
+        total = len(tiles) * (gn_calls + 1)
+        while True:
+            shared.start_pass(k)
+            acc = None
+            stopped = 0
+            for i, tile_ in enumerate(tiles):
+                shared.start_tile(tile_, i)
+                try:
+                    acc = self._one_tile(x, fn, tile_, py, px, encode, device, dtype, acc, write=True)
+                except _StopAtGroupNorm:
+                    stopped += 1
+                steps += 1
+                if steps < total:   # the total stays fixed even if the crop's count were short
+                    self._progress(steps, total, t0)
+            self.info.passes += 1
+            if stopped == len(tiles):
+                shared.end_pass()
+                k += 1
+                continue
+            if stopped:
+                raise RuntimeError(f"shared statistics: {stopped} of {len(tiles)} tiles called more GroupNorms "
+                                   f"than the others (the decoder is not the same on every tile)")
+            if k != gn_calls:
+                log.warning("comfy_metal: shared statistics: %d GroupNorm calls per tile, %d on the counting crop; "
+                            "the progress total was off", k, gn_calls)
+            self._progress(total, total, t0)
+            self.info.groupnorm_calls = k
+            self.info.blocks_computed, self.info.stats_cache_peak = shared.blocks_computed, shared.peak_cache_bytes
+            if shared.unmapped:
+                log.warning("comfy_metal: shared statistics: %d GroupNorm inputs had an unknown layout; their "
+                            "statistics include the tiles' overlaps", shared.unmapped)
+            return acc
+
+    def _progress(self, done, total, t0):
+        if self.opt.progress is not None:
+            self.opt.progress(done, total)
+        elapsed = time.perf_counter() - t0
+        if total > 1 and (done == total or done % max(1, total // 10) == 0):
+            eta = elapsed / done * (total - done)
+            log.info(f"comfy_metal: VAE tile {done}/{total}, {elapsed:.1f}s elapsed, ETA {eta:.1f}s")
+
+    def _out_device(self, device, nbytes):
+        if self.opt.output_device is not None:
+            return torch.device(self.opt.output_device)
+        budget = self.opt.budget_bytes or auto_budget(device)
+        return device if nbytes <= budget * 0.25 else torch.device("cpu")
+
+    def _one_tile(self, x, fn, t: Tile, py, px, encode, device, dtype, acc, write: bool):
+        f = self.codec.scale
+        (y0, y1), (x0, x1) = t.y, t.x
+        if encode:
+            src = x[..., y0 * f:y1 * f, x0 * f:x1 * f]
+            oscale = 1
+        else:
+            src = x[..., y0:y1, x0:x1]
+            oscale = f
+        src = src.to(device=device, dtype=dtype)
+        wy = axis_weights(py, t.wy_index, oscale)
+        wx = axis_weights(px, t.wx_index, oscale)
+        outs = fn(src)
+        if not (isinstance(outs, Iterator) or hasattr(outs, "__next__")):
+            outs = iter([outs])
+        t_off = 0
+        for chunk in outs:
+            if not write:
+                t_off += chunk.shape[2] if chunk.dim() == 5 else 1
+                continue
+            if acc is None:
+                full_h, full_w = py[-1][1] * oscale, px[-1][1] * oscale
+                shape = list(chunk.shape[:2])
+                if chunk.dim() == 5:
+                    streaming = not encode and self.codec.decode_stream is not None
+                    shape.append(self.codec.frames_out(x.shape[2]) if streaming else chunk.shape[2])
+                shape += [full_h, full_w]
+                nbytes = math.prod(shape) * 4
+                acc = torch.zeros(shape, dtype=torch.float32, device=self._out_device(device, nbytes))
+            if chunk.shape[-2:] != (len(wy), len(wx)):
+                raise RuntimeError(f"the VAE returned a tile of {tuple(chunk.shape[-2:])} pixels for a "
+                                   f"{(y1 - y0, x1 - x0)} latent tile; expected {(len(wy), len(wx))}")
+            if chunk.dim() == 5 and t_off + chunk.shape[2] > acc.shape[2]:
+                raise RuntimeError(f"the VAE produced more frames ({t_off + chunk.shape[2]}) than expected ({acc.shape[2]})")
+            from ...metal_kernels.vae import vae_blend_accumulate
+
+            chunk = chunk.to(acc.device)
+            off = (t_off, y0 * oscale, x0 * oscale) if chunk.dim() == 5 else (y0 * oscale, x0 * oscale)
+            vae_blend_accumulate(acc, chunk, wy.to(acc.device), wx.to(acc.device), off)
+            t_off += chunk.shape[2] if chunk.dim() == 5 else 1
+            del chunk
+        return acc
+
+
+def _empty_cache(device):
+    import gc
+
+    gc.collect()
+    try:
+        if device.type == "mps":
+            torch.mps.empty_cache()
+        elif device.type == "cuda":
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
