@@ -29,13 +29,13 @@ import logging
 import torch
 
 from ...metal_kernels import moe as moe_kernels
+from ...metal_kernels.dtypes import QUANT_FORMAT_NAME
 
 log = logging.getLogger("comfy_metal")
 
 # The registry kernels the sync-free experts path can call (torch._grouped_mm records none).
 EXPERTS_KERNELS = ("moe_experts_gemm", "moe_grouped_gemm")
 
-FP8_FORMATS = {"float8_e4m3fn": "e4m3fn", "float8_e5m2": "e5m2"}
 
 
 @contextlib.contextmanager
@@ -49,8 +49,8 @@ def _bank(module, input: torch.Tensor):
         fmt, scale = None, None
         if type(weight).__name__ == "QuantizedTensor":
             qfmt = getattr(module, "quant_format", None)
-            if qfmt in FP8_FORMATS and getattr(weight, "_qdata", None) is not None:
-                fmt = FP8_FORMATS[qfmt]
+            if qfmt in QUANT_FORMAT_NAME and getattr(weight, "_qdata", None) is not None:
+                fmt = QUANT_FORMAT_NAME[qfmt]
                 data = weight._qdata
                 scale = getattr(weight._params, "scale", None)
                 weight = data if data.dtype == torch.uint8 else data.view(torch.uint8)

@@ -11,7 +11,8 @@ import pathlib
 import torch
 from torch import nn
 
-from .model import DenseMLP, FP8_DTYPES, MoEConfig, ModelLoadError, Qwen3MoeLM, RMSNorm, SparseMoE
+from ....metal_kernels.dtypes import FORMAT_OF_DTYPE
+from .model import DenseMLP, MoEConfig, ModelLoadError, Qwen3MoeLM, RMSNorm, SparseMoE
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("comfy_metal")
@@ -198,7 +199,7 @@ class _Loader:
             fmt = json.loads(bytes(self.src.get(name).tolist()).decode("utf-8")).get("format")
         except Exception as e:
             raise ModelLoadError(f"{self.src.file(name)}: tensor {name} is not a comfy_quant JSON marker ({e})") from None
-        want = f"float8_{FP8_DTYPES[t.dtype]}" if t.dtype in FP8_DTYPES else None
+        want = f"float8_{FORMAT_OF_DTYPE[t.dtype]}" if t.dtype in FORMAT_OF_DTYPE else None
         if fmt != want:
             raise ModelLoadError(f"{self.src.file(name)}: tensor {name} says format {fmt!r} but {key} is {t.dtype}; "
                                  "this loader reads float8_e4m3fn / float8_e5m2 comfy_quant layers")
@@ -215,7 +216,7 @@ class _Loader:
 
     def _decode(self, t: torch.Tensor, key: str) -> torch.Tensor:
         """A tensor read by _raw in the compute dtype (FP8 decoded with its scale)."""
-        if t.dtype in FP8_DTYPES:
+        if t.dtype in FORMAT_OF_DTYPE:
             kind, s, name = self._scale_of(key)
             if kind == "block":
                 return _decode_fp8_block(t, s, self.block).to(self.dtype)
@@ -236,8 +237,8 @@ class _Loader:
         scales stays FP8 (uint8 bytes) with scale [E] (all per tensor) or [E, rows] (any per row);
         block-scaled FP8 is decoded to the compute dtype."""
         first = self._raw(keys[0], shape)
-        if first.dtype in FP8_DTYPES and self._scale_of(keys[0])[0] != "block":
-            fmt = FP8_DTYPES[first.dtype]
+        if first.dtype in FORMAT_OF_DTYPE and self._scale_of(keys[0])[0] != "block":
+            fmt = FORMAT_OF_DTYPE[first.dtype]
             bank = torch.empty((len(keys),) + tuple(shape), dtype=torch.uint8)
             scales = []
             for j, k in enumerate(keys):

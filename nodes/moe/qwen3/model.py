@@ -34,7 +34,6 @@ except ImportError:  # pragma: no cover - older kernel module
 log = logging.getLogger("comfy_metal")
 
 SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
-FP8_DTYPES = {getattr(torch, "float8_e4m3fn", None): "e4m3fn", getattr(torch, "float8_e5m2", None): "e5m2"}
 
 
 class ModelLoadError(ValueError):
