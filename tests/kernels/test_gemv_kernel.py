@@ -224,7 +224,7 @@ def test_gemv_node_path_runs_the_emulated_kernel(monkeypatch):
 
 
 def test_kernels_bench_tables(monkeypatch):
-    """`bench(quick)` of nodes/bench_kernels.py at a toy size: both tables, every row filled (the GEMV
+    """`bench(quick)` of nodes/cli/bench/kernels.py at a toy size: both tables, every row filled (the GEMV
     crossover by M is bench_fp8's table)."""
     from comfy_metal.nodes.cli.bench import kernels as bench_kernels
 

@@ -374,7 +374,7 @@ def _cell_float(v):
 
 
 def test_bench_section_without_comfyui(monkeypatch):
-    """`bench` of nodes/bench_vae.py on a narrow SDXL-shaped VAE without ComfyUI: untiled and our three
+    """`bench` of nodes/cli/bench/vae.py on a narrow SDXL-shaped VAE without ComfyUI: untiled and our three
     decoders measured, PSNR against untiled above the feather bar at this overlap, ComfyUI columns n/a
     with the reason, and the Wan table saying what it needs."""
     pytest.importorskip("diffusers")

@@ -151,7 +151,7 @@ def test_unknown_vae_falls_back_to_comfyui_tiled(comfyui, sd_vae, caplog, monkey
 
 
 def test_bench_section_against_comfyui_tiled(comfyui, monkeypatch):
-    """`bench` of nodes/bench_vae.py against the real ComfyUI (narrow SDXL-shaped VAE, the quick Wan 2.2
+    """`bench` of nodes/cli/bench/vae.py against the real ComfyUI (narrow SDXL-shaped VAE, the quick Wan 2.2
     case at ComfyUI's real Wan 2.2 width): ComfyUI's tiled decode measured and every one of our rows
     given as a ratio of its time and peak, PSNR filled."""
     from comfy_metal.nodes.cli.bench import vae as bench_vae
