@@ -153,7 +153,7 @@ def test_shared_statistics_progress_total_is_fixed_from_the_first_report(decoder
     """Every (done, total) reported during a shared-statistics decode has the same total, `done` only
     grows, and the last report is (total, total) with total = tiles x passes (the doctor showed
     36/45, then 40/54, then 45/45)."""
-    from comfy_metal.nodes import doctor_pipeline
+    from comfy_metal.nodes.cli import doctor as doctor_pipeline
 
     module = doctor_pipeline.tiny_decoder(0) if decoder == "doctor" else _TwiceNormed().eval()
     seen = []
