@@ -1,8 +1,9 @@
 """Test setup: import the repository root as the package `comfy_metal` (installed or not).
 
-tests/ is deliberately not a package: pytest puts this folder on sys.path, so shared test helpers
-are plain modules (`import sync_count`, `import comfyui_env`), and the repo root's __init__.py
-is only ever imported under the name `comfy_metal`.
+tests/ is deliberately not a package: tests/ and tests/helpers/ are on sys.path (pyproject's pytest
+`pythonpath`), so shared test helpers are plain modules (`import comfyui_env`, `import fp8_models`),
+and the repo root's __init__.py is only ever imported under the name `comfy_metal`. Each capability's
+tests are in tests/<capability>/.
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def pytest_sessionstart(session):
         pass
 
 from comfyui_fixtures import *  # noqa: F401,F403,E402  (fixtures `comfyui`, `comfyui_path`)
+from comfyui_marker import *  # noqa: F401,F403,E402  (marks the tests that need them `comfyui`)
 import comfyui_env  # noqa: E402
 
 

@@ -1,9 +1,8 @@
-"""fp8 tests: shared test helpers live in tests/helpers/ (on sys.path through pyproject's pythonpath)."""
+"""fp8 tests: the pack's FP8 node module as a running ComfyUI loaded it."""
 import importlib
 
 import pytest
 
-from comfyui_marker import *  # noqa: F401,F403  (marks the ComfyUI integration tests `comfyui`)
 
 
 @pytest.fixture(scope="module")

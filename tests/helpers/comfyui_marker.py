@@ -2,8 +2,7 @@
 `comfyui` or another fixture) with the registered marker `comfyui`, so `pytest -m comfyui` selects the
 ComfyUI integration tests and `-m "not comfyui"` leaves them out.
 
-Each tests/<capability>/conftest.py imports the hook (`from comfyui_marker import *`); pytest calls it
-over the whole session's items, so marking is idempotent.
+tests/conftest.py imports the hook (`from comfyui_marker import *`), so it covers every test folder.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 If $COMFYUI_PATH is set or the pack sits in <ComfyUI>/custom_nodes/, that ComfyUI is used and nothing
 is done here. Otherwise the ComfyUI source archive beside the project (../shared/comfyui/ComfyUI-*.tar.gz)
-is unpacked once into a cache folder outside the repository (tests/comfyui_env.py: cache_dir) and
+is unpacked once into a cache folder outside the repository (tests/helpers/comfyui_env.py: cache_dir) and
 ComfyUI's requirements are installed into this Python, keeping the torch already installed (a
 constraint pins it), and without torchvision/torchaudio, whose import stubs stay in the test
 environment (tests/comfy_stubs/). Prints the path of the ComfyUI the tests will use, or why none.
@@ -22,7 +22,7 @@ import sys
 import tarfile
 import tempfile
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "helpers"))
 import comfyui_env  # noqa: E402
 
 # Not installable beside the pinned CPU torch wheel (stubbed in tests), or torch itself (pinned).

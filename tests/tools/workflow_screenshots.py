@@ -2,7 +2,7 @@
 
     COMFYUI_PATH=/work/comfyui python tests/tools/workflow_screenshots.py [--out DIR] [NAME ...]
 
-Starts a real ComfyUI server (tests/comfyui_env.comfyui_server: 127.0.0.1, free port, temporary base
+Starts a real ComfyUI server (tests/helpers/comfyui_env.comfyui_server: 127.0.0.1, free port, temporary base
 directory, the pack as a custom node) whose model folders hold tiny random models of the right
 architectures (tests/workflow_models.py) under exactly the file names the workflows expect, so the
 frontend finds every model and shows no "errors found" toast or red outlines. Headless Chromium

@@ -42,7 +42,7 @@ from typing import Any, Iterator
 
 ENV_VAR = "COMFYUI_PATH"
 
-TESTS_DIR = pathlib.Path(__file__).resolve().parent
+TESTS_DIR = pathlib.Path(__file__).resolve().parents[1]
 REPO_ROOT = TESTS_DIR.parent
 STUBS_DIR = TESTS_DIR / "comfy_stubs"
 # The folder name users get from a git clone / the registry; ComfyUI names the module after it.
@@ -90,10 +90,9 @@ def unpacked_archive_path(archive: pathlib.Path) -> pathlib.Path:
 
 def enclosing_comfyui() -> pathlib.Path | None:
     """The ComfyUI this pack sits in (<ComfyUI>/custom_nodes/<pack>), where users install it."""
-    parent = REPO_ROOT.parent
-    if parent.name == "custom_nodes" and not missing_files(parent.parent):
-        return parent.parent
-    return None
+    from comfy_metal.nodes.common.comfyui import comfyui_in_custom_nodes
+
+    return comfyui_in_custom_nodes(pack_dirs=(REPO_ROOT,))
 
 
 def comfyui_path_or_reason() -> tuple[pathlib.Path | None, str | None]:

@@ -11,7 +11,7 @@ import pytest
 
 import comfyui_env
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("folder", ["comfy-metal", "ComfyUI-Metal"])
