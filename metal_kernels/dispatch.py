@@ -11,6 +11,7 @@ COMFY_METAL_REFERENCE=name,name (or "all") forces the reference for the named ke
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
@@ -237,7 +238,53 @@ def _out_of_memory(e: BaseException) -> bool:
     return isinstance(e, getattr(torch, "OutOfMemoryError", ())) or "out of memory" in str(e).lower()
 
 
+class KernelTraffic:
+    """Bytes the public kernel calls made inside `recording_traffic()` read and write: every distinct
+    tensor argument once (a fused kernel reads each input once) plus the tensors returned. The same on
+    every backend, since it counts the public call's tensors, not how a backend moves them."""
+
+    def __init__(self):
+        self.bytes_by_kernel: dict[str, int] = {}
+        self.calls = 0
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.bytes_by_kernel.values())
+
+    def add(self, name: str, args, kwargs, out) -> None:
+        seen, total = set(), 0
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for t in (*args, *kwargs.values(), *outs):
+            if isinstance(t, torch.Tensor) and t.numel() and (t.data_ptr(), t.numel()) not in seen:
+                seen.add((t.data_ptr(), t.numel()))
+                total += t.numel() * t.element_size()
+        self.bytes_by_kernel[name] = self.bytes_by_kernel.get(name, 0) + total
+        self.calls += 1
+
+
+_traffic: KernelTraffic | None = None
+
+
+@contextlib.contextmanager
+def recording_traffic():
+    """`with recording_traffic() as t:` -> t.bytes read and written by the public kernel calls inside."""
+    global _traffic
+    outer, _traffic = _traffic, KernelTraffic()
+    try:
+        yield _traffic
+    finally:
+        _traffic = outer
+
+
 def call(spec: KernelSpec, args, kwargs):
+    if _traffic is not None:
+        out = _call(spec, args, kwargs)
+        _traffic.add(spec.name, args, kwargs, out)
+        return out
+    return _call(spec, args, kwargs)
+
+
+def _call(spec: KernelSpec, args, kwargs):
     device = _first_device(args, kwargs)
     backend, _ = choose(spec, device)
     last_backend[spec.name] = backend

@@ -677,8 +677,9 @@ def test_metal_sampler_select_node_whole_in_emulator(comfyui, tiny_unets, monkey
 
 
 def test_bench_runs_and_reports(monkeypatch, reference_backend):
-    """The bench section on a tiny latent: both tables, every sampler, the fused-bytes column equal to the
-    minimum tensor count, and the ComfyUI column either filled or saying ComfyUI was not found."""
+    """The bench section on a tiny latent: both tables, every sampler, the fused-bytes column measured from
+    the kernel calls (euler: x, denoised and the new x on every step; dpmpp_3m_sde: up to two history
+    tensors more once it has them), and the ComfyUI column either filled or saying ComfyUI was not found."""
     from comfy_metal.nodes.cli.bench import samplers as B
 
     monkeypatch.setattr(B, "LATENTS", [("tiny (4x8x8)", (1, 4, 8, 8))])
@@ -691,8 +692,22 @@ def test_bench_runs_and_reports(monkeypatch, reference_backend):
         if "comfy.k_diffusion.sampling" not in sys.modules:
             assert str(row[5]).startswith("ComfyUI not found")
     fused = {r[1]: r[2] for r in traffic.rows}
-    assert fused["euler"] == "3.0 KiB" and fused["dpmpp_3m_sde"] == "5.0 KiB"  # 3 and 5 fp32 tensors of 1 KiB
+    assert fused["euler"] == "3.0 KiB"  # 3 fp32 tensors of 1 KiB a step
+    assert 3.0 < float(fused["dpmpp_3m_sde"].split()[0]) <= 5.0
     assert "ComfyUI" in times.render()
+
+
+def test_kernel_traffic_counts_each_tensor_of_a_call_once(reference_backend):
+    x = torch.randn(1, 4, 5, 7)
+    sigmas = torch.tensor([2.0, 1.0, 0.5, 0.0])
+    with dispatch.recording_traffic() as traffic:
+        S.get_sampler_function("euler")(lambda x, s, **kw: x * 0.5, x, sigmas, disable=True)
+    # three steps of one fused call each, reading x and denoised and writing the new x (+ the NaN flags)
+    assert traffic.calls == 3 and set(traffic.bytes_by_kernel) == {"sampler_euler_step"}
+    assert 3 * 3 * x.nbytes <= traffic.bytes < 3 * 3 * x.nbytes + 3 * 64
+    with dispatch.recording_traffic() as outside:
+        pass
+    assert outside.bytes == 0
 
 
 def test_a_sampler_run_records_its_kernel_backends_for_the_badge():

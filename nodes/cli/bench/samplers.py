@@ -27,15 +27,6 @@ LATENTS = [
 ]
 NOISY = {"euler_ancestral", "dpmpp_2m_sde", "dpmpp_3m_sde", "lcm", "euler_ancestral_cfg_pp",
          "dpmpp_2s_ancestral_cfg_pp"}
-# Full-size tensors a fused step reads + writes (heun: both stages), fast noise / exact noise. CFG++:
-# the unconditional output is one more input (the trivial denoiser runs no CFG, so here it is the
-# denoised output itself and read once: these columns count the general case).
-FUSED_TENSORS = {"euler": (3, 3), "euler_ancestral": (3, 4), "heun": (7, 7), "dpmpp_2m": (4, 4),
-                 "dpmpp_2m_sde": (4, 5), "dpmpp_3m_sde": (5, 6), "lcm": (2, 3), "res_multistep": (4, 4),
-                 "euler_cfg_pp": (4, 4), "euler_ancestral_cfg_pp": (4, 5), "dpmpp_2m_cfg_pp": (5, 5),
-                 "dpmpp_2s_ancestral_cfg_pp": (9, 10), "res_multistep_cfg_pp": (5, 5)}
-
-
 def _comfy_sampling():
     """ComfyUI's k-diffusion sampling module, or (None, why not)."""
     return import_comfy("comfy.k_diffusion.sampling")
@@ -124,7 +115,7 @@ def _time_per_step(fn, steps, device, repeats=3):
 def bench(quick: bool = False) -> list[Table]:
     import torch
 
-    from ....metal_kernels import probe
+    from ....metal_kernels import dispatch, probe
     from ... import sampling as S
 
     kds, why_not = _comfy_sampling()
@@ -168,11 +159,17 @@ def bench(quick: bool = False) -> list[Table]:
         sigmas = _sigmas(steps)
         x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * float(sigmas[0])
         for name in S.SAMPLER_NAMES:
-            fused, fused_exact = (n * numel * x.element_size() for n in FUSED_TENSORS[name])
             ours_traffic = _traffic_mode()
-            with ours_traffic:
+            with ours_traffic, dispatch.recording_traffic() as kernel_traffic:
                 S.SAMPLER_FUNCTIONS[name](_Denoiser(ours_traffic), x.clone(), sigmas, extra_args={"seed": 1},
                                           disable=True, noise_mode="fast")
+            fused = kernel_traffic.bytes / steps
+            fused_exact = why_not
+            if kds is not None:
+                with dispatch.recording_traffic() as kernel_traffic:
+                    S.SAMPLER_FUNCTIONS[name](_Denoiser(), x.clone(), sigmas, extra_args={"seed": 1},
+                                              disable=True, noise_mode="exact")
+                fused_exact = human_bytes(kernel_traffic.bytes / steps)
             if kds is not None:
                 traffic = _traffic_mode()
                 with traffic:
@@ -182,11 +179,12 @@ def bench(quick: bool = False) -> list[Table]:
                 cr = f"{traffic.bytes / steps / fused:.1f}x"
             else:
                 cb, cs, cr = why_not, "n/a", "n/a"
-            bytes_table.add(label, name, human_bytes(fused), human_bytes(fused_exact), cb, cr, cs,
+            bytes_table.add(label, name, human_bytes(fused), fused_exact, cb, cr, cs,
                             f"{ours_traffic.syncs / steps:.2f} (one-time reads only)")
     time_table.note = ("pack exact = ComfyUI's own noise sampler (identical results); fast = device noise, no host "
                        "sync. nan: exact mode needs ComfyUI. " + ("" if kds else why_not))
-    bytes_table.note = ("fused kernel: every input read once + the new latent written once (fast noise is "
-                        "generated in the kernel, exact noise is one more read). pack syncs/step: the schedule "
-                        "read and NaN record, once per run, divided by the steps.")
+    bytes_table.note = ("fused kernel: measured from the pack's kernel calls in the run (metal_kernels.dispatch."
+                        "recording_traffic): each tensor argument once + the outputs, which is what a fused kernel "
+                        "reads and writes (fast noise is generated in the kernel, exact noise is one more input). "
+                        "pack syncs/step: the schedule read and NaN record, once per run, divided by the steps.")
     return [time_table, bytes_table]
