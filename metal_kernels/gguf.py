@@ -375,7 +375,7 @@ def _gemv_cases(device):
     out = []
     for i, qtype in enumerate(GGUF_QUANTS):
         M, N = (1, 5, 8, 3)[i % 4], (3, 7, 1, 6)[i % 4]
-        data = random_blocks(qtype, N, 1 + i % 2, gen)
+        data = random_blocks(qtype, N, 1 + i % 2, gen, scale=0.002)
         K = gguf_logical_shape(data.shape, qtype)[1]
         x = torch.randn(M, K, generator=gen)
         b = torch.randn(N, generator=gen).to(device) if i % 2 else None

@@ -1,0 +1,97 @@
+"""GGUF Metal kernels (gguf.metal) in the MSL emulator, through the real launch glue: the dequantise
+kernel equals the gguf package's numpy dequantiser bit for bit (fp32 output) at every type and odd row
+counts, and rounds once to fp16/bf16; the fused dequantise + GEMV agrees with a float64 matmul of the
+package's values within fp32 accumulation error; both pass their registry self-check."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfy_metal.metal_kernels import dispatch
+from comfy_metal.metal_kernels.gguf import (GGUF_QUANTS, gguf_dequantize_metal, gguf_gemv_metal,
+                                            gguf_logical_shape, random_blocks)
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize as np_dequantize  # noqa: E402
+
+QTYPES = list(GGUF_QUANTS)
+
+
+def oracle(data, qtype):
+    return torch.from_numpy(np_dequantize(data.numpy(), gguf.GGMLQuantizationType[qtype]).copy())
+
+
+@pytest.fixture(scope="module")
+def lib():
+    from comfy_metal.metal_kernels import emulator
+
+    if not emulator.available():
+        pytest.skip("the MSL emulator needs clang-19, which is not installed")
+    return emulator.compile_library(dispatch.library_source(only="gguf.metal"))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_emulated_dequant_bit_exact(lib, qtype):
+    gen = torch.Generator().manual_seed(7)
+    for rows, blocks in [(1, 1), (7, 3), (5, 2)]:
+        data = random_blocks(qtype, rows, blocks, gen)
+        want = oracle(data, qtype)
+        got = gguf_dequantize_metal(lib, data, qtype, torch.float32)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (qtype, rows, blocks)
+        for dt in (torch.float16, torch.bfloat16):
+            got = gguf_dequantize_metal(lib, data, qtype, dt)
+            assert got.dtype == dt and torch.equal(got, want.to(dt)), (qtype, dt)
+
+
+def test_emulated_dequant_strides_past_the_grid(lib, monkeypatch):
+    """More values than threads * 4: each thread strides (the MAX_THREADS cap, made small here)."""
+    from comfy_metal.metal_kernels import gguf as mod
+
+    monkeypatch.setattr(mod, "MAX_THREADS", 5)
+    gen = torch.Generator().manual_seed(8)
+    data = random_blocks("Q5_0", 3, 2, gen)
+    assert torch.equal(gguf_dequantize_metal(lib, data, "Q5_0"), oracle(data, "Q5_0"))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_emulated_gemv_against_float64(lib, qtype):
+    gen = torch.Generator().manual_seed(9)
+    for M, N, blocks, with_bias in [(1, 5, 1, True), (3, 9, 2, False), (8, 4, 3, True), (11, 3, 1, True)]:
+        data = random_blocks(qtype, N, blocks, gen)
+        K = gguf_logical_shape(data.shape, qtype)[1]
+        w = oracle(data, qtype).double()
+        x = torch.randn(M, K, generator=gen)
+        b = torch.randn(N, generator=gen) if with_bias else None
+        got = gguf_gemv_metal(lib, x, data, qtype, b)
+        want = x.double() @ w.T
+        mag = x.double().abs() @ w.abs().T
+        if b is not None:
+            want, mag = want + b.double(), mag + b.double().abs()
+        bound = (K + 3) * 2.0 ** -24 * mag + 1e-30
+        err = (got.double() - want).abs()
+        assert got.shape == (M, N) and (err <= bound).all(), (qtype, M, float(err.max()))
+
+
+def test_emulated_gemv_dtypes_and_leading_dims(lib):
+    gen = torch.Generator().manual_seed(10)
+    data = random_blocks("Q4_K", 6, 1, gen, scale=0.002)
+    x = torch.randn(2, 3, 256, generator=gen).to(torch.bfloat16)
+    got = gguf_gemv_metal(lib, x, data, "Q4_K", out_dtype=torch.float16)
+    want = x.reshape(6, 256).double() @ oracle(data, "Q4_K").double().T
+    assert got.shape == (2, 3, 6) and got.dtype == torch.float16
+    assert torch.allclose(got.reshape(6, 6).double(), want, atol=2e-2, rtol=2e-3)
+    assert gguf_gemv_metal(lib, torch.zeros(0, 256), data, "Q4_K").shape == (0, 6)
+
+
+@pytest.mark.usefixtures("emulator_backend")
+def test_self_checks_pass_in_the_emulator():
+    from comfy_metal.metal_kernels import gguf_dequantize, gguf_gemv
+
+    for fn in (gguf_dequantize, gguf_gemv):
+        backend, reason = dispatch.choose(fn.spec, torch.device("cpu"))
+        assert backend == "emulator", reason
+    # the self-check exercises every entry point
+    cases = gguf_dequantize.spec.self_check_cases(torch.device("cpu"))
+    seen = {(args[1], kw["out_dtype"]) for args, kw in cases}
+    assert len(seen) == len(gguf_dequantize.spec.entry_points)
+    assert {args[2] for args, _ in gguf_gemv.spec.self_check_cases(torch.device("cpu"))} == set(QTYPES)
