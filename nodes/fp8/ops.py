@@ -83,6 +83,11 @@ class FP8WeightMixin:
     def _fp8_expected_shape(self) -> tuple:
         raise NotImplementedError
 
+    def _load_quantized_weight(self, w) -> bool:
+        """Hook for op sets that extend this one with other quantised formats (nodes/gguf): take `w`
+        (already checked against the expected shape) and return True, or return False."""
+        return False
+
     def _fp8_hp_dtype(self, found: torch.dtype) -> torch.dtype:
         dtype = getattr(self, "_fp8_param_dtype", None)
         if dtype is None or dtype in _BYTE_DTYPES:
@@ -107,6 +112,8 @@ class FP8WeightMixin:
             if is_fp8_dtype(w.dtype):
                 fmt = FORMAT_OF_DTYPE[w.dtype]
                 self.set_fp8_weight(w, fmt, scale)
+            elif self._load_quantized_weight(w):
+                pass                        # another block format (GGUF) took it
             else:
                 if scale is not None:
                     w = w.float() * scale.float().reshape(-1, *([1] * (w.dim() - 1)))

@@ -1,0 +1,15 @@
+"""GGUF models (llama.cpp / ComfyUI-GGUF files) kept quantised on the Metal GPU."""
+from __future__ import annotations
+
+from .loader import MetalGGUFDualTextEncoderLoader, MetalGGUFModelLoader, MetalGGUFTextEncoderLoader
+
+NODE_CLASS_MAPPINGS = {
+    "MetalGGUFModelLoader": MetalGGUFModelLoader,
+    "MetalGGUFTextEncoderLoader": MetalGGUFTextEncoderLoader,
+    "MetalGGUFDualTextEncoderLoader": MetalGGUFDualTextEncoderLoader,
+}
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "MetalGGUFModelLoader": "Load Diffusion Model (GGUF, Metal)",
+    "MetalGGUFTextEncoderLoader": "Load Text Encoder (GGUF, Metal)",
+    "MetalGGUFDualTextEncoderLoader": "Load 2 Text Encoders (GGUF, Metal)",
+}

@@ -1,0 +1,242 @@
+"""Nodes: Load Diffusion Model (GGUF, Metal), Load Text Encoder (GGUF, Metal), Load 2 Text Encoders (GGUF, Metal).
+
+The file is read through the `gguf` package (reader.py) into a state dict whose quantised tensors are
+GGUFTensors (the file's blocks, logical `.shape`); ComfyUI's own model detection builds the model with
+`model_options["custom_operations"]` = the GGUF op set (ops.py: the FP8 op set extended with ggml
+blocks), wrapped in the FP8 ModelPatcher so LoRAs apply to the dequantised weights at forward time.
+Weights stay quantised in memory; ComfyUI's memory manager sees their true size.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from ..fp8_loader import (COMPUTE_DTYPES, FP8LoadError, _call_with_supported, _clip_types, _record,
+                          _resolve_compute_dtype, _wrap_errors)
+from ..fp8_ops import wrap_patcher
+from .ops import RUN_KERNELS, GGUFTensor, gguf_modules, make_gguf_ops, weight_bytes
+from .reader import IMAGE_ARCHS, TEXT_ARCHS, GGUFFile, GGUFFileError, t5_key, uses_llama_cpp_names
+
+log = logging.getLogger("comfy_metal")
+
+# folder_paths kinds listing .gguf files in ComfyUI's model folders (as ComfyUI-GGUF lists them)
+GGUF_FOLDERS = {"diffusion_models_gguf": "diffusion_models", "text_encoders_gguf": "text_encoders"}
+
+
+def register_gguf_folders() -> None:
+    """Add (or refresh) folder_paths kinds that list the .gguf files of diffusion_models (models/unet,
+    models/diffusion_models and extra paths) and text_encoders (models/text_encoders, models/clip)."""
+    import folder_paths
+
+    for kind, source in GGUF_FOLDERS.items():
+        paths = list(folder_paths.get_folder_paths(source))
+        current = folder_paths.folder_names_and_paths.get(kind)
+        if current is None or list(current[0]) != paths:
+            folder_paths.folder_names_and_paths[kind] = (paths, {".gguf"})
+            getattr(folder_paths, "filename_list_cache", {}).pop(kind, None)
+
+
+def _gguf_path(kind: str, name: str) -> str:
+    import folder_paths
+
+    register_gguf_folders()
+    return folder_paths.get_full_path_or_raise(kind, name)
+
+
+def _log_loaded(name, patcher_model, t0):
+    stats = weight_bytes(patcher_model)
+    log.info("comfy_metal: %s loaded in %.2fs: %d GGUF layers, %.3f bytes per quantised weight, %.1f MiB total",
+             name, time.perf_counter() - t0, sum(1 for _ in gguf_modules(patcher_model)),
+             stats["bytes_per_gguf_weight"], stats["total_bytes"] / 2**20)
+
+
+def load_diffusion_model(path, compute_dtype="auto", model_options=None):
+    """MODEL (a MetalFP8ModelPatcher over GGUF layers) from a .gguf diffusion model."""
+    import comfy.model_management as mm
+    import comfy.sd
+
+    t0 = time.perf_counter()
+    f = GGUFFile(path)
+    log.info("comfy_metal: loading %s", f.describe())
+    if f.arch is not None and f.arch not in IMAGE_ARCHS and uses_llama_cpp_names(f):
+        raise GGUFFileError(f"{f.name}: architecture {f.arch!r} is a text model (llama.cpp tensor names), not a "
+                            f"diffusion model: load it with Load Text Encoder (GGUF, Metal)")
+    sd = f.state_dict()
+    opts = dict(model_options or {})
+    load_device = opts.get("load_device") or mm.get_torch_device()
+    params = sum(t.logical_numel() if isinstance(t, GGUFTensor) else t.numel() for t in sd.values())
+    dtype = _resolve_compute_dtype(compute_dtype, load_device, params)
+    opts["custom_operations"] = make_gguf_ops(f.name, dtype)
+    if dtype is not None:
+        opts["dtype"] = dtype
+    patcher = _wrap_errors(path, _call_with_supported, comfy.sd.load_diffusion_model_state_dict, sd,
+                           model_options=opts, disable_dynamic=True)
+    if patcher is None:
+        raise GGUFFileError(f"{f.name}: ComfyUI does not recognise this model's architecture (general.architecture "
+                            f"{f.arch!r}; {len(f.tensors)} tensors, first {[t.name for t in f.tensors[:3]]}). "
+                            f"Known GGUF diffusion architectures: {', '.join(IMAGE_ARCHS)}")
+    patcher = wrap_patcher(patcher)
+    patcher.cached_patcher_init = None
+    _log_loaded(f.name, patcher.model, t0)
+    return patcher
+
+
+def text_encoder_state_dict(path) -> dict:
+    """A text encoder's state dict from a .gguf (llama.cpp T5 names mapped to ComfyUI's) or any file
+    ComfyUI reads (.safetensors ...), for mixing a GGUF T5 with a safetensors CLIP."""
+    if not str(path).lower().endswith(".gguf"):
+        import comfy.utils
+
+        return comfy.utils.load_torch_file(path, safe_load=True)
+    f = GGUFFile(path)
+    log.info("comfy_metal: loading text encoder %s", f.describe())
+    key_map = None
+    if uses_llama_cpp_names(f):
+        if f.arch not in TEXT_ARCHS:
+            raise GGUFFileError(f"{f.name}: a {f.arch!r} text model with llama.cpp tensor names; this loader maps "
+                                f"llama.cpp names for {', '.join(TEXT_ARCHS)} only (files with ComfyUI/Hugging Face "
+                                f"tensor names load for every architecture)")
+        key_map = t5_key
+    return f.state_dict(key_map)
+
+
+def load_text_encoder(paths, clip_type="stable_diffusion", device="gpu", compute_dtype="auto", model_options=None):
+    """CLIP from one or more text encoder files (GGUF or not), GGUF weights kept quantised."""
+    import comfy.model_management as mm
+    import comfy.sd
+    import folder_paths
+
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    sds = [text_encoder_state_dict(p) for p in paths]
+    names = "+".join(os.path.basename(str(p)) for p in paths)
+    opts = dict(model_options or {})
+    if device == "cpu":
+        opts["load_device"] = opts["offload_device"] = torch.device("cpu")
+    elif device == "gpu":
+        opts.setdefault("load_device", mm.get_torch_device())
+        opts.setdefault("offload_device", mm.text_encoder_offload_device())
+    else:
+        raise ValueError(f"device {device!r} is not gpu or cpu")
+    dtype = _resolve_compute_dtype(compute_dtype, opts["load_device"], text_encoder=True)
+    if dtype is not None:
+        opts["dtype"] = dtype
+    opts["custom_operations"] = make_gguf_ops(names, dtype)
+    ctype = getattr(comfy.sd.CLIPType, str(clip_type).upper(), None)
+    if ctype is None:
+        raise ValueError(f"unknown text encoder type {clip_type!r}")
+    clip = _wrap_errors(paths[0], _call_with_supported, comfy.sd.load_text_encoder_state_dicts, sds,
+                        embedding_directory=folder_paths.get_folder_paths("embeddings"), clip_type=ctype,
+                        model_options=opts, disable_dynamic=True)
+    clip.patcher = wrap_patcher(clip.patcher)
+    clip.patcher.cached_patcher_init = None
+    from ..status import record_forward_kernels
+
+    record_forward_kernels(clip.cond_stage_model, RUN_KERNELS)
+    return clip
+
+
+# ------------------------------------------------------------------------------------------------
+# Nodes
+# ------------------------------------------------------------------------------------------------
+
+_DTYPE_TIP = ("dtype the dequantised weights and activations are computed in; auto: ComfyUI's choice for "
+              "this device (weights stay quantised in memory either way)")
+_DEVICE_TIP = "gpu: run the encoder on the GPU (the default on Macs); cpu: keep it on the CPU"
+_TYPE_TIP = "the text encoder family, as in ComfyUI's CLIPLoader (flux, wan, sd3, ...)"
+
+
+def _text_encoder_files() -> list[str]:
+    """.gguf text encoders plus ComfyUI's own text_encoders list (to pair a GGUF T5 with a CLIP file)."""
+    import folder_paths
+
+    register_gguf_folders()
+    return sorted(set(folder_paths.get_filename_list("text_encoders_gguf"))
+                  | set(folder_paths.get_filename_list("text_encoders")))
+
+
+def _default_device() -> str:
+    from ...metal_kernels.probe import mps_available
+
+    return "gpu" if mps_available() else "cpu"
+
+
+def _te_path(name: str) -> str:
+    import folder_paths
+
+    if name.lower().endswith(".gguf"):
+        return _gguf_path("text_encoders_gguf", name)
+    return folder_paths.get_full_path_or_raise("text_encoders", name)
+
+
+class MetalGGUFModelLoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        import folder_paths
+
+        register_gguf_folders()
+        return {"required": {
+            "unet_name": (folder_paths.get_filename_list("diffusion_models_gguf"), {"tooltip":
+                          ".gguf diffusion model in models/diffusion_models or models/unet (the files ComfyUI-GGUF "
+                          "loads: Flux, SD3.5, Wan, HunyuanVideo, Qwen-Image, LTX ...)"}),
+            "compute_dtype": (list(COMPUTE_DTYPES), {"default": "auto", "tooltip": _DTYPE_TIP}),
+        }}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "load"
+    CATEGORY = "Comfy Metal/loaders"
+    DESCRIPTION = ("Loads a GGUF diffusion model keeping its weights quantised (Q8_0 ... Q2_K) in memory; Metal "
+                   "kernels dequantise each layer at forward time on Apple GPUs.")
+
+    def load(self, unet_name, compute_dtype="auto"):
+        model = load_diffusion_model(_gguf_path("diffusion_models_gguf", unet_name), compute_dtype)
+        _record("MetalGGUFModelLoader", [])
+        return (model,)
+
+
+class MetalGGUFTextEncoderLoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "clip_name": (_text_encoder_files(), {"tooltip": "text encoder in models/text_encoders or models/clip: "
+                          "a .gguf (T5/UMT5 with llama.cpp names, or ComfyUI names) or any file CLIPLoader reads"}),
+            "type": (_clip_types(), {"tooltip": _TYPE_TIP}),
+            "device": (["gpu", "cpu"], {"default": _default_device(), "tooltip": _DEVICE_TIP}),
+        }}
+
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "load"
+    CATEGORY = "Comfy Metal/loaders"
+    DESCRIPTION = "Loads a GGUF text encoder keeping its weights quantised; on Macs it runs on the GPU by default."
+
+    def load(self, clip_name, type="stable_diffusion", device="gpu"):
+        clip = load_text_encoder([_te_path(clip_name)], type, device)
+        _record("MetalGGUFTextEncoderLoader", [])
+        return (clip,)
+
+
+class MetalGGUFDualTextEncoderLoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        files = _text_encoder_files()
+        return {"required": {
+            "clip_name1": (files, {"tooltip": "first text encoder (e.g. the T5 .gguf for Flux)"}),
+            "clip_name2": (files, {"tooltip": "second text encoder (e.g. clip_l.safetensors for Flux)"}),
+            "type": (_clip_types(), {"default": "flux", "tooltip": _TYPE_TIP}),
+            "device": (["gpu", "cpu"], {"default": _default_device(), "tooltip": _DEVICE_TIP}),
+        }}
+
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "load"
+    CATEGORY = "Comfy Metal/loaders"
+    DESCRIPTION = "Loads two text encoders (GGUF or not) as one CLIP, GGUF weights kept quantised."
+
+    def load(self, clip_name1, clip_name2, type="flux", device="gpu"):
+        clip = load_text_encoder([_te_path(clip_name1), _te_path(clip_name2)], type, device)
+        _record("MetalGGUFDualTextEncoderLoader", [])
+        return (clip,)
+
+
+__all__ = ["GGUFFileError", "FP8LoadError", "load_diffusion_model", "load_text_encoder"]
