@@ -49,11 +49,30 @@ class GGUFTensor(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        src = next((a for a in args if isinstance(a, GGUFTensor)), None)
+        if src is not None and getattr(src, "gguf_qtype", None) is None:
+            src = None
+        # Code that reads a weight directly instead of calling its layer (ComfyUI's CLIP reads its
+        # position embedding with cast_to: `w.to(dtype)`, or `empty_like(w, dtype)` + `copy_(w)`)
+        # gets the dequantised values, never the bytes.
+        if src is not None and func is torch.empty_like:
+            dtype = kwargs.get("dtype")
+            if dtype is not None and dtype.is_floating_point:
+                return torch.empty(src.gguf_shape, dtype=dtype, device=kwargs.get("device") or src.device)
+        if func is torch.Tensor.copy_ and len(args) >= 2 and isinstance(args[1], GGUFTensor) \
+                and not isinstance(args[0], GGUFTensor) and args[0].is_floating_point():
+            dst = args[0]
+            with torch._C.DisableTorchFunctionSubclass():
+                return dst.copy_(dequantize_tensor(args[1], dst.dtype, dst.device))
         with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **(kwargs or {}))
-        if func in _KEEP_CLASS and isinstance(out, torch.Tensor) and not isinstance(out, GGUFTensor):
-            src = next((a for a in args if isinstance(a, GGUFTensor)), None)
-            if src is not None and getattr(src, "gguf_qtype", None) is not None and out.shape == src.raw().shape:
+            out = func(*args, **kwargs)
+        if src is None or not isinstance(out, torch.Tensor) or isinstance(out, GGUFTensor):
+            return out
+        if func in _KEEP_CLASS or func in _CONVERT:
+            if out.is_floating_point():          # a conversion to a float dtype: the values
+                return dequantize_tensor(src, out.dtype, out.device)
+            if out.shape == src.raw().shape:
                 return GGUFTensor(out, src.gguf_qtype, src.gguf_shape, src.gguf_name)
         return out
 
@@ -97,6 +116,8 @@ class GGUFTensor(torch.Tensor):
 
 _KEEP_CLASS = {torch.Tensor.detach, torch.Tensor.to, torch.Tensor.clone, torch.Tensor.cpu, torch.Tensor.contiguous,
                torch.Tensor.requires_grad_, torch.Tensor.pin_memory, torch.Tensor.share_memory_}
+_CONVERT = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.double, torch.Tensor.type,
+            torch.Tensor.type_as}
 if hasattr(torch.Tensor, "cuda"):
     _KEEP_CLASS.add(torch.Tensor.cuda)
 if hasattr(torch.Tensor, "mps"):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -182,3 +184,150 @@ def test_bad_files_name_file_and_tensor(comfyui, loader_mod, flux_files, flux_sd
     with pytest.raises(loader_mod.GGUFFileError, match=r"unknown_arch\.gguf: ComfyUI does not recognise.*mystery"):
         node.load("unknown_arch.gguf", "fp32")
     assert folder_paths.get_full_path("diffusion_models_gguf", "trunc.gguf")
+
+
+def test_node_through_executor_then_emulated_kernels_sample_the_same(comfyui, loader_mod, flux_files, monkeypatch):
+    """The loader node runs through ComfyUI's executor; then the model samples with the real Metal
+    kernels (gguf_dequantize for large M, gguf_gemv for the M = 2 modulation rows) in the MSL emulator,
+    matching the reference run."""
+    from comfy_metal.metal_kernels.emulator import available
+
+    kernels = importlib.import_module(comfyui.pack_module.__name__ + ".metal_kernels")
+    name, _, _ = flux_files["Q4_K"]
+    prompt = {"1": {"class_type": "MetalGGUFModelLoader", "inputs": {"unet_name": name, "compute_dtype": "fp32"}}}
+    res = comfyui.run_prompt(prompt, execute=["1"])
+    model = res.node_outputs["1"][0]
+    model = model[0] if isinstance(model, list) else model
+    want = _sample(comfyui, model, steps=2)
+    assert kernels.dispatch.last_backend.get("gguf_dequantize") == "reference"
+    if not available():
+        pytest.skip("clang-19 not found: the MSL emulator is unavailable")
+    # The emulator copies every bound buffer back after a launch, inputs included, which a read-only
+    # memory map of the file does not allow (on a Mac the weights are in GPU buffers): copy them first.
+    GGUFTensor = importlib.import_module(comfyui.pack_module.__name__ + ".nodes.gguf.ops").GGUFTensor
+    for module in model.model.modules():
+        for pname, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            t = GGUFTensor(p.raw().clone(), p.gguf_qtype, p.gguf_shape) if isinstance(p, GGUFTensor) else p.detach().clone()
+            module._parameters[pname] = torch.nn.Parameter(t, requires_grad=False)
+    monkeypatch.setenv("COMFY_METAL_BACKEND", "emulator")
+    kernels.dispatch.reset()
+    try:
+        got = _sample(comfyui, model, steps=2)
+        backends = dict(kernels.dispatch.last_backend)
+    finally:
+        monkeypatch.delenv("COMFY_METAL_BACKEND")
+        kernels.dispatch.reset()
+    assert backends.get("gguf_dequantize") == "emulator" and backends.get("gguf_gemv") == "emulator", backends
+    rel = ((got - want).norm() / want.norm()).item()
+    print(f"flux Q4_K emulated Metal kernels vs reference: rel {rel:.2e}")
+    assert rel < 1e-4, rel
+
+
+def test_unsupported_quant_type_through_executor_names_types(comfyui, flux_files, flux_sd):
+    """A tensor in a ggml type outside the supported set: the node fails naming file, tensor and the
+    supported types; the server keeps running."""
+    import comfyui_env
+    import gguf
+
+    folder = comfyui.models_dir("diffusion_models")
+    w = gguf.GGUFWriter(str(folder / "tq.gguf"), "flux")
+    for k, v in flux_sd.items():
+        if k == "double_blocks.0.img_mlp.0.weight":
+            raw = np.zeros((v.shape[0], v.shape[1] // 256 * 66), dtype=np.uint8)       # TQ2_0 blocks
+            w.add_tensor(k, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.TQ2_0)
+        else:
+            w.add_tensor(k, v.float().numpy())
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    comfyui.refresh_models()
+    prompt = {"1": {"class_type": "MetalGGUFModelLoader", "inputs": {"unet_name": "tq.gguf", "compute_dtype": "fp32"}}}
+    with pytest.raises(comfyui_env.ComfyPromptError) as e:
+        comfyui.run_prompt(prompt, execute=["1"])
+    msg = str(e.value)
+    assert "tq.gguf" in msg and "double_blocks.0.img_mlp.0.weight" in msg and "TQ2_0" in msg, msg
+    assert "Q4_K" in msg and "Q8_0" in msg and "IQ4_XS" in msg, msg
+    prompt["1"]["inputs"]["unet_name"] = flux_files["Q8_0"][0]
+    comfyui.run_prompt(prompt, execute=["1"])
+
+
+def test_t5_llama_cpp_names_map_onto_comfyuis_t5(comfyui, loader_mod):
+    """Every T5 encoder tensor name llama.cpp defines (from the gguf package's own tables) maps onto a
+    parameter of ComfyUI's T5 encoder."""
+    import gguf
+    import comfy.ops
+    import comfy.text_encoders.t5 as t5
+
+    reader_mod = importlib.import_module(comfyui.pack_module.__name__ + ".nodes.gguf.reader")
+    cfg = {"d_ff": 64, "d_kv": 8, "d_model": 32, "dense_act_fn": "gelu_pytorch_tanh", "is_gated_act": True,
+           "model_type": "t5", "num_heads": 4, "num_layers": 2, "vocab_size": 100, "relative_attention_num_buckets": 32,
+           "relative_attention_max_distance": 128}
+    net = t5.T5(cfg, torch.float32, "cpu", comfy.ops.manual_cast)
+    keys = set(net.state_dict())
+    arch = gguf.MODEL_ARCH.T5ENCODER
+    names = []
+    for tensor in gguf.MODEL_TENSORS[arch]:
+        base = gguf.TENSOR_NAMES[tensor]
+        for bid in (0, 1):
+            n = base.format(bid=bid) + ".weight"
+            if tensor == gguf.MODEL_TENSOR.ENC_ATTN_REL_B and bid == 1:
+                continue            # only the first block carries the relative attention bias
+            names.append(n)
+    mapped = {n: reader_mod.t5_key(n) for n in names}
+    missing = {n: m for n, m in mapped.items() if m not in keys and not n.startswith("output")}
+    assert not missing, missing
+    assert "shared.weight" in mapped.values() and "encoder.final_layer_norm.weight" in mapped.values()
+
+
+@pytest.fixture(scope="module")
+def clip_l_gguf(comfyui):
+    """A random full-size CLIP-L (its tokenizer ships with ComfyUI) as a Q8_0 GGUF with ComfyUI's
+    tensor names, and the same values dequantised by the gguf package as fp16 safetensors."""
+    import json
+    import os
+
+    import comfy.clip_model
+    import comfy.ops
+    import comfy.sd1_clip
+    from safetensors.torch import save_file
+
+    with open(os.path.join(os.path.dirname(comfy.sd1_clip.__file__), "sd1_clip_config.json")) as f:
+        config = json.load(f)
+    net = comfy.clip_model.CLIPTextModel(config, torch.float32, "cpu", comfy.ops.manual_cast)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            p.copy_(1 + 0.05 * torch.randn(p.shape, generator=g) if "norm" in name and name.endswith("weight")
+                    else torch.randn(p.shape, generator=g) * 0.02)
+    sd = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    del net
+    folder = comfyui.models_dir("text_encoders")
+    values, nq = gm.write_gguf(folder / "clip_l_Q8_0.gguf", sd, "Q8_0", "clip")
+    save_file({k: v.to(torch.float16).contiguous() for k, v in values.items()},
+              str(folder / "clip_l_Q8_0_dequantized.safetensors"))
+    comfyui.refresh_models()
+    return "clip_l_Q8_0.gguf", "clip_l_Q8_0_dequantized.safetensors", nq
+
+
+def test_text_encoder_matches_stock(comfyui, ops_mod, clip_l_gguf):
+    name, deq_name, nq = clip_l_gguf
+    text = "a photo of a cat on a red sofa"
+    prompt = {"1": {"class_type": "MetalGGUFTextEncoderLoader",
+                    "inputs": {"clip_name": name, "type": "stable_diffusion", "device": "cpu"}},
+              "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": text}}}
+    res = comfyui.run_prompt(prompt, execute=["1", "2"])
+    ours, ca = res.node_outputs["1"][0], res.node_outputs["2"][0]
+    ours = ours[0] if isinstance(ours, list) else ours
+    if not isinstance(ca[0][0], torch.Tensor):
+        ca = ca[0]
+    layers = dict(ops_mod.gguf_modules(ours.cond_stage_model))
+    assert len(layers) == nq >= 48
+    assert any(type(m).__name__ == "Embedding" for m in layers.values())     # the token embedding stays Q8_0
+    (stock,) = comfyui.nodes.CLIPLoader().load_clip(deq_name, "stable_diffusion", "cpu")
+    (cb,) = comfyui.nodes.CLIPTextEncode().encode(stock, text)
+    a, b = ca[0][0].float(), cb[0][0].float()
+    pa, pb = ca[0][1]["pooled_output"].float(), cb[0][1]["pooled_output"].float()
+    rel, relp = ((a - b).norm() / b.norm()).item(), ((pa - pb).norm() / pb.norm()).item()
+    print(f"clip-l Q8_0 ours vs stock (dequantised): cond rel {rel:.2e}, pooled rel {relp:.2e}")
+    assert torch.isfinite(a).all() and a.shape == b.shape
+    assert rel < 1e-2 and relp < 1e-2
