@@ -31,11 +31,14 @@ def register_gguf_folders() -> None:
     models/diffusion_models and extra paths) and text_encoders (models/text_encoders, models/clip)."""
     import folder_paths
 
+    table = getattr(folder_paths, "folder_names_and_paths", None)
+    if table is None:                   # not ComfyUI's folder_paths (a stand-in: nothing to register)
+        return
     for kind, source in GGUF_FOLDERS.items():
         paths = list(folder_paths.get_folder_paths(source))
-        current = folder_paths.folder_names_and_paths.get(kind)
+        current = table.get(kind)
         if current is None or list(current[0]) != paths:
-            folder_paths.folder_names_and_paths[kind] = (paths, {".gguf"})
+            table[kind] = (paths, {".gguf"})
             getattr(folder_paths, "filename_list_cache", {}).pop(kind, None)
 
 
@@ -157,6 +160,17 @@ def _text_encoder_files() -> list[str]:
                   | set(folder_paths.get_filename_list("text_encoders")))
 
 
+def _dual_clip_types() -> list[str]:
+    """The types of ComfyUI's DualCLIPLoader (flux, hunyuan_video, ...: the two-encoder families)."""
+    import sys
+
+    try:
+        return list(sys.modules["nodes"].DualCLIPLoader.INPUT_TYPES()["required"]["type"][0])
+    except Exception:
+        return ["sdxl", "sd3", "flux", "hunyuan_video", "hidream", "hunyuan_image", "hunyuan_video_15", "kandinsky5",
+                "kandinsky5_image", "ltxv", "newbie", "ace"]
+
+
 def _default_device() -> str:
     from ...metal_kernels.probe import mps_available
 
@@ -224,7 +238,7 @@ class MetalGGUFDualTextEncoderLoader:
         return {"required": {
             "clip_name1": (files, {"tooltip": "first text encoder (e.g. the T5 .gguf for Flux)"}),
             "clip_name2": (files, {"tooltip": "second text encoder (e.g. clip_l.safetensors for Flux)"}),
-            "type": (_clip_types(), {"default": "flux", "tooltip": _TYPE_TIP}),
+            "type": (_dual_clip_types(), {"default": "flux", "tooltip": _TYPE_TIP}),
             "device": (["gpu", "cpu"], {"default": _default_device(), "tooltip": _DEVICE_TIP}),
         }}
 

@@ -93,6 +93,42 @@ def write_scaled_fp8(path: pathlib.Path, sd: dict, metadata: dict | None = None,
     save_file({k: t.contiguous() for k, t in out.items()}, str(path), metadata=metadata or {})
 
 
+# llama.cpp's names for T5 encoder tensors (how city96's t5-v1_1-xxl-encoder-gguf files name them).
+_T5_TO_LLAMA_CPP = (
+    ("encoder.block.", "enc.blk."), ("encoder.final_layer_norm", "enc.output_norm"), ("shared", "token_embd"),
+    (".layer.0.SelfAttention.relative_attention_bias.", ".attn_rel_b."),
+    (".layer.0.SelfAttention.q.", ".attn_q."), (".layer.0.SelfAttention.k.", ".attn_k."),
+    (".layer.0.SelfAttention.v.", ".attn_v."), (".layer.0.SelfAttention.o.", ".attn_o."),
+    (".layer.0.layer_norm.", ".attn_norm."), (".layer.1.layer_norm.", ".ffn_norm."),
+    (".layer.1.DenseReluDense.wi_0.", ".ffn_gate."), (".layer.1.DenseReluDense.wi_1.", ".ffn_up."),
+    (".layer.1.DenseReluDense.wo.", ".ffn_down."),
+)
+
+
+def write_gguf_q8_0(path: pathlib.Path, sd: dict, arch: str, llama_cpp_t5_names: bool = False) -> None:
+    """A GGUF file as ComfyUI-GGUF's converters write them: 2-D weights whose rows are whole 32-value
+    blocks in Q8_0 (the gguf package's quantiser), everything else F32."""
+    import gguf
+    from gguf.quants import quantize
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for k, v in sd.items():
+        name = k
+        if llama_cpp_t5_names:
+            for a, b in _T5_TO_LLAMA_CPP:
+                name = name.replace(a, b)
+        a = v.detach().float().contiguous().numpy()
+        if k.endswith(".weight") and v.dim() == 2 and v.shape[-1] % 32 == 0 and "norm" not in k:
+            raw = quantize(a, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 # ---------------------------------------------------------------------------- diffusion models
 
 def flux_state_dict(seed=1) -> dict:
@@ -238,7 +274,7 @@ def write_qwen3_moe_folder(folder: pathlib.Path, seed=8) -> pathlib.Path:
 
 def place_models(comfyui, names: dict) -> dict:
     """Write every tiny model a workflow set needs. `names` maps a role to the file name the
-    workflows use: flux_fp8, flux_bf16? (absent ok), clip_l, t5xxl, umt5xxl, flux_vae, wan_high, wan_low,
+    workflows use: flux_fp8, flux_gguf, flux_bf16? (absent ok), clip_l, t5xxl, t5xxl_gguf, umt5xxl, flux_vae, wan_high, wan_low,
     wan_vae, wan5b_fp16, moe_folder. Returns {role: path}. Files that exist are kept (session reuse)."""
     out = {}
 
@@ -257,6 +293,7 @@ def place_models(comfyui, names: dict) -> dict:
         out[role] = p
 
     write("flux_fp8", "diffusion_models", lambda p: write_scaled_fp8(p, flux_state_dict()))
+    write("flux_gguf", "diffusion_models", lambda p: write_gguf_q8_0(p, flux_state_dict(), "flux"))
     write("wan_high", "diffusion_models", lambda p: write_scaled_fp8(p, wan_state_dict(seed=21), wan_metadata()))
     write("wan_low", "diffusion_models", lambda p: write_scaled_fp8(p, wan_state_dict(seed=22), wan_metadata()))
     write("wan5b_fp16", "diffusion_models",
@@ -265,6 +302,8 @@ def place_models(comfyui, names: dict) -> dict:
     write("clip_l", "text_encoders", lambda p: save_file(_bf16(clip_l_state_dict()), str(p)))
     # the T5 / UMT5 files have the layout of the real *_fp8_e4m3fn_scaled files (ComfyUI converts it itself)
     write("t5xxl", "text_encoders", lambda p: write_scaled_fp8(p, t5_state_dict("t5_config_xxl.json", T5XXL)))
+    write("t5xxl_gguf", "text_encoders",
+          lambda p: write_gguf_q8_0(p, t5_state_dict("t5_config_xxl.json", T5XXL), "t5encoder", llama_cpp_t5_names=True))
 
     def umt5(p):
         sd = t5_state_dict("umt5_config_xxl.json", UMT5XXL, seed=7)

@@ -50,12 +50,16 @@ UMT5 = ("text_encoders", "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "Comfy-Org/Wa
 WAN_VAE = ("vae", "wan_2.1_vae.safetensors", "Comfy-Org/Wan_2.2_ComfyUI_Repackaged", "split_files/vae/wan_2.1_vae.safetensors")
 WAN5B_FP16 = ("diffusion_models", "wan2.2_ti2v_5B_fp16.safetensors", "Comfy-Org/Wan_2.2_ComfyUI_Repackaged",
               "split_files/diffusion_models/wan2.2_ti2v_5B_fp16.safetensors")
+FLUX_GGUF = ("diffusion_models", "flux1-dev-Q4_K_S.gguf", "city96/FLUX.1-dev-gguf", "flux1-dev-Q4_K_S.gguf")
+T5XXL_GGUF = ("text_encoders", "t5-v1_1-xxl-encoder-Q8_0.gguf", "city96/t5-v1_1-xxl-encoder-gguf",
+              "t5-v1_1-xxl-encoder-Q8_0.gguf")
 MOE_FOLDER = ("text_encoders", "Qwen3-30B-A3B-Instruct-2507/", "Qwen/Qwen3-30B-A3B-Instruct-2507", "(the whole repository)")
 
 # Which tiny test model stands in for which file (tests/workflow_models.place_models roles).
 TEST_ROLES = {FLUX_MODEL[1]: "flux_fp8", CLIP_L[1]: "clip_l", T5XXL_FP8[1]: "t5xxl", FLUX_VAE[1]: "flux_vae",
               WAN_HIGH[1]: "wan_high", WAN_LOW[1]: "wan_low", UMT5[1]: "umt5xxl", WAN_VAE[1]: "wan_vae",
-              WAN5B_FP16[1]: "wan5b_fp16", MOE_FOLDER[1]: "moe_folder"}
+              WAN5B_FP16[1]: "wan5b_fp16", MOE_FOLDER[1]: "moe_folder", FLUX_GGUF[1]: "flux_gguf",
+              T5XXL_GGUF[1]: "t5xxl_gguf"}
 
 FLUX_PROMPT = ("A red fox sitting in fresh snow at dawn, soft golden light, shallow depth of field, "
                "detailed fur, photograph")
@@ -109,6 +113,42 @@ def fp8_flux_t2i() -> tuple[dict, list[str], dict]:
         "(or larger) decode fits in little memory.",
     ]
     titles = {"1": "Load Diffusion Model (FP8, Metal)", "9": "VAE Decode (Low Memory, Metal)"}
+    return p, notes, titles
+
+
+def gguf_flux_t2i() -> tuple[dict, list[str], dict]:
+    p = {
+        "1": {"class_type": "MetalGGUFModelLoader", "inputs": {"unet_name": FLUX_GGUF[1], "compute_dtype": "auto"}},
+        "2": {"class_type": "MetalGGUFDualTextEncoderLoader",
+              "inputs": {"clip_name1": T5XXL_GGUF[1], "clip_name2": CLIP_L[1], "type": "flux", "device": "gpu"}},
+        "3": {"class_type": "VAELoader", "inputs": {"vae_name": FLUX_VAE[1]}},
+        "4": {"class_type": "CLIPTextEncode", "inputs": {"text": FLUX_PROMPT, "clip": ["2", 0]}},
+        "5": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["4", 0], "guidance": 3.5}},
+        "6": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["4", 0]}},
+        "7": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 1024, "height": 1024, "batch_size": 1}},
+        "8": {"class_type": "KSampler",
+              "inputs": {"model": ["1", 0], "seed": 42, "steps": 20, "cfg": 1.0, "sampler_name": "euler_metal",
+                         "scheduler": "simple", "positive": ["5", 0], "negative": ["6", 0],
+                         "latent_image": ["7", 0], "denoise": 1.0}},
+        "9": {"class_type": DECODE, "inputs": {"samples": ["8", 0], "vae": ["3", 0], **IMAGE_DECODE}},
+        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": "comfy_metal/flux_gguf"}},
+    }
+    notes = [
+        model_note([FLUX_GGUF, T5XXL_GGUF, CLIP_L, FLUX_VAE],
+                   "ComfyUI-GGUF users: the same files, in the same folders (models/unet or "
+                   "models/diffusion_models for the model, models/clip or models/text_encoders for the T5). "
+                   "Any quant works (Q8_0, Q6_K, Q5_K_S, Q4_K_S, Q4_0, Q3_K_S, Q2_K ...); the T5 may also be a "
+                   "t5xxl .safetensors."),
+        "GGUF Flux text-to-image on a Mac (Comfy Metal).\n\n"
+        "- Load Diffusion Model (GGUF, Metal) keeps the weights quantised in memory (Q4_K_S: about 4.5 "
+        "bits a weight, 6.8 GB for FLUX.1-dev) and dequantises each layer with a Metal kernel at forward "
+        "time (a fused dequantise + GEMV kernel for small batches). LoRAs apply to the dequantised weights.\n"
+        "- Load 2 Text Encoders (GGUF, Metal) takes the GGUF T5 (kept quantised) with the CLIP-L file.\n"
+        "- KSampler with euler_metal; Flux.1-dev is guidance-distilled: cfg 1.0 with FluxGuidance 3.5.\n"
+        "- VAE Decode (Low Memory, Metal) decodes in tiles with whole-image statistics.",
+    ]
+    titles = {"1": "Load Diffusion Model (GGUF, Metal)", "2": "Load 2 Text Encoders (GGUF, Metal)",
+              "9": "VAE Decode (Low Memory, Metal)"}
     return p, notes, titles
 
 
@@ -233,6 +273,7 @@ def quantize_and_save() -> tuple[dict, list[str], dict]:
 WORKFLOWS = {
     "fp8_flux_t2i": fp8_flux_t2i,
     "fp8_wan22_t2v": fp8_wan22_t2v,
+    "gguf_flux_t2i": gguf_flux_t2i,
     "moe_t2i_prompt_enhancer": moe_t2i_prompt_enhancer,
     "quantize_and_save": quantize_and_save,
 }
@@ -246,7 +287,7 @@ def model_files(name: str) -> list[tuple[str, str]]:
         for value in node["inputs"].values():
             if isinstance(value, str) and value in TEST_ROLES:
                 for spec in (FLUX_MODEL, CLIP_L, T5XXL_FP8, FLUX_VAE, WAN_HIGH, WAN_LOW, UMT5, WAN_VAE,
-                             WAN5B_FP16, MOE_FOLDER):
+                             WAN5B_FP16, MOE_FOLDER, FLUX_GGUF, T5XXL_GGUF):
                     if spec[1] == value and (spec[0], spec[1]) not in out:
                         out.append((spec[0], spec[1]))
     return out

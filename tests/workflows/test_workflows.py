@@ -226,6 +226,18 @@ def test_fp8_flux_t2i_executes(comfyui, models, tiny_text_encoders, dispatch):
     ran(dispatch, "fp8_decode", "sampler_euler_step", "vae_blend_accumulate")
 
 
+def test_gguf_flux_t2i_executes(comfyui, models, tiny_text_encoders, dispatch):
+    """GGUF Flux + a GGUF T5 with llama.cpp tensor names (as city96's files) paired with a CLIP-L file."""
+    _, api = load("gguf_flux_t2i")
+    result = comfyui.run_prompt(shrink(api))
+    (png,) = _output_files(comfyui, result, "10")
+    _check_image(png)
+    assert type(first(result, "1")).__name__ == "MetalFP8ModelPatcher"
+    clip = first(result, "2")
+    assert any(getattr(m, "gguf_qtype", None) == "Q8_0" for m in clip.cond_stage_model.modules())
+    ran(dispatch, "gguf_dequantize", "gguf_gemv", "sampler_euler_step", "vae_blend_accumulate")
+
+
 def test_fp8_wan22_t2v_executes(comfyui, models, tiny_text_encoders, dispatch):
     _, api = load("fp8_wan22_t2v")
     result = comfyui.run_prompt(shrink(api))
