@@ -331,3 +331,38 @@ def test_text_encoder_matches_stock(comfyui, ops_mod, clip_l_gguf):
     print(f"clip-l Q8_0 ours vs stock (dequantised): cond rel {rel:.2e}, pooled rel {relp:.2e}")
     assert torch.isfinite(a).all() and a.shape == b.shape
     assert rel < 1e-2 and relp < 1e-2
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_wan_gguf_matches_stock_loader_on_dequantised_file(comfyui, loader_mod, ops_mod, qtype):
+    """A second architecture: a tiny Wan 2.1 t2v (Conv3d patch embedding kept F32, 5-D video latents)."""
+    import comfy.ldm.wan.model
+    import comfy.ops
+    from safetensors.torch import save_file
+
+    folder = comfyui.models_dir("diffusion_models")
+    net = comfy.ldm.wan.model.WanModel(model_type="t2v", dim=256, ffn_dim=512, num_heads=2, num_layers=2,
+                                       dtype=torch.float32, operations=comfy.ops.manual_cast)
+    _fill(net, seed=6)
+    sd = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    del net
+    values, nq = gm.write_gguf(folder / f"tiny_wan_{qtype}.gguf", sd, qtype, "wan")
+    save_file({k: v.contiguous() for k, v in values.items()}, str(folder / f"tiny_wan_{qtype}_deq.safetensors"))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(folder / "tiny_wan_unquantised.safetensors"))
+    comfyui.refresh_models()
+    (ours,) = loader_mod.MetalGGUFModelLoader().load(f"tiny_wan_{qtype}.gguf", "fp32")
+    (stock,) = comfyui.nodes.UNETLoader().load_unet(f"tiny_wan_{qtype}_deq.safetensors", "default")
+    assert type(ours.model).__name__ == type(stock.model).__name__ == "WAN21"
+    assert len(dict(ops_mod.gguf_modules(ours.model))) == nq >= 10
+    g = torch.Generator().manual_seed(0)
+    pos, neg = [[torch.randn(1, 9, 4096, generator=g), {}]], [[torch.randn(1, 9, 4096, generator=g), {}]]
+    latent = {"samples": torch.zeros(1, 16, 2, 8, 8)}
+    (unquantised,) = comfyui.nodes.UNETLoader().load_unet("tiny_wan_unquantised.safetensors", "default")
+    outs = [comfyui.nodes.KSampler().sample(m, 3, 3, 3.0, "euler", "simple", pos, neg, latent)[0]["samples"].float()
+            for m in (ours, stock, unquantised)]
+    rel = ((outs[0] - outs[1]).norm() / outs[1].norm()).item()
+    rel_q = ((outs[2] - outs[1]).norm() / outs[1].norm()).item()
+    print(f"wan {qtype} ours vs stock on the dequantised file: rel {rel:.2e}, {nq} quantised layers "
+          f"(the quantisation itself moves the result by {rel_q:.2e})")
+    assert torch.isfinite(outs[0]).all() and rel < 1e-4, rel
+    assert rel_q > 1e-4 and rel < rel_q / 10          # the test sees the file's quantised values
