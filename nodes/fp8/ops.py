@@ -526,10 +526,14 @@ RUN_KERNELS = ["fp8_decode", "gemv"]
 def record_fp8_run(model) -> None:
     """Badge record for the node in which an FP8 model just ran (never raises)."""
     try:
-        if any(is_fp8_module(m) for m in model.modules()):
+        formats = {m.fp8_format for m in model.modules() if is_fp8_module(m)}
+        if formats:
             from ..status import record_node_backend
 
-            record_node_backend(None, RUN_KERNELS)
+            kernels = list(RUN_KERNELS) if formats - {"gguf"} else []
+            if "gguf" in formats:            # GGUF layers (nodes/gguf) run their own kernels
+                kernels += ["gguf_dequantize", "gguf_gemv"]
+            record_node_backend(None, kernels)
     except Exception as e:  # a badge must never break sampling
         log.debug("comfy_metal: FP8 run record failed: %s", e)
 

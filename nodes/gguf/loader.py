@@ -103,6 +103,11 @@ def text_encoder_state_dict(path) -> dict:
                                 f"llama.cpp names for {', '.join(TEXT_ARCHS)} only (files with ComfyUI/Hugging Face "
                                 f"tensor names load for every architecture)")
         key_map = t5_key
+        embd = next((t for t in f.tensors if t.name == "token_embd.weight"), None)
+        if embd is not None and int(embd.shape[-1]) > 200000:
+            raise GGUFFileError(f"{f.name}: a UMT5 text encoder (vocabulary {int(embd.shape[-1])}); its tokenizer "
+                                f"is only in the GGUF metadata, which this loader does not rebuild yet: load the "
+                                f"umt5 .safetensors with ComfyUI's CLIPLoader or the FP8 text encoder loader")
     return f.state_dict(key_map)
 
 
@@ -215,7 +220,7 @@ class MetalGGUFTextEncoderLoader:
     def INPUT_TYPES(cls):
         return {"required": {
             "clip_name": (_text_encoder_files(), {"tooltip": "text encoder in models/text_encoders or models/clip: "
-                          "a .gguf (T5/UMT5 with llama.cpp names, or ComfyUI names) or any file CLIPLoader reads"}),
+                          "a .gguf (T5 with llama.cpp names, or ComfyUI names) or any file CLIPLoader reads"}),
             "type": (_clip_types(), {"tooltip": _TYPE_TIP}),
             "device": (["gpu", "cpu"], {"default": _default_device(), "tooltip": _DEVICE_TIP}),
         }}
