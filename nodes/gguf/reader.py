@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 
 import numpy as np
 import torch
@@ -102,7 +101,9 @@ class GGUFFile:
             raise GGUFFileError(f"{self.name}: no such file ({self.path})")
         size = os.path.getsize(self.path)
         try:
-            self.reader = _reader_class()(self.path)
+            # copy-on-write map: nothing is ever written to the file, and tensors viewing it are writable
+            # (the MSL emulator copies every bound buffer back after a launch)
+            self.reader = _reader_class()(self.path, "c")
         except GGUFFileError as e:
             raise GGUFFileError(f"{self.name}: {e}") from e
         except Exception as e:
@@ -129,9 +130,7 @@ class GGUFFile:
         for t in self.tensors:
             qname = t.tensor_type.name
             shape = _orig_shape(self.reader, t.name) or tuple(int(d) for d in reversed(t.shape.tolist()))
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                data = torch.from_numpy(t.data)                 # a view of the memory map
+            data = torch.from_numpy(t.data)                     # a view of the memory map
             if qname in ("F32", "F16"):
                 value = data.reshape(shape)
             elif qname == "BF16":
