@@ -18,7 +18,8 @@ from ..fp8_loader import (COMPUTE_DTYPES, FP8LoadError, _call_with_supported, _c
                           _resolve_compute_dtype, _wrap_errors)
 from ..fp8_ops import wrap_patcher
 from .ops import RUN_KERNELS, GGUFTensor, gguf_modules, make_gguf_ops, weight_bytes
-from .reader import IMAGE_ARCHS, TEXT_ARCHS, GGUFFile, GGUFFileError, t5_key, uses_llama_cpp_names
+from .reader import (IMAGE_ARCHS, LLAMA_ARCHS, TEXT_ARCHS, GGUFFile, GGUFFileError, llama_state_dict,
+                     t5_key, uses_llama_cpp_names)
 
 log = logging.getLogger("comfy_metal")
 
@@ -64,7 +65,7 @@ def load_diffusion_model(path, compute_dtype="auto", model_options=None):
     t0 = time.perf_counter()
     f = GGUFFile(path)
     log.info("comfy_metal: loading %s", f.describe())
-    if f.arch is not None and f.arch not in IMAGE_ARCHS and uses_llama_cpp_names(f):
+    if f.arch in TEXT_ARCHS or (f.arch is not None and f.arch not in IMAGE_ARCHS and uses_llama_cpp_names(f)):
         raise GGUFFileError(f"{f.name}: architecture {f.arch!r} is a text model (llama.cpp tensor names), not a "
                             f"diffusion model: load it with Load Text Encoder (GGUF, Metal)")
     sd = f.state_dict()
@@ -102,6 +103,8 @@ def text_encoder_state_dict(path) -> dict:
             raise GGUFFileError(f"{f.name}: a {f.arch!r} text model with llama.cpp tensor names; this loader maps "
                                 f"llama.cpp names for {', '.join(TEXT_ARCHS)} only (files with ComfyUI/Hugging Face "
                                 f"tensor names load for every architecture)")
+        if f.arch in LLAMA_ARCHS:
+            return llama_state_dict(f)
         key_map = t5_key
         embd = next((t for t in f.tensors if t.name == "token_embd.weight"), None)
         if embd is not None and int(embd.shape[-1]) > 200000:
@@ -220,7 +223,7 @@ class MetalGGUFTextEncoderLoader:
     def INPUT_TYPES(cls):
         return {"required": {
             "clip_name": (_text_encoder_files(), {"tooltip": "text encoder in models/text_encoders or models/clip: "
-                          "a .gguf (T5 with llama.cpp names, or ComfyUI names) or any file CLIPLoader reads"}),
+                          "a .gguf (T5, Llama, Qwen2/2.5-VL, Qwen3 with llama.cpp names, or ComfyUI names) or any file CLIPLoader reads"}),
             "type": (_clip_types(), {"tooltip": _TYPE_TIP}),
             "device": (["gpu", "cpu"], {"default": _default_device(), "tooltip": _DEVICE_TIP}),
         }}

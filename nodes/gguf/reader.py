@@ -20,8 +20,10 @@ PLAIN_TYPES = ("F32", "F16", "BF16")
 # general.architecture values of diffusion models in GGUF files (ComfyUI-GGUF's converter writes these)
 IMAGE_ARCHS = ("flux", "sd1", "sdxl", "sd3", "aura", "hidream", "cosmos", "ltxv", "hyvid", "wan", "lumina2",
                "qwen_image", "chroma", "hunyuan_video")
-# text encoders whose llama.cpp tensor names this loader maps to ComfyUI's
-TEXT_ARCHS = ("t5", "t5encoder")
+# text encoders whose llama.cpp tensor names this loader maps to ComfyUI's (Hugging Face) names
+T5_ARCHS = ("t5", "t5encoder")
+LLAMA_ARCHS = ("llama", "qwen2", "qwen2vl", "qwen3")
+TEXT_ARCHS = T5_ARCHS + LLAMA_ARCHS
 
 
 class GGUFFileError(RuntimeError):
@@ -167,6 +169,61 @@ def t5_key(name: str) -> str:
     for a, b in _T5_NAMES:
         name = name.replace(a, b)
     return name
+
+
+# llama.cpp's decoder (Llama / Qwen2 / Qwen2-VL / Qwen3) tensor names -> Hugging Face's.
+_LLAMA_NAMES = (
+    ("token_embd.", "model.embed_tokens."), ("output_norm.", "model.norm."), ("output.", "lm_head."),
+    ("blk.", "model.layers."), (".attn_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
+    (".attn_q_norm.", ".self_attn.q_norm."), (".attn_k_norm.", ".self_attn.k_norm."),
+    (".attn_q.", ".self_attn.q_proj."), (".attn_k.", ".self_attn.k_proj."), (".attn_v.", ".self_attn.v_proj."),
+    (".attn_output.", ".self_attn.o_proj."),
+    (".ffn_gate.", ".mlp.gate_proj."), (".ffn_up.", ".mlp.up_proj."), (".ffn_down.", ".mlp.down_proj."),
+)
+
+
+def llama_key(name: str) -> str:
+    for a, b in _LLAMA_NAMES:
+        if a.endswith(".") and not a.startswith(".") and name.startswith(a):
+            name = b + name[len(a):]
+        elif a.startswith("."):
+            name = name.replace(a, b)
+    return name
+
+
+def unpermute_rows(t, n_head: int):
+    """Undo llama.cpp's rotary row order of a Llama q/k projection (its converter interleaves the two
+    halves of every head): rows of a plain tensor, or of a GGUFTensor's blocks (rows are whole blocks)."""
+    raw = t.raw() if isinstance(t, GGUFTensor) else t
+    n = raw.shape[0]
+    if n % (2 * n_head):
+        raise GGUFFileError(f"tensor {getattr(t, 'gguf_name', '?')}: {n} rows do not split into {n_head} heads")
+    rest = raw.shape[1:]
+    out = raw.reshape(n_head, n // n_head // 2, 2, *rest).transpose(1, 2).reshape(n, *rest).contiguous()
+    if isinstance(t, GGUFTensor):
+        return GGUFTensor(out, t.gguf_qtype, t.gguf_shape, t.gguf_name)
+    return out
+
+
+def _field_int(reader, key):
+    field = reader.get_field(key)
+    return None if field is None else int(field.parts[field.data[-1]][0])
+
+
+def llama_state_dict(f: "GGUFFile") -> dict:
+    """A llama.cpp-named decoder's state dict in Hugging Face names (q/k rows restored for Llama)."""
+    sd = f.state_dict(llama_key)
+    if f.arch == "llama":
+        heads = _field_int(f.reader, "llama.attention.head_count")
+        kv_heads = _field_int(f.reader, "llama.attention.head_count_kv") or heads
+        if not heads:
+            raise GGUFFileError(f"{f.name}: a Llama text encoder without llama.attention.head_count metadata")
+        for k in list(sd):
+            if k.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+                sd[k] = unpermute_rows(sd[k], heads)
+            elif k.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+                sd[k] = unpermute_rows(sd[k], kv_heads)
+    return sd
 
 
 def uses_llama_cpp_names(f: GGUFFile) -> bool:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import gguf_models
 import gguf_models as gm
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -362,3 +363,50 @@ def test_wan_gguf_matches_stock_loader_on_dequantised_file(comfyui, loader_mod, 
           f"(the quantisation itself moves the result by {rel_q:.2e})")
     assert torch.isfinite(outs[0]).all() and rel < 1e-4, rel
     assert rel_q > 1e-4 and rel < rel_q / 10          # the test sees the file's quantised values
+
+
+@pytest.mark.parametrize("arch,cls", [("LLAMA", "Llama2"), ("QWEN2VL", "Qwen25_7BVLI"), ("QWEN3", "Qwen3_4B")])
+def test_llama_cpp_decoder_names_map_onto_comfyuis_text_models(comfyui, arch, cls):
+    """Every decoder tensor name llama.cpp defines for the architecture (the gguf package's own tables)
+    maps onto a parameter of ComfyUI's text model (built on the meta device, two layers)."""
+    import gguf
+    import comfy.ops
+    import comfy.text_encoders.llama as llama
+
+    reader_mod = importlib.import_module(comfyui.pack_module.__name__ + ".nodes.gguf.reader")
+    net = getattr(llama, cls)({"num_hidden_layers": 2}, torch.float32, "meta", comfy.ops.manual_cast)
+    keys = set(net.state_dict())
+    a = getattr(gguf.MODEL_ARCH, arch)
+    wanted = {gguf.MODEL_TENSOR.TOKEN_EMBD, gguf.MODEL_TENSOR.OUTPUT_NORM, gguf.MODEL_TENSOR.ATTN_NORM,
+              gguf.MODEL_TENSOR.ATTN_Q, gguf.MODEL_TENSOR.ATTN_K, gguf.MODEL_TENSOR.ATTN_V, gguf.MODEL_TENSOR.ATTN_OUT,
+              gguf.MODEL_TENSOR.FFN_NORM, gguf.MODEL_TENSOR.FFN_GATE, gguf.MODEL_TENSOR.FFN_UP,
+              gguf.MODEL_TENSOR.FFN_DOWN, gguf.MODEL_TENSOR.ATTN_Q_NORM, gguf.MODEL_TENSOR.ATTN_K_NORM}
+    names = [gguf.TENSOR_NAMES[t].format(bid=b) + ".weight" for t in gguf.MODEL_TENSORS[a] if t in wanted for b in (0, 1)]
+    assert len(names) >= 22
+    missing = {n: reader_mod.llama_key(n) for n in names if reader_mod.llama_key(n) not in keys}
+    assert not missing, missing
+    if arch == "QWEN2VL":      # Qwen2's q/k/v projections carry biases
+        assert reader_mod.llama_key("blk.1.attn_k.bias") in keys
+
+
+def test_llama_rows_restored_after_llama_cpp_permutation(comfyui):
+    """llama.cpp's converter reorders the rows of Llama q/k projections per head (its `permute`); the
+    loader restores them, on plain tensors and on quantised blocks alike."""
+    reader_mod = importlib.import_module(comfyui.pack_module.__name__ + ".nodes.gguf.reader")
+    ops = importlib.import_module(comfyui.pack_module.__name__ + ".nodes.gguf.ops")
+    from gguf.quants import dequantize, quantize
+
+    def llama_cpp_permute(w, n_head):     # as convert_hf_to_gguf.py's LlamaModel.permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    w = np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32)
+    for heads in (4, 8):
+        p = llama_cpp_permute(w, heads)
+        assert not np.array_equal(p, w)
+        back = reader_mod.unpermute_rows(torch.from_numpy(p), heads)
+        assert torch.equal(back, torch.from_numpy(w))
+        raw = torch.from_numpy(quantize(p, gguf_models.Q.Q8_0))
+        t = reader_mod.unpermute_rows(ops.GGUFTensor(raw, "Q8_0", (64, 96)), heads)
+        assert t.shape == (64, 96)
+        assert torch.equal(ops.dequantize_tensor(t), torch.from_numpy(dequantize(quantize(w, gguf_models.Q.Q8_0),
+                                                                                   gguf_models.Q.Q8_0)))
