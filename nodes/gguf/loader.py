@@ -261,4 +261,40 @@ class MetalGGUFDualTextEncoderLoader:
         return (clip,)
 
 
+def _multi_loader(n: int, label: str):
+    """Load 3 / 4 Text Encoders (GGUF, Metal): like ComfyUI's Triple/QuadrupleCLIPLoader (SD3.5: CLIP-L,
+    CLIP-G, T5; HiDream: CLIP-L, CLIP-G, T5, Llama), any of the files a GGUF."""
+
+    class Loader:
+        @classmethod
+        def INPUT_TYPES(cls):
+            files = _text_encoder_files()
+            inputs = {f"clip_name{i}": (files, {"tooltip": f"text encoder {i} of {n} (a .gguf or any file "
+                                                          f"CLIPLoader reads)"}) for i in range(1, n + 1)}
+            inputs["device"] = (["gpu", "cpu"], {"default": _default_device(), "tooltip": _DEVICE_TIP})
+            return {"required": inputs}
+
+        RETURN_TYPES = ("CLIP",)
+        FUNCTION = "load"
+        CATEGORY = "Comfy Metal/loaders"
+        DESCRIPTION = (f"Loads {n} text encoders (GGUF or not) as one CLIP ({label}), GGUF weights kept "
+                       f"quantised; ComfyUI detects the family from the files.")
+
+        def load(self, device="gpu", **names):
+            paths = [_te_path(names[f"clip_name{i}"]) for i in range(1, n + 1)]
+            clip = load_text_encoder(paths, "stable_diffusion", device)
+            _record(type(self).__name__, [])
+            return (clip,)
+
+    return Loader
+
+
+MetalGGUFTripleTextEncoderLoader = _multi_loader(3, "e.g. SD3.5")
+MetalGGUFTripleTextEncoderLoader.__name__ = MetalGGUFTripleTextEncoderLoader.__qualname__ = \
+    "MetalGGUFTripleTextEncoderLoader"
+MetalGGUFQuadrupleTextEncoderLoader = _multi_loader(4, "e.g. HiDream")
+MetalGGUFQuadrupleTextEncoderLoader.__name__ = MetalGGUFQuadrupleTextEncoderLoader.__qualname__ = \
+    "MetalGGUFQuadrupleTextEncoderLoader"
+
+
 __all__ = ["GGUFFileError", "FP8LoadError", "load_diffusion_model", "load_text_encoder"]

@@ -410,3 +410,15 @@ def test_llama_rows_restored_after_llama_cpp_permutation(comfyui):
         assert t.shape == (64, 96)
         assert torch.equal(ops.dequantize_tensor(t), torch.from_numpy(dequantize(quantize(w, gguf_models.Q.Q8_0),
                                                                                    gguf_models.Q.Q8_0)))
+
+
+def test_every_gguf_node_has_tooltips_and_the_loaders_category(comfyui):
+    gguf_nodes = {k: v for k, v in comfyui.pack_module.NODE_CLASS_MAPPINGS.items() if "GGUF" in k}
+    assert set(gguf_nodes) == {"MetalGGUFModelLoader", "MetalGGUFTextEncoderLoader", "MetalGGUFDualTextEncoderLoader",
+                               "MetalGGUFTripleTextEncoderLoader", "MetalGGUFQuadrupleTextEncoderLoader"}
+    info = comfyui.object_info()
+    for name, cls in gguf_nodes.items():
+        assert cls.CATEGORY == "Comfy Metal/loaders" and name in info
+        for spec in cls.INPUT_TYPES()["required"].values():
+            assert spec[1].get("tooltip"), (name, spec)
+
