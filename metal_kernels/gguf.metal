@@ -11,9 +11,10 @@
 //   so value e is value e % BS of block e / BS). Each thread handles 4 consecutive values per step
 //   and strides by nthreads * 4 (64-bit indices, any n).
 // gguf_gemv_<type>: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for M <= GGUF_GEMV_MAX_M rows,
-//   fp32 accumulation; one simdgroup computes GGUF_GEMV_COLS adjacent columns, its 32 lanes stride
-//   over K (a 32-value block is read by 32 lanes at once), then simd_sum. No threadgroup memory, no
-//   barriers: a partial last threadgroup is harmless.
+//   fp32 accumulation; one simdgroup computes GGUF_GEMV_COLS adjacent columns, each lane 4 consecutive
+//   values per step (the simdgroup 128: coalesced block reads, each block's scales decoded for 4
+//   values at once), then simd_sum. No threadgroup memory, no barriers: a partial last threadgroup
+//   is harmless.
 // Written in C++14 (Metal's dialect).
 
 #define GGUF_GEMV_MAX_M 8
@@ -194,11 +195,13 @@ kernel void NAME(device const uchar* src [[buffer(0)]],                         
                  constant long& nthreads [[buffer(3)]],                                       \
                  uint gid [[thread_position_in_grid]]) {                                      \
     for (long i = long(gid) * 4; i < n; i += nthreads * 4) {                                  \
+        /* blocks hold a multiple of 4 values: the 4 values of a step share one block */      \
+        const long blk = i / Q::BS;                                                           \
+        const int j0 = int(i - blk * Q::BS);                                                  \
+        device const uchar* b = src + blk * Q::TS;                                            \
         for (int j = 0; j < 4; ++j) {                                                         \
-            const long e = i + j;                                                             \
-            if (e >= n) break;                                                                \
-            const long blk = e / Q::BS;                                                       \
-            gguf_store(dst + e, Q::deq(src + blk * Q::TS, int(e - blk * Q::BS)));             \
+            if (i + j >= n) break;                                                            \
+            gguf_store(dst + i + j, Q::deq(b, j0 + j));                                       \
         }                                                                                     \
     }                                                                                         \
 }
@@ -212,15 +215,28 @@ inline void gguf_gemv_columns(device const float* x, device const uchar* w, devi
     float acc[GGUF_GEMV_COLS][MM];
     for (int c = 0; c < GGUF_GEMV_COLS; ++c)
         for (int m = 0; m < MM; ++m) acc[c][m] = 0.0f;
-    for (long k = long(lane); k < K; k += 32) {
-        float xv[MM];
-        for (int m = 0; m < MM; ++m) xv[m] = x[long(m) * K + k];
+    // Each lane takes 4 consecutive values per step (K is whole blocks, a multiple of 32, so the 4
+    // share one block and its scales), the simdgroup 128 consecutive values.
+    for (long k = long(lane) * 4; k < K; k += 128) {
+        float4 xv[MM];
+        for (int m = 0; m < MM; ++m) {
+            device const float* xr = x + long(m) * K + k;
+            xv[m] = float4(xr[0], xr[1], xr[2], xr[3]);
+        }
         const long blk = k / Q::BS;
         const int i = int(k - blk * Q::BS);
         for (int c = 0; c < GGUF_GEMV_COLS; ++c) {
             if (c >= ncols) break;
-            const float wv = Q::deq(w + (n0 + c) * row_bytes + blk * Q::TS, i);
-            for (int m = 0; m < MM; ++m) acc[c][m] = fma(xv[m], wv, acc[c][m]);
+            device const uchar* b = w + (n0 + c) * row_bytes + blk * Q::TS;
+            const float4 wv = float4(Q::deq(b, i), Q::deq(b, i + 1), Q::deq(b, i + 2), Q::deq(b, i + 3));
+            for (int m = 0; m < MM; ++m) {
+                float a = acc[c][m];
+                a = fma(xv[m].x, wv.x, a);
+                a = fma(xv[m].y, wv.y, a);
+                a = fma(xv[m].z, wv.z, a);
+                a = fma(xv[m].w, wv.w, a);
+                acc[c][m] = a;
+            }
         }
     }
     // ncols and MM are uniform within the simdgroup: every lane reaches each simd_sum.
