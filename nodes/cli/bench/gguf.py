@@ -14,6 +14,7 @@ import textwrap
 import torch
 
 from ..bench_fp8 import _COMFY_SETUP, _MAKE_FLUX, _PRELUDE, TO_DEVICE, _comfy_path, _run
+from ..bench_moe import copy_bandwidth
 from ..report import Table, human_bytes, median_seconds
 
 BENCH_TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_XS", "IQ4_NL", "Q3_K", "Q2_K")
@@ -156,7 +157,9 @@ def layer_table(quick: bool) -> Table:
     reps = 3 if quick else 10
     t = Table(f"GGUF Linear {n}x{k} on {device.type}: dequantise + matmul (M > 8) or fused GEMV (M <= 8), "
               f"against the reference and a plain {str(dtype).replace('torch.', '')} matmul",
-              ["type", "M", "path", "ms", "reference ms", "vs reference", "plain matmul ms", "weight GB/s", "backend"])
+              ["type", "M", "path", "ms", "reference ms", "vs reference", "plain matmul ms", "weight GB/s",
+               "of roofline", "backend"])
+    bw = copy_bandwidth(device, (64 if quick else 256) << 20)
     g = torch.Generator().manual_seed(0)
     w_plain = (torch.randn(n, k, generator=g) * 0.02).to(device, dtype)
     for q in ("Q8_0", "Q4_K", "Q6_K", "Q4_0") if quick else BENCH_TYPES:
@@ -176,11 +179,12 @@ def layer_table(quick: bool) -> Table:
             tr = median_seconds(ref, device, reps)
             tp = median_seconds(lambda: torch.nn.functional.linear(x, w_plain), device, reps)
             backend = dispatch.last_backend.get("gguf_gemv" if m <= 8 else "gguf_dequantize", "?")
+            gbs = raw.numel() / tm
             t.add(q, m, path, round(tm * 1e3, 3), round(tr * 1e3, 3), f"{tm / tr:.2f}x", round(tp * 1e3, 3),
-                  round(raw.numel() / tm / 1e9, 2), backend)
-    t.note = ("weight GB/s: the layer's block bytes over the time (for the GEMV, compare with the device's memory "
-              "bandwidth: the roofline)." + ("" if device.type == "mps" else
-                                             " No MPS here: both columns are the pure-torch reference."))
+                  round(gbs / 1e9, 2), f"{gbs / bw:.1%}" if m <= 8 else "", backend)
+    t.note = (f"weight GB/s: the layer's block bytes over the time; of roofline (GEMV rows): that against the "
+              f"measured copy bandwidth, {bw / 1e9:.1f} GB/s on {device.type} (a GEMV reads each block once)."
+              + ("" if device.type == "mps" else " No MPS here: both columns are the pure-torch reference."))
     return t
 
 
