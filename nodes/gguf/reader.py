@@ -6,15 +6,12 @@ a file is reported as `GGUFFileError` naming the file and, where there is one, t
 """
 from __future__ import annotations
 
-import logging
 import os
 
 import numpy as np
 import torch
 
 from .ops import GGUFTensor
-
-log = logging.getLogger("comfy_metal")
 
 PLAIN_TYPES = ("F32", "F16", "BF16")
 # general.architecture values of diffusion models in GGUF files (ComfyUI-GGUF's converter writes these)
