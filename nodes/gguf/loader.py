@@ -20,6 +20,7 @@ from ..fp8_ops import wrap_patcher
 from .ops import RUN_KERNELS, GGUFTensor, gguf_modules, make_gguf_ops, weight_bytes
 from .reader import (IMAGE_ARCHS, LLAMA_ARCHS, TEXT_ARCHS, GGUFFile, GGUFFileError, llama_state_dict,
                      t5_key, uses_llama_cpp_names)
+from .tokenizer import spiece_model_from_gguf
 
 log = logging.getLogger("comfy_metal")
 
@@ -89,15 +90,14 @@ def load_diffusion_model(path, compute_dtype="auto", model_options=None):
 
 
 def text_encoder_state_dict(path) -> dict:
-    """A text encoder's state dict from a .gguf (llama.cpp T5 names mapped to ComfyUI's) or any file
-    ComfyUI reads (.safetensors ...), for mixing a GGUF T5 with a safetensors CLIP."""
+    """A text encoder's state dict from a .gguf (llama.cpp names of T5/UMT5 and Llama/Qwen mapped to
+    ComfyUI's) or any file ComfyUI reads (.safetensors ...), for mixing a GGUF T5 with a safetensors CLIP."""
     if not str(path).lower().endswith(".gguf"):
         import comfy.utils
 
         return comfy.utils.load_torch_file(path, safe_load=True)
     f = GGUFFile(path)
     log.info("comfy_metal: loading text encoder %s", f.describe())
-    key_map = None
     if uses_llama_cpp_names(f):
         if f.arch not in TEXT_ARCHS:
             raise GGUFFileError(f"{f.name}: a {f.arch!r} text model with llama.cpp tensor names; this loader maps "
@@ -105,13 +105,26 @@ def text_encoder_state_dict(path) -> dict:
                                 f"tensor names load for every architecture)")
         if f.arch in LLAMA_ARCHS:
             return llama_state_dict(f)
-        key_map = t5_key
-        embd = next((t for t in f.tensors if t.name == "token_embd.weight"), None)
-        if embd is not None and int(embd.shape[-1]) > 200000:
-            raise GGUFFileError(f"{f.name}: a UMT5 text encoder (vocabulary {int(embd.shape[-1])}); its tokenizer "
-                                f"is only in the GGUF metadata, which this loader does not rebuild yet: load the "
-                                f"umt5 .safetensors with ComfyUI's CLIPLoader or the FP8 text encoder loader")
-    return f.state_dict(key_map)
+        return t5_state_dict(f)
+    return f.state_dict()
+
+
+T5_VOCAB = 32128        # T5 v1.1's vocabulary: ComfyUI brings that tokenizer itself
+
+
+def t5_state_dict(f: GGUFFile) -> dict:
+    """A llama.cpp-named T5/UMT5 encoder in ComfyUI's names; for UMT5 (Wan), the sentencepiece model
+    rebuilt from the GGUF's tokenizer metadata as `spiece_model`, which ComfyUI's UMT5 tokenizer reads."""
+    sd = f.state_dict(t5_key)
+    embd = next((t for t in f.tensors if t.name == "token_embd.weight"), None)
+    vocab = int(embd.shape[-1]) if embd is not None else T5_VOCAB
+    if vocab != T5_VOCAB and "spiece_model" not in sd:
+        spiece = spiece_model_from_gguf(f.reader)
+        if spiece is None:
+            raise GGUFFileError(f"{f.name}: a T5-family encoder with a {vocab}-token vocabulary (UMT5?) whose GGUF "
+                                f"metadata has no t5 tokenizer (tokenizer.ggml.tokens) to rebuild it from")
+        sd["spiece_model"] = torch.frombuffer(bytearray(spiece), dtype=torch.uint8)
+    return sd
 
 
 def load_text_encoder(paths, clip_type="stable_diffusion", device="gpu", compute_dtype="auto", model_options=None):
@@ -223,7 +236,8 @@ class MetalGGUFTextEncoderLoader:
     def INPUT_TYPES(cls):
         return {"required": {
             "clip_name": (_text_encoder_files(), {"tooltip": "text encoder in models/text_encoders or models/clip: "
-                          "a .gguf (T5, Llama, Qwen2/2.5-VL, Qwen3 with llama.cpp names, or ComfyUI names) or any file CLIPLoader reads"}),
+                          "a .gguf (T5, UMT5, Llama, Qwen2/2.5-VL, Qwen3 with llama.cpp names, or ComfyUI names) or any file "
+                          "CLIPLoader reads"}),
             "type": (_clip_types(), {"tooltip": _TYPE_TIP}),
             "device": (["gpu", "cpu"], {"default": _default_device(), "tooltip": _DEVICE_TIP}),
         }}

@@ -422,3 +422,78 @@ def test_every_gguf_node_has_tooltips_and_the_loaders_category(comfyui):
         for spec in cls.INPUT_TYPES()["required"].values():
             assert spec[1].get("tooltip"), (name, spec)
 
+
+
+def _t5_tokenizer_metadata(spiece: bytes) -> dict:
+    """What llama.cpp's converter writes for a T5/UMT5 tokenizer, read from the sentencepiece model with
+    sentencepiece itself: pieces, scores, types, normalisation flags, special ids."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_proto=spiece)
+    n = sp.get_piece_size()
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 5 if sp.is_unused(i)
+             else 1 for i in range(n)]
+    return {"tokens": [sp.id_to_piece(i) for i in range(n)], "scores": [sp.get_score(i) for i in range(n)],
+            "types": types, "unk": sp.unk_id(), "eos": sp.eos_id(), "pad": sp.pad_id()}
+
+
+def test_umt5_gguf_with_rebuilt_tokenizer_matches_stock(comfyui, ops_mod, monkeypatch):
+    """A tiny UMT5 (Wan's encoder) as a llama.cpp-named Q8_0 GGUF whose tokenizer is only metadata: the
+    loader rebuilds the sentencepiece model; CLIPTextEncode (type wan) matches ComfyUI's stock CLIPLoader
+    on the dequantised weights with the original sentencepiece model, and the tokenizers agree."""
+    import comfy.sd
+    import gguf
+    import sentencepiece as spm
+    from safetensors.torch import save_file
+
+    import workflow_models as wm
+
+    wm.shrink_text_encoders(monkeypatch, comfy.sd)
+    sd = wm.t5_state_dict("umt5_config_xxl.json", wm.UMT5XXL, seed=7)
+    spiece = wm.tiny_spiece_model()
+    meta = _t5_tokenizer_metadata(spiece)
+    folder = comfyui.models_dir("text_encoders")
+    path = folder / "umt5_tiny_Q8_0.gguf"
+    w = gguf.GGUFWriter(str(path), "t5encoder")
+    w.add_tokenizer_model("t5")
+    w.add_token_list(meta["tokens"])
+    w.add_token_scores(meta["scores"])
+    w.add_token_types(meta["types"])
+    w.add_unk_token_id(meta["unk"])
+    w.add_eos_token_id(meta["eos"])
+    w.add_pad_token_id(meta["pad"])
+    w.add_add_space_prefix(True)
+    w.add_remove_extra_whitespaces(True)
+    values = {}
+    for k, v in sd.items():
+        name = k
+        for a, b in wm._T5_TO_LLAMA_CPP:
+            name = name.replace(a, b)
+        a = v.float().contiguous().numpy()
+        if gm.quantisable(k, v, "Q8_0"):
+            raw = gm.quantize(a, "Q8_0")
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            values[k] = torch.from_numpy(gm.np_dequantize(raw, gm.Q.Q8_0).copy()).reshape(v.shape)
+        else:
+            w.add_tensor(name, a)
+            values[k] = v.float()
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    values["spiece_model"] = torch.frombuffer(bytearray(spiece), dtype=torch.uint8)
+    save_file({k: t.contiguous() for k, t in values.items()}, str(folder / "umt5_tiny_deq.safetensors"))
+    comfyui.refresh_models()
+
+    loader = importlib.import_module(comfyui.pack_module.__name__ + ".nodes.gguf.loader")
+    rebuilt = loader.text_encoder_state_dict(str(path))["spiece_model"]
+    a, b = spm.SentencePieceProcessor(model_proto=bytes(rebuilt.numpy())), spm.SentencePieceProcessor(model_proto=spiece)
+    for text in ("a cat sits on the red mat", "  Camera   moves slowly, at NIGHT!  ", "rain über forest 123"):
+        assert a.encode(text) == b.encode(text), text
+    (ours,) = comfyui.pack_module.NODE_CLASS_MAPPINGS["MetalGGUFTextEncoderLoader"]().load(path.name, "wan", "cpu")
+    assert len(dict(ops_mod.gguf_modules(ours.cond_stage_model))) > 0
+    (stock,) = comfyui.nodes.CLIPLoader().load_clip("umt5_tiny_deq.safetensors", "wan", "cpu")
+    text = "a paper boat on a rainy street at night"
+    (ca,) = comfyui.nodes.CLIPTextEncode().encode(ours, text)
+    (cb,) = comfyui.nodes.CLIPTextEncode().encode(stock, text)
+    x, y = ca[0][0].float(), cb[0][0].float()
+    rel = ((x - y).norm() / y.norm()).item()
+    print(f"umt5 Q8_0 ours vs stock (dequantised, original tokenizer): rel {rel:.2e}")
+    assert x.shape == y.shape and torch.isfinite(x).all() and rel < 1e-2
