@@ -10,7 +10,8 @@ layer keeps its blocks as a uint8 parameter (ComfyUI's memory manager counts tho
 quantised size), and marks itself active to the FP8 machinery, so everything built on it applies
 unchanged: the forward paths, LoRA and hook patches on the dequantised weight (MetalFP8ModelPatcher),
 and weight accounting. Linear forward: M <= 8 rows -> `gguf_gemv` (the fused Metal kernel reads the
-blocks); larger M -> `gguf_dequantize` to the compute dtype + the platform matmul. Embeddings gather
+blocks; on MPS only where the dispatch's measured choice, when it offers one, timed it faster);
+larger M -> `gguf_dequantize` to the compute dtype + the platform matmul. Embeddings gather
 the byte rows of the looked-up tokens and dequantise only those.
 """
 from __future__ import annotations
@@ -199,11 +200,31 @@ class GGUFLinearMixin(GGUFWeightMixin):
         M = x2.shape[0]
         bias = self._fp8_bias(x.device, dtype)
         w = self._gguf_raw(x.device)
+
+        def via_matmul():
+            return torch.nn.functional.linear(x2, self.fp8_decoded_weight(x.device, dtype), bias)
+
         if 0 < M <= GEMV_MAX_ROWS and not self._weight_functions() and w.shape[0] == self.out_features:
-            y = gemv(x2.contiguous(), w, self.gguf_qtype, bias, out_dtype=dtype)
+            def via_gemv():
+                return gemv(x2.contiguous(), w, self.gguf_qtype, bias, out_dtype=dtype)
+
+            y = via_gemv() if self._gemv_choice(x, M, dtype, via_matmul, via_gemv) == "gemv" else via_matmul()
         else:
-            y = torch.nn.functional.linear(x2, self.fp8_decoded_weight(x.device, dtype), bias)
+            y = via_matmul()
         return y.reshape(*lead, self.out_features)
+
+    def _gemv_choice(self, x, M, dtype, via_matmul, via_gemv) -> str:
+        """The path of a call with <= 8 rows: the fused GEMV, or dequantise + matmul where the dispatch's
+        measured choice (timed once per shape on MPS, where the kernel dispatch offers it) found the
+        GEMV slower."""
+        from ...metal_kernels import dispatch
+
+        enabled = getattr(dispatch, "measuring_enabled", None)
+        if enabled is None or not enabled(x.device):
+            return "gemv"
+        key = (M, self.out_features, self.in_features, self.gguf_qtype, str(dtype).replace("torch.", ""))
+        return dispatch.measured_choice("gguf_gemv", key, {"dequantize+matmul": via_matmul, "gemv": via_gemv},
+                                        x.device)
 
 
 class GGUFEmbeddingMixin(GGUFWeightMixin):

@@ -170,3 +170,38 @@ def test_unknown_and_unsupported_types_list_the_supported_ones(mixed_file, tmp_p
     _write(tq, {"x.weight": (np.zeros((4, 66), np.uint8), Q.IQ2_XXS)})
     with pytest.raises(GGUFFileError, match=r"iq2\.gguf: tensor x\.weight is stored as IQ2_XXS.*Q8_0.*Q2_K.*BF16"):
         GGUFFile(tq).state_dict()
+
+
+def test_small_m_follows_the_dispatch_measured_choice(mixed_file, monkeypatch):
+    """Where the kernel dispatch measures (MPS), a Linear with <= 8 rows takes the fused GEMV only if it
+    was measured faster than dequantise + matmul for that shape; both give the same values."""
+    from comfy_metal import metal_kernels as mk
+    from comfy_metal.metal_kernels import dispatch
+
+    path, _, oracle = mixed_file
+    sd = GGUFFile(path).state_dict()
+    net = Net(make_gguf_ops("mixed.gguf", standalone=True))
+    net.load_state_dict({k: v for k, v in sd.items() if k.startswith("lin.")}, strict=False)
+    x = torch.randn(3, 256)
+    want = net.lin(x)                                  # CPU: no measuring, the GEMV
+    asked = []
+
+    def fake_choice(kernel, shape_class, candidates, device, **kw):
+        asked.append((kernel, shape_class, list(candidates)))
+        return choice
+
+    gemv_calls = []
+    real_gemv = mk.gguf_gemv
+
+    def counting_gemv(*a, **k):
+        gemv_calls.append(1)
+        return real_gemv(*a, **k)
+
+    monkeypatch.setattr(mk, "gguf_gemv", counting_gemv)
+    monkeypatch.setattr(dispatch, "measuring_enabled", lambda device: True, raising=False)
+    monkeypatch.setattr(dispatch, "measured_choice", fake_choice, raising=False)
+    for choice, calls in (("dequantize+matmul", 0), ("gemv", 1)):
+        gemv_calls.clear()
+        torch.testing.assert_close(net.lin(x), want, rtol=1e-5, atol=1e-5)
+        assert len(gemv_calls) == calls, choice
+    assert asked[0] == ("gguf_gemv", (3, 48, 256, "Q4_K", "float32"), ["dequantize+matmul", "gemv"])
