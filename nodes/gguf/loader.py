@@ -14,9 +14,10 @@ import time
 
 import torch
 
-from ..fp8_loader import (COMPUTE_DTYPES, FP8LoadError, _call_with_supported, _clip_types, _record,
-                          _resolve_compute_dtype, _wrap_errors)
-from ..fp8_ops import wrap_patcher
+from ..fp8.loader import (COMPUTE_DTYPES, FP8LoadError, _call_with_supported, _clip_types, _resolve_compute_dtype,
+                          _wrap_errors)
+from ..fp8.nodes import _record
+from ..fp8.ops import wrap_patcher
 from .ops import RUN_KERNELS, GGUFTensor, gguf_modules, make_gguf_ops, weight_bytes
 from .reader import (IMAGE_ARCHS, LLAMA_ARCHS, TEXT_ARCHS, GGUFFile, GGUFFileError, llama_state_dict,
                      t5_key, uses_llama_cpp_names)

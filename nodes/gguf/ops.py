@@ -1,4 +1,4 @@
-"""GGUF weights in ComfyUI layers: the FP8 op set (fp8_ops), extended with ggml block formats.
+"""GGUF weights in ComfyUI layers: the FP8 op set (nodes/fp8/ops.py), extended with ggml block formats.
 
 `GGUFTensor` carries one quantised tensor of a GGUF file from the reader to the layer that loads it:
 its data are the file's bytes (uint8, memory-mapped), its `.shape` is the logical shape, so ComfyUI's
@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ..fp8_ops import GEMV_MAX_ROWS, FP8LayerError, make_fp8_ops
+from ..fp8.ops import GEMV_MAX_ROWS, FP8LayerError, make_fp8_ops
 
 GGUF_FORMAT = "gguf"        # the layers' fp8_format marker for a GGUF weight
 RUN_KERNELS = ["gguf_dequantize", "gguf_gemv"]

@@ -13,24 +13,24 @@ import textwrap
 
 import torch
 
-from ..bench_fp8 import _COMFY_SETUP, _MAKE_FLUX, _PRELUDE, TO_DEVICE, _comfy_path, _run
-from ..bench_moe import copy_bandwidth
-from ..report import Table, human_bytes, median_seconds
+from ...common.report import Table, human_bytes, median_seconds
+from .fp8 import _COMFY_SETUP, _MAKE_FLUX, _PRELUDE, TO_DEVICE, _comfy_path, _run
+from .moe import copy_bandwidth
 
 BENCH_TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_XS", "IQ4_NL", "Q3_K", "Q2_K")
 
 
 def _device() -> torch.device:
-    from ...metal_kernels.probe import mps_available
+    from ....metal_kernels.probe import mps_available
 
     return torch.device("mps" if mps_available() else "cpu")
 
 
 def bytes_table(quick: bool) -> Table:
     """Bytes a weight as held by a loaded layer (the block bytes over the logical weights)."""
-    from ... import metal_kernels as mk
-    from ...metal_kernels.gguf import random_blocks
-    from .ops import GGUFTensor, make_gguf_ops, weight_bytes
+    from .... import metal_kernels as mk
+    from ....metal_kernels.gguf import random_blocks
+    from ...gguf.ops import GGUFTensor, make_gguf_ops, weight_bytes
 
     ops = make_gguf_ops("bench", standalone=True)
     t = Table("GGUF: bytes per weight held in memory, by quant type (a loaded 512x1024 Linear)",
@@ -85,7 +85,7 @@ _REPORT = textwrap.dedent("""
 _LOADERS = {
     "gguf": ("MetalGGUFModelLoader", "from comfy_metal.nodes.gguf import loader as L",
              "L.load_diffusion_model(sys.argv[3], 'auto')"),
-    "fp8": ("MetalFP8ModelLoader", "from comfy_metal.nodes import fp8_loader as L",
+    "fp8": ("MetalFP8ModelLoader", "from comfy_metal.nodes.fp8 import loader as L",
             "L.load_diffusion_model(sys.argv[3], 'auto', 'auto')"),
     "stock": ("ComfyUI UNETLoader (stock)", "L = None", "comfy.sd.load_diffusion_model(sys.argv[3])"),
 }
@@ -147,9 +147,9 @@ def load_table(quick: bool) -> Table:
 
 def layer_table(quick: bool) -> Table:
     """One Linear layer: the public kernels (Metal on MPS) against the pure-torch reference, by M."""
-    from ... import metal_kernels as mk
-    from ...metal_kernels import dispatch
-    from ...metal_kernels.gguf import gguf_dequantize_reference, gguf_gemv_reference, random_blocks
+    from .... import metal_kernels as mk
+    from ....metal_kernels import dispatch
+    from ....metal_kernels.gguf import gguf_dequantize_reference, gguf_gemv_reference, random_blocks
 
     device = _device()
     n = k = 1024 if quick else 3072
