@@ -15,6 +15,9 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+HELPERS = str(ROOT / "tests" / "helpers")
+if HELPERS not in sys.path:  # pytest's `pythonpath` does this; a subprocess that imports conftest does not
+    sys.path.insert(0, HELPERS)
 
 
 def _map_repo_to_package() -> None:
