@@ -175,7 +175,7 @@ def lib():
     if not emulator.available():
         pytest.skip("the MSL emulator needs clang-19, which is not installed")
     # common.metal + fp8.metal: exactly what dispatch compiles for these kernels if another file of the
-    # library is broken (the whole library is compiled and linted in test_msl_library.py)
+    # library is broken (the whole library is compiled and linted in tests/emulator/test_msl_library.py)
     return emulator.compile_library(dispatch.library_source(only="fp8.metal"))
 
 

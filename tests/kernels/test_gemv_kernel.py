@@ -118,7 +118,7 @@ def lib():
         pytest.skip(f"the MSL emulator package is not importable yet: {e}")
     if not emulator.available():
         pytest.skip("the MSL emulator needs clang-19, which is not installed")
-    # common.metal + linear.metal (the whole library is compiled and linted in test_msl_library.py)
+    # common.metal + linear.metal (the whole library is compiled and linted in tests/emulator/test_msl_library.py)
     return emulator.compile_library(dispatch.library_source(only="linear.metal"))
 
 
