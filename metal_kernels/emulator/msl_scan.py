@@ -72,9 +72,10 @@ def split_top_level(s: str, sep: str = ",") -> list[str]:
 
 class Param:
     """One kernel parameter, e.g. ``constant long& n [[buffer(3)]]``: type ``constant long&``, name ``n``,
-    attr ``buffer``, attr_arg ``3``. An unnamed parameter has name ""; no attribute gives attr ""."""
+    attr ``buffer``, attr_arg ``3``. An unnamed parameter has name ""; no attribute gives attr "" (a kernel's
+    KernelSignature.parameters() numbers those as buffers, like Metal: ``implicit`` is then True)."""
 
-    __slots__ = ("text", "type", "name", "attr", "attr_arg")
+    __slots__ = ("text", "type", "name", "attr", "attr_arg", "implicit")
 
     def __init__(self, text: str):
         self.text = " ".join(text.split())
@@ -84,6 +85,7 @@ class Param:
         am = re.match(r"^(\w+)\s*(?:\((.*)\))?$", attr)
         self.attr = am.group(1) if am else attr
         self.attr_arg = (am.group(2) or "").strip() if am else ""
+        self.implicit = False
         decl = decl.strip()
         nm = re.match(r"^(.*?[\s*&>])\s*([A-Za-z_]\w*)$", decl)
         if nm and nm.group(1).strip() and not all(w in _QUALIFIERS for w in re.findall(r"\w+", nm.group(1))) \
@@ -133,8 +135,20 @@ class KernelSignature:
         return (self.body_open, self.body_close) if self.body_close > 0 else None
 
     def parameters(self) -> list[Param]:
+        """The parameters; those without any ``[[...]]`` attribute are buffers numbered in order, as Metal
+        does it (torch's compile_shader documentation writes kernels that way): each takes the lowest buffer
+        index that no explicit ``[[buffer(n)]]`` of the kernel uses."""
         p = self.params_text.strip()
-        return [Param(x) for x in split_top_level(self.params_text)] if p and p != "void" else []
+        params = [Param(x) for x in split_top_level(self.params_text)] if p and p != "void" else []
+        used = {int(q.attr_arg) for q in params if q.attr == "buffer" and q.attr_arg.isdigit()}
+        nxt = 0
+        for q in params:
+            if not q.attr:
+                while nxt in used:
+                    nxt += 1
+                q.attr, q.attr_arg, q.implicit = "buffer", str(nxt), True
+                used.add(nxt)
+        return params
 
 
 def scan_kernel_signatures(text: str):

@@ -1,0 +1,85 @@
+"""compile_library: preprocess, parse, rewrite, generate launchers, compile to a cached shared object."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import tempfile
+import threading
+from pathlib import Path
+
+from . import strict
+from .codegen import generate_launchers
+from .errors import EmulatorError, MSLCompileError
+from .launch import Library
+from .parse import parse_kernels
+from .rewrite import rewrite_source
+from .strict import STRICT_FLAGS
+from .toolchain import (_FLAGS, _PP_FLAGS, HERE, _atomic_write, _cache_dir, _clang_version, _preprocessor_args, _run,
+                        clang_path)
+
+GENERATOR_VERSION = "2"
+_SHIM = HERE / "shim.h"
+_GENERATOR_FILES = sorted(p for p in HERE.iterdir() if p.suffix in (".py", ".h"))  # all hashed into the cache key
+_HERE = HERE
+
+
+def _build(src: str, clang: str, out_so: Path) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="comfy_metal_emu_") as tmp:
+        pp = _run([clang, *_preprocessor_args(tmp, src)], tmp, "MSL preprocessing").stdout
+        problems = strict.check(pp, clang)
+        if problems:
+            raise MSLCompileError("the strict MSL front end rejects this source (Apple's Metal compiler would "
+                                  "too):\n" + "\n".join(problems))
+        kernels, remove = parse_kernels(pp)
+        hosts = [k.host for k in kernels]
+        dup = {h for h in hosts if hosts.count(h) > 1}
+        if dup:
+            raise MSLCompileError(f"duplicate kernel host names: {sorted(dup)}")
+        body = rewrite_source(pp, remove)
+        launchers, table = generate_launchers(kernels)
+        cpp = Path(tmp) / "translated.cpp"
+        cpp.write_text(body + launchers)
+        tmp_so = Path(tmp) / "lib.so"
+        _run([clang, "-x", "c++", *_FLAGS, "-I", str(_HERE), "-include", str(_SHIM), str(cpp), "-o", str(tmp_so)],
+             tmp, "MSL compilation (emulator, clang-19)")
+        _atomic_write(out_so, tmp_so.read_bytes())
+    return table
+
+
+_libs: dict[str, "Library"] = {}
+_libs_lock = threading.Lock()
+
+
+def compile_library(src: str) -> "Library":
+    """Compile MSL source (several .metal files may be concatenated) like torch.mps.compile_shader."""
+    if not isinstance(src, str):
+        raise TypeError("compile_library expects the MSL source as a str")
+    clang = clang_path()
+    if clang is None:
+        raise EmulatorError("clang-19 not found (apt-get install clang-19, or set COMFY_METAL_EMU_CLANG)")
+    h = hashlib.sha256()
+    for part in (GENERATOR_VERSION, _clang_version(clang), " ".join(_FLAGS + _PP_FLAGS + STRICT_FLAGS),
+                 *(p.read_text() for p in _GENERATOR_FILES), src):
+        h.update(part.encode())
+        h.update(b"\0")
+    key = h.hexdigest()[:40]
+    with _libs_lock:
+        lib = _libs.get(key)
+    if lib is not None:
+        return lib
+    cache = _cache_dir()
+    so, meta = cache / f"{key}.so", cache / f"{key}.json"
+    table = None
+    if so.exists() and meta.exists():
+        try:
+            table = json.loads(meta.read_text())
+        except (OSError, ValueError):
+            table = None
+    if table is None:
+        table = _build(src, clang, so)
+        _atomic_write(meta, json.dumps(table).encode())
+    lib = Library(ctypes.CDLL(str(so)), table, key)
+    with _libs_lock:
+        _libs[key] = lib
+    return lib

@@ -1,0 +1,248 @@
+"""Strict front end: reject what Apple's Metal compiler (MSL 3.1) rejects, before the emulator compiles.
+
+The emulator's own build (shim.h) is permissive C++20: address spaces are empty macros and the standard
+library is reachable. This pass re-reads the same preprocessed source with clang-19 in C++-for-OpenCL 2021
+mode, syntax only, where
+
+* ``device``/``threadgroup``/``constant``/``thread`` are real address spaces (OpenCL global/local/constant/
+  private, no generic address space), so a device pointer passed as a thread pointer, or a threadgroup array
+  assigned to a device pointer, is a type error;
+* program-scope and static variables must be ``constant``; threadgroup variables are legal only in a kernel's
+  body (only those are rewritten into kernel storage here, a helper's stays an error);
+* ``double``, new/delete, virtual functions, ``thread_local``, function pointers, ``typeid``/``dynamic_cast``,
+  exceptions are rejected by clang's OpenCL rules (``-fno-exceptions -fno-rtti``, no fp64);
+* ``strict.h`` declares MSL 3.1's standard library with its overloads only: no ``std::``, no C library, math on
+  float/half only (``exp(bfloat)`` is a deleted function), no 64-bit or bfloat SIMD reductions.
+
+What clang cannot see is checked on its output: recursion (cycles in clang's call graph,
+``debug.DumpCallGraph``), lambdas (anonymous-class call operators in that graph), ``goto``, ``long long``,
+and kernel parameters (a ``[[buffer(n)]]`` must be a ``device``/``constant`` pointer or reference; every
+level of a pointer-to-pointer needs an address space).
+
+``check(pp)`` returns the problems (empty list = clean); every message names the source line and the rule.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+from .msl_scan import LINE_MARKER_RE, scan_kernel_signatures
+from .rewrite import TG_DECL_RE, keep_newlines, rewrite_literals_and_vectors
+from .toolchain import clang_path
+
+__all__ = ["check", "STRICT_FLAGS", "STRICT_HEADER"]
+
+_HERE = Path(__file__).resolve().parent
+STRICT_HEADER = _HERE / "strict.h"
+STRICT_FLAGS = ["-x", "clcpp", "-cl-std=clc++2021", "-cl-no-stdinc", "-nostdinc", "-fno-exceptions", "-fno-rtti",
+                "-Xclang", "-cl-ext=-__opencl_c_generic_address_space,-__opencl_c_program_scope_global_variables,"
+                "-cl_khr_fp64,-__opencl_c_fp64,-__opencl_c_pipes,-__opencl_c_device_enqueue,+cl_khr_fp16",
+                "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-unused-value", "-ferror-limit=50",
+                "--analyze", "-Xanalyzer", "-analyzer-checker=debug.DumpCallGraph"]
+_SRC = "msl_source.metal"
+
+_SPEC = "MSL 3.1"
+_RULES = [
+    (r"non-kernel function variable cannot be declared in local address space",
+     f"{_SPEC} (Address Spaces, threadgroup): a threadgroup variable may be declared only inside a kernel "
+     f"function, not in a helper function"),
+    (r"program scope variable must reside in constant|static local variable must reside in constant",
+     f"{_SPEC} (Program Scope Variables): variables at program scope, and static variables, must be declared "
+     f"in the constant address space"),
+    (r"address space|__global|__local|__private|__constant",
+     f"{_SPEC} (Address Spaces): a pointer or reference to device, constant, threadgroup or thread memory does "
+     f"not convert to another address space"),
+    (r"'default new'|'default delete'", f"{_SPEC} (C++ restrictions): the new and delete operators are not supported"),
+    (r"virtual functions", f"{_SPEC} (C++ restrictions): virtual functions are not supported"),
+    (r"thread_local", f"{_SPEC} (C++ restrictions): thread_local storage is not supported"),
+    (r"pointers to functions|address of function|function pointer",
+     f"{_SPEC} (C++ restrictions): function pointers are not supported (outside visible-function tables)"),
+    (r"'typeid'|'dynamic_cast'|rtti", f"{_SPEC} (C++ restrictions): type identification and dynamic_cast are "
+                                      f"not supported"),
+    (r"exceptions disabled|'throw'|'try'", f"{_SPEC} (C++ restrictions): exception handling is not supported"),
+    (r"double", f"{_SPEC} (Scalar Data Types): double is not supported; use float"),
+    (r"'std'", f"{_SPEC}: the C++ standard library (std::) is not available; use the metal:: standard library"),
+    (r"undeclared identifier '(?:malloc|calloc|realloc|free|printf|memcpy|memset|abort|exit)'",
+     f"{_SPEC}: the C standard library (malloc, free, printf, memcpy...) is not available"),
+    (r"deleted function", f"{_SPEC} (Metal Standard Library): this function has no bfloat overload in MSL 3.1 "
+                          f"(the math functions take float or half): convert explicitly, e.g. exp(float(x))"),
+    (r"no matching function for call to '(simd|quad)_",
+     f"{_SPEC} (SIMD-group functions): reductions and shuffles exist for types of at most 32 bits, and "
+     f"reductions not for bfloat"),
+    (r"no matching function", f"{_SPEC} (Metal Standard Library): no overload of this standard-library "
+                              f"function takes these argument types"),
+]
+_DIAG_RE = re.compile(r"^(?P<loc>[^\s:][^:\n]*:\d+:\d+): (?P<kind>error|fatal error): (?P<msg>.*)$", re.M)
+_ADDRESS_SPACES = ("device", "constant", "threadgroup", "thread", "threadgroup_imageblock", "ray_data",
+                   "object_data")
+
+
+def _rule(msg: str) -> str:
+    for pat, rule in _RULES:
+        if re.search(pat, msg, re.I):
+            return rule
+    return ""
+
+
+def _strip_instantiation_attributes(s: str) -> str:
+    # `template [[host_name("x")]] kernel void f<T>(...);` -> `template kernel void f<T>(...);` (clang instantiates)
+    pat = re.compile(r"\btemplate(\s*)\[\[(?:[^\[\]]|\[[^\[\]]*\])*\]\]")
+    while True:
+        new = pat.sub(lambda m: "template" + m.group(1), s)
+        if new == s:
+            return s
+        s = new
+
+
+def _rewrite_kernel_threadgroup(s: str) -> str:
+    """Kernel-scope `threadgroup T name[N];` -> a reference to local storage; helpers' stay as they are."""
+    spans = [sig.body_span for sig in scan_kernel_signatures(s) if sig.body_span]
+    for a, b in sorted(spans, reverse=True):
+        body = s[a:b]
+
+        def tg(m):
+            typ, name, dims = m.group("type"), m.group("name"), re.sub(r"\s+", "", m.group("dims"))
+            return (f"__local {typ} (&{name}){dims} = *(__local {typ} (*){dims})__emu::tg_storage();"
+                    + keep_newlines(m.group(0)))
+        s = s[:a] + TG_DECL_RE.sub(tg, body) + s[b:]
+    return s
+
+
+def _line_of(pp: str, offset: int) -> str:
+    line, name = 1, _SRC
+    for raw in pp[:offset].split("\n")[:-1]:
+        m = LINE_MARKER_RE.match(raw)
+        if m:
+            mm = re.match(r'\s*#\s*(?:line\s+)?(\d+)\s+"([^"]*)"', raw)
+            line, name = int(mm.group(1)), os.path.basename(mm.group(2))
+        else:
+            line += 1
+    return f"{name}:{line}"
+
+
+def _token_rules(pp: str) -> list[str]:
+    """goto and `long long`: keywords clang's OpenCL mode accepts but Metal rejects."""
+    out = []
+    code = re.sub(r'"(?:\\.|[^"\\\n])*"', '""', pp)
+    for m in re.finditer(r"\bgoto\b", code):
+        out.append(f"{_line_of(pp, m.start())}: error: goto statement [{_SPEC} (C++ restrictions): goto is "
+                   f"not supported]")
+    for m in re.finditer(r"\blong\s+long\b", code):
+        out.append(f"{_line_of(pp, m.start())}: error: 'long long' [{_SPEC} (Scalar Data Types): there is no "
+                   f"long long; long is 64-bit]")
+    return out
+
+
+def _param_rules(pp: str) -> list[str]:
+    out = []
+    for sig in scan_kernel_signatures(pp):
+        for p in sig.parameters():
+            if p.attr != "buffer":
+                continue
+            t = re.sub(r"\bmetal::", "", p.type)
+            where = f"{_line_of(pp, sig.start)}: error: kernel {sig.name!r}, parameter {p.name or p.text!r}"
+            if "*" not in t and "&" not in t:
+                continue  # by-value buffer argument (a struct or scalar), legal
+            levels = re.split(r"[*&]", t)
+            first = set(re.findall(r"\w+", levels[0]))
+            if not first & {"device", "constant"}:
+                sp = [a for a in _ADDRESS_SPACES if a in first]
+                out.append(f"{where}: a [[buffer(n)]] argument in the {sp[0] if sp else 'default (thread)'} "
+                           f"address space [{_SPEC} (Kernel Function Arguments): a buffer argument must be a "
+                           f"device or constant pointer or reference]")
+                continue
+            for lvl in levels[1:-1]:
+                if not set(re.findall(r"\w+", lvl)) & set(_ADDRESS_SPACES):
+                    out.append(f"{where}: `{p.type}` points to a pointer without an address space "
+                               f"[{_SPEC} (Address Spaces): every pointer in a kernel argument names its "
+                               f"address space, e.g. device float* device*; device float** is rejected]")
+                    break
+    return out
+
+
+def _callgraph_rules(dump: str, pp: str) -> list[str]:
+    graph: dict[str, list[str]] = {}
+    for m in re.finditer(r"^\s*Function: (.*?) calls: ?(.*)$", dump, re.M):
+        caller = m.group(1).strip()
+        if caller == "< root >":
+            continue
+        # callees are separated by spaces, but lambda names contain spaces: split on known names
+        graph[caller] = []
+        rest = m.group(2).strip()
+        graph[caller].append(rest)
+    names = sorted(graph, key=len, reverse=True)
+    edges: dict[str, set[str]] = {}
+    for caller, (rest,) in graph.items():
+        found = set()
+        r = " " + rest + " "
+        for n in names:
+            token = " " + n + " "
+            if token in r:
+                found.add(n)
+                r = r.replace(token, " ")
+        edges[caller] = found
+    out = []
+    lambdas = [n for n in graph if "(anonymous class)::operator()" in n or "(lambda" in n]
+    for n in lambdas:
+        owner = n.split("(", 1)[0]
+        out.append(f"{_SRC}: error: a lambda expression in {owner!r} [{_SPEC} (C++ restrictions): lambda "
+                   f"expressions are not supported]")
+    # cycles (recursion)
+    color: dict[str, int] = {}
+    cycles = []
+
+    def dfs(u, stack):
+        color[u] = 1
+        stack.append(u)
+        for v in sorted(edges.get(u, ())):
+            if color.get(v, 0) == 0:
+                dfs(v, stack)
+            elif color.get(v) == 1:
+                cycles.append(stack[stack.index(v):] + [v])
+        stack.pop()
+        color[u] = 2
+
+    for u in sorted(edges):
+        if color.get(u, 0) == 0:
+            dfs(u, [])
+    for c in cycles:
+        m = re.search(rf"\b{re.escape(c[0])}\s*\(", pp)
+        loc = _line_of(pp, m.start()) if m else _SRC
+        out.append(f"{loc}: error: recursive call {' -> '.join(c)} [{_SPEC} (C++ restrictions): recursive "
+                   f"function calls are not supported]")
+    return out
+
+
+def check(pp: str, clang: str | None = None) -> list[str]:
+    """Problems Apple's compiler would report for the preprocessed MSL `pp` (empty list = clean)."""
+    clang = clang or clang_path()
+    if clang is None:
+        return []
+    problems = _token_rules(pp) + _param_rules(pp)
+    s = _strip_instantiation_attributes(pp)
+    s = rewrite_literals_and_vectors(s)
+    s = _rewrite_kernel_threadgroup(s)
+    with tempfile.TemporaryDirectory(prefix="comfy_metal_strict_") as tmp:
+        path = Path(tmp) / "strict_input.metal"
+        path.write_text(s)
+        try:
+            r = subprocess.run([clang, *STRICT_FLAGS, "-include", str(STRICT_HEADER), str(path), "-o", os.devnull],
+                               capture_output=True, text=True, timeout=600, cwd=tmp)
+        except OSError as e:  # pragma: no cover
+            return [f"cannot run {clang}: {e}"]
+        err = r.stderr.replace(tmp + os.sep, "").replace(str(_HERE) + os.sep, "")
+    for m in _DIAG_RE.finditer(err):
+        loc = m.group("loc")
+        if loc.startswith("strict.h") and "in instantiation" not in m.group("msg"):
+            # an error inside the header names the call site in a following note; keep the message
+            pass
+        rule = _rule(m.group("msg"))
+        problems.append(f"{loc}: error: {m.group('msg')}" + (f" [{rule}]" if rule else ""))
+    if r.returncode != 0 and not any(": error:" in p for p in problems[len(problems):]) and not _DIAG_RE.search(err):
+        problems.append("strict MSL front end failed:\n" + err.strip())
+    if r.returncode == 0:
+        problems += _callgraph_rules(r.stdout + "\n" + err, pp)
+    return problems
