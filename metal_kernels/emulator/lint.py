@@ -18,7 +18,9 @@
   ``int64_t``/``uint64_t`` (Python int) or ``float`` (Python float);
 * with ``arg_kinds`` ({host name: ["tensor", "int", "float", "int[]", "float[]", ...]}),
   every buffer parameter must match what the Python side passes, and the counts agree;
-* ``[[threadgroup(n)]]`` parameters are rejected (compile_shader cannot size them).
+* ``[[threadgroup(n)]]`` parameters are rejected (compile_shader cannot size them);
+* everything the strict MSL 3.1 front end rejects (``strict.check``: address spaces, C++ features Metal
+  lacks, recursion, standard-library overloads MSL 3.1 does not have...).
 
 The source is preprocessed with clang-19 when available (so macro-stamped
 kernels are seen); otherwise a small fallback expands object-like ``#define``\\ s.
@@ -33,6 +35,7 @@ import tempfile
 from . import (POSITION_ATTRIBUTES, MSLCompileError, _preprocessor_args, _template_param_names, clang_path,
                parse_kernels)
 from .msl_scan import LINE_MARKER_RE, Param, scan_kernel_signatures, split_top_level
+from .strict import check as strict_check
 
 __all__ = ["lint_source", "TG_MEMORY_LIMIT", "MAX_GROUP_THREADS"]
 
@@ -208,9 +211,11 @@ def _subst(text: str, mapping: dict[str, str]) -> str:
 def lint_source(src: str, arg_kinds: dict[str, list[str]] | None = None) -> list[str]:
     problems: list[str] = []
     try:
-        pp, _ = _preprocess(src)
+        pp, by_clang = _preprocess(src)
     except MSLCompileError as e:
         return [str(e)]
+    if by_clang:  # what Apple's compiler rejects (the same pass runs before every emulated compile)
+        problems.extend(strict_check(pp))
     lines = _Lines(pp)
     body_text = re.sub(r'"(?:\\.|[^"\\])*"', lambda m: " " * len(m.group(0)), pp)  # strings blanked
     body_text = "\n".join(" " * len(ln) if LINE_MARKER_RE.match(ln) else ln for ln in body_text.split("\n"))

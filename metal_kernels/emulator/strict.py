@@ -41,7 +41,7 @@ STRICT_FLAGS = ["-x", "clcpp", "-cl-std=clc++2021", "-cl-no-stdinc", "-nostdinc"
                 "-Xclang", "-cl-ext=-__opencl_c_generic_address_space,-__opencl_c_program_scope_global_variables,"
                 "-cl_khr_fp64,-__opencl_c_fp64,-__opencl_c_pipes,-__opencl_c_device_enqueue,+cl_khr_fp16",
                 "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-unused-value", "-ferror-limit=50",
-                "--analyze", "-Xanalyzer", "-analyzer-checker=debug.DumpCallGraph"]
+                "--analyze", "--analyzer-no-default-checks", "-Xanalyzer", "-analyzer-checker=debug.DumpCallGraph"]
 _SRC = "msl_source.metal"
 
 _SPEC = "MSL 3.1"
@@ -126,7 +126,7 @@ def _line_of(pp: str, offset: int) -> str:
 def _token_rules(pp: str) -> list[str]:
     """goto and `long long`: keywords clang's OpenCL mode accepts but Metal rejects."""
     out = []
-    code = re.sub(r'"(?:\\.|[^"\\\n])*"', '""', pp)
+    code = re.sub(r'"(?:\\.|[^"\\\n])*"', lambda m: '"' + " " * (len(m.group(0)) - 2) + '"', pp)  # same offsets
     for m in re.finditer(r"\bgoto\b", code):
         out.append(f"{_line_of(pp, m.start())}: error: goto statement [{_SPEC} (C++ restrictions): goto is "
                    f"not supported]")
@@ -186,9 +186,12 @@ def _callgraph_rules(dump: str, pp: str) -> list[str]:
         edges[caller] = found
     out = []
     lambdas = [n for n in graph if "(anonymous class)::operator()" in n or "(lambda" in n]
-    for n in lambdas:
+    lam = [m.start() for m in re.finditer(r"[=(,{;]\s*\[[^\[\]]*\]\s*(?:\([^()]*\))?\s*(?:mutable\s*)?"
+                                            r"(?:->\s*[\w:<> ]+?\s*)?\{", pp)]
+    for j, n in enumerate(lambdas):
         owner = n.split("(", 1)[0]
-        out.append(f"{_SRC}: error: a lambda expression in {owner!r} [{_SPEC} (C++ restrictions): lambda "
+        loc = _line_of(pp, lam[j] + 1) if j < len(lam) else _SRC
+        out.append(f"{loc}: error: a lambda expression in {owner!r} [{_SPEC} (C++ restrictions): lambda "
                    f"expressions are not supported]")
     # cycles (recursion)
     color: dict[str, int] = {}
@@ -234,15 +237,16 @@ def check(pp: str, clang: str | None = None) -> list[str]:
         except OSError as e:  # pragma: no cover
             return [f"cannot run {clang}: {e}"]
         err = r.stderr.replace(tmp + os.sep, "").replace(str(_HERE) + os.sep, "")
-    for m in _DIAG_RE.finditer(err):
-        loc = m.group("loc")
-        if loc.startswith("strict.h") and "in instantiation" not in m.group("msg"):
-            # an error inside the header names the call site in a following note; keep the message
-            pass
-        rule = _rule(m.group("msg"))
-        problems.append(f"{loc}: error: {m.group('msg')}" + (f" [{rule}]" if rule else ""))
+    diags = list(_DIAG_RE.finditer(err))
+    for k, m in enumerate(diags):
+        tail = err[m.end():diags[k + 1].start() if k + 1 < len(diags) else len(err)]
+        notes = [n.strip() for n in re.findall(r": note: (.*)", tail)]
+        note = next((n for n in notes if "address space" in n or "deleted" in n or "not viable" in n), "")
+        rule = _rule(m.group("msg") + " " + note)
+        problems.append(f"{m.group('loc')}: error: {m.group('msg')}" + (f" ({note})" if note else "")
+                        + (f" [{rule}]" if rule else ""))
     if r.returncode != 0 and not any(": error:" in p for p in problems[len(problems):]) and not _DIAG_RE.search(err):
         problems.append("strict MSL front end failed:\n" + err.strip())
     if r.returncode == 0:
         problems += _callgraph_rules(r.stdout + "\n" + err, pp)
-    return problems
+    return [re.sub(r"[^\s:\[\]]*/(msl_source\.metal)", r"\1", p) for p in problems]
