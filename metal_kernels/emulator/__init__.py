@@ -49,8 +49,9 @@ from __future__ import annotations
 
 from .build import GENERATOR_VERSION, compile_library
 from .codegen import generate_launchers
-from .errors import BarrierDivergence, EmulatorError, KernelCrash, MSLCompileError, OutOfBoundsWrite
-from .launch import GUARD, SIMD_WIDTH, Kernel, Library
+from .errors import (BarrierDivergence, DataRace, EmulatorError, KernelCrash, MSLCompileError, OutOfBoundsWrite,
+                     UninitializedRead)
+from .launch import GUARD, SIMD_WIDTH, Kernel, Library, checks_enabled, set_checks
 from .parse import MAX_THREADS_PER_GROUP, POSITION_ATTRIBUTES, KernelDecl, _template_param_names, parse_kernels
 from .rewrite import rewrite_source
 from .schedule import get_schedule, schedule, set_schedule
@@ -58,6 +59,6 @@ from .toolchain import _preprocessor_args, available, clang_path
 
 __all__ = [
     "compile_library", "available", "clang_path", "set_schedule", "get_schedule", "schedule",
-    "EmulatorError", "MSLCompileError", "OutOfBoundsWrite", "BarrierDivergence", "KernelCrash",
-    "Library", "Kernel", "GENERATOR_VERSION",
+    "EmulatorError", "MSLCompileError", "OutOfBoundsWrite", "BarrierDivergence", "KernelCrash", "DataRace",
+    "UninitializedRead", "Library", "Kernel", "GENERATOR_VERSION", "set_checks", "checks_enabled",
 ]

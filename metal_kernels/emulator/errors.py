@@ -20,3 +20,11 @@ class BarrierDivergence(EmulatorError):
 
 class KernelCrash(EmulatorError):
     """The kernel crashed (invalid memory access, integer division by zero, stack overflow...)."""
+
+
+class DataRace(EmulatorError):
+    """Two threads accessed the same memory in one barrier interval (or from two threadgroups), one writing."""
+
+
+class UninitializedRead(EmulatorError):
+    """The result depends on memory the kernel never wrote: uninitialised threadgroup memory or out of bounds."""

@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import threading
 
 import torch
 
-from .errors import BarrierDivergence, EmulatorError, KernelCrash, OutOfBoundsWrite
+from .errors import BarrierDivergence, DataRace, EmulatorError, KernelCrash, OutOfBoundsWrite, UninitializedRead
 from .schedule import _parse_schedule, get_schedule
 
 GUARD = 256  # bytes of 0xFF before and after every bound buffer
 SIMD_WIDTH = 32
 _launch_lock = threading.Lock()  # one launch at a time: the crash handlers are process-wide
+POISON_BYTES = (0x7B, 0xFB)  # the poison runs' fill: + and - large finite values in every float type
 
 
 _CASTS = {
@@ -69,11 +71,23 @@ class _Region:
     def addr(self, host_addr: int) -> int:
         return self.base + (host_addr - self.start)
 
+    def data(self) -> torch.Tensor:
+        return self.buf[self.pad:self.pad + self.n]
+
+    def _guards(self):
+        return self.buf[self.pad - GUARD:self.pad], self.buf[self.pad + self.n:self.pad + self.n + GUARD]
+
+    def fill_guards(self, byte: int = 0xFF) -> None:
+        """0xFF (NaN, -1) or a poison byte (0x7B / 0xFB: large finite values, see runtime.h)."""
+        for g in self._guards():
+            g.fill_(byte)
+        self.guard_byte = byte
+
     def bad_guard_bytes(self):
-        lo = self.buf[self.pad - GUARD:self.pad]
-        hi = self.buf[self.pad + self.n:self.pad + self.n + GUARD]
-        out = [i - GUARD for i in torch.nonzero(lo != 0xFF).flatten().tolist()]
-        out += [self.n + i for i in torch.nonzero(hi != 0xFF).flatten().tolist()]
+        lo, hi = self._guards()
+        byte = getattr(self, "guard_byte", 0xFF)
+        out = [i - GUARD for i in torch.nonzero(lo != byte).flatten().tolist()]
+        out += [self.n + i for i in torch.nonzero(hi != byte).flatten().tolist()]
         return out
 
 
@@ -256,8 +270,46 @@ class Kernel:
         dims = (ctypes.c_uint32 * 6)(*grid3, *group3)
         kind, seed = _parse_schedule(get_schedule())
         err = ctypes.create_string_buffer(4096)
+        checked = checks_enabled()
+        # every region the kernel can reach, with a name for the race detector's and poison run's messages
+        regions = [(r, "; ".join(f"argument {i} ({d})" for i, _s, _e, d in r.members)) for r in rlist if r.n]
+        regions += [(r, f"argument {i} ({desc})") for i, r, desc in byte_regions if r.n]
+        names = [ctypes.c_char_p(d.encode()) for _, d in regions]
+        lohi = (ctypes.c_uint64 * max(1, 2 * len(regions)))(*[x for r, _ in regions for x in (r.base, r.base + r.n)])
+        cnames = (ctypes.c_char_p * max(1, len(regions)))(*names)
+        configure = self._lib._configure
+        poison_problems, differs = [], None
         with _launch_lock:  # one launch at a time: the crash handlers are process-wide
+            snapshot = [r.data().clone() for r, _ in regions] if checked else None
+            configure(1 if checked else 0, 0, len(regions), lohi, cnames)
             rc = self._fn(bufs, dims, kind, seed, err, len(err))
+            if checked and rc == 0:
+                # the poison run: the same launch again from the same inputs, with threadgroup memory and the
+                # guard regions holding large finite values instead of NaN; any difference in any output byte
+                # means the kernel read memory it never wrote
+                first = [r.data().clone() for r, _ in regions]
+                for byte in POISON_BYTES:
+                    for (r, _), snap in zip(regions, snapshot):
+                        r.data().copy_(snap)
+                        r.fill_guards(byte)
+                    configure(0, byte, 0, None, None)
+                    err2 = ctypes.create_string_buffer(4096)
+                    rc2 = self._fn(bufs, dims, kind, seed, err2, len(err2))
+                    for r, _ in regions:
+                        bad = r.bad_guard_bytes()
+                        if bad:
+                            poison_problems.append(_oob_message(self.name, r, bad) if r.members else
+                                                   f"kernel {self.name!r}: out-of-bounds write in the poison run")
+                    if rc2 == 2:
+                        raise KernelCrash(err2.value.decode(errors="replace") + f" -- in the poison run "
+                                          f"(threadgroup memory and guard regions filled with 0x{byte:X} bytes, large "
+                                          f"finite values, instead of NaN): the kernel uses memory it never wrote, "
+                                          f"e.g. as an index")
+                    if rc2 == 0 and differs is None:
+                        differs = _first_difference(self.name, regions, first, byte)
+                for (r, _), res in zip(regions, first):
+                    r.data().copy_(res)
+                    r.fill_guards(0xFF)
 
         # ---- copy back and check guards
         problems = []
@@ -276,10 +328,42 @@ class Kernel:
             raise BarrierDivergence(err.value.decode(errors="replace"))
         if rc == 2:
             raise KernelCrash(err.value.decode(errors="replace"))
+        if rc == 4:
+            raise DataRace(err.value.decode(errors="replace"))
         if rc != 0:
             raise EmulatorError(err.value.decode(errors="replace") or f"emulator launch failed (code {rc})")
-        if problems:
-            raise OutOfBoundsWrite("\n".join(problems))
+        if problems or poison_problems:
+            raise OutOfBoundsWrite("\n".join(problems or poison_problems))
+        if differs:
+            raise UninitializedRead(differs)
+
+
+def checks_enabled() -> bool:
+    """Race detector and poison run: on unless $COMFY_METAL_EMU_CHECKS is "0"/"off" (or set_checks(False))."""
+    if _checks_override is not None:
+        return _checks_override
+    return os.environ.get("COMFY_METAL_EMU_CHECKS", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+_checks_override: bool | None = None
+
+
+def set_checks(on: bool | None) -> None:
+    """Turn the race detector and the poison run on/off for later launches (None: back to the environment)."""
+    global _checks_override
+    _checks_override = on
+
+
+def _first_difference(kernel: str, regions, first, byte: int) -> str | None:
+    for (r, desc), res in zip(regions, first):
+        diff = torch.nonzero(r.data() != res).flatten()
+        if diff.numel():
+            off = int(diff[0])
+            return (f"kernel {kernel!r}: the result depends on memory the kernel never wrote (uninitialised "
+                    f"threadgroup memory or an out-of-bounds read): {desc} differs at byte offset {off} "
+                    f"({diff.numel()} bytes in all) between a run with NaN-filled (0xFF) and a run with "
+                    f"0x{byte:X}-filled (large finite values) threadgroup memory and guard regions")
+    return None
 
 
 def _byte_region(data: bytes) -> _Region:
@@ -310,6 +394,10 @@ class Library:
         self._table = {e["host"]: e for e in table}
         self._kernels: dict[str, Kernel] = {}
         self.key = key
+        self._configure = getattr(dll, "__emu_configure")  # (getattr: no name mangling)
+        self._configure.restype = None
+        self._configure.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p,
+                                    ctypes.c_void_p]
 
     @property
     def kernel_names(self) -> list[str]:
@@ -319,7 +407,7 @@ class Library:
         return self.kernel_names
 
     def __getattr__(self, name: str) -> Kernel:
-        if name.startswith("__") or name in ("_dll", "_table", "_kernels", "key"):
+        if name.startswith("__") or name in ("_dll", "_table", "_kernels", "key", "_configure"):
             raise AttributeError(name)
         k = self._kernels.get(name)
         if k is None:

@@ -45,7 +45,7 @@ def rewrite_source(pp: str, remove: list[tuple[int, int]]) -> str:
         slot[0] += 1
         full = f"{typ}{dims}"
         return (f"auto& {name} = *reinterpret_cast<{typ}(*){dims}>(__emu::tg_storage({sid}u, sizeof({full}), "
-                f"alignof({typ})));" + keep_newlines(m.group(0)))
+                f"alignof({typ}), \"{name}\"));" + keep_newlines(m.group(0)))
 
     s = TG_DECL_RE.sub(tg, s)
     left = _TG_LEFTOVER_RE.search(s)

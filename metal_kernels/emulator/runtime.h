@@ -31,6 +31,11 @@
 
 extern "C" void __emu_ctx_switch(void** save_sp, void* new_sp);
 
+// The kernel code is compiled with ThreadSanitizer's instrumentation (-fsanitize=thread): every memory
+// access it makes calls __tsan_readN/__tsan_writeN, which this runtime defines (the race detector below);
+// tsan's own runtime is never linked.  The runtime itself is not instrumented.
+#pragma clang attribute push(__attribute__((no_sanitize("thread"))), apply_to = function)
+
 #if defined(__x86_64__)
 __asm__(
     ".text\n"
@@ -115,7 +120,7 @@ extern "C" __attribute__((visibility("hidden"), used)) __bf16 __truncdfbf2(doubl
 namespace __emu {
 
 enum : uint32_t { ST_NEW = 0, ST_RUNNABLE = 1, ST_BARRIER = 2, ST_SIMD = 3, ST_DONE = 4 };
-enum : int { RC_OK = 0, RC_DIVERGENCE = 1, RC_CRASH = 2, RC_ERROR = 3 };
+enum : int { RC_OK = 0, RC_DIVERGENCE = 1, RC_CRASH = 2, RC_ERROR = 3, RC_RACE = 4 };
 enum : uint32_t { SCHED_FORWARD = 0, SCHED_REVERSE = 1, SCHED_SHUFFLE = 2 };
 
 static constexpr uint32_t kSimdWidth = 32;
@@ -165,6 +170,7 @@ struct Launch {
   unsigned char* arena;
   size_t arena_used;
   int32_t slot_off[kMaxTgSlots];
+  const char* slot_name[kMaxTgSlots];
   int tg_error;
 };
 
@@ -277,7 +283,7 @@ static void make_order(uint32_t* order, uint32_t n, uint32_t sched, uint64_t see
 }
 
 // ---------------------------------------------------------------- threadgroup memory
-static void* tg_alloc(uint32_t slot, size_t size, size_t align) {
+static void* tg_alloc(uint32_t slot, size_t size, size_t align, const char* name) {
   Launch* L = g_launch;
   if (slot >= kMaxTgSlots) {
     L->tg_error = 1;
@@ -291,11 +297,186 @@ static void* tg_alloc(uint32_t slot, size_t size, size_t align) {
       return L->arena;  // keep running; launch reports the error
     }
     L->slot_off[slot] = (int32_t)o;
+    L->slot_name[slot] = name;
     L->arena_used = o + size;
     if (L->arena_used > kTgMetalLimit) L->tg_error = 2;
     off = (int32_t)o;
   }
   return L->arena + off;
+}
+
+
+// ---------------------------------------------------------------- checks: threadgroup fill, race detector
+// Threadgroup memory (and, on the Python side, the guard regions) start as 0xFF bytes (NaN, -1) in a checked
+// launch's first run and as "poison" in its two re-runs: bytes 0x7B, then 0xFB -- large finite values of
+// either sign in every type (float +-1.3e36 / -2.6e36, half 61280 / -64864, fp8 e4m3 +-352), which max, min
+// and abs cannot swallow the way they swallow NaN.
+static uint32_t g_fill_poison = 0;  // 0: 0xFF bytes, else the poison byte
+static void fill_tg(unsigned char* p, size_t n) { memset(p, g_fill_poison ? (int)g_fill_poison : 0xFF, n); }
+
+// Shadow memory: for every byte of every bound buffer and of threadgroup memory, the last write and the last
+// read (or "several readers") as (segment, thread).  A segment is one barrier interval of one threadgroup
+// (numbered globally; g_seg_group maps it to its group).  Two accesses race when at least one writes and they
+// come from different threads of one segment, or -- device memory only -- from different threadgroups.
+struct Cell {
+  uint32_t wseg, wtid, rseg, rtid;
+};
+static constexpr uint32_t kManyReaders = 0xFFFFFFFFu;
+static constexpr uint32_t kMaxRanges = 64;
+struct RaceRange {
+  uintptr_t lo, hi;
+  Cell* shadow;
+  size_t shadow_bytes;
+  int tg;
+  const char* name;
+};
+static RaceRange g_rr[kMaxRanges];
+static uint32_t g_nrr = 0;
+static uintptr_t g_rlo = ~(uintptr_t)0, g_rhi = 0;
+static int g_race_on = 0;
+static uint32_t g_seg = 0;
+static uint64_t* g_seg_group = nullptr;
+static size_t g_seg_cap = 0;
+static uint64_t g_nraces = 0;
+static char g_race_msg[1536];
+
+static uint64_t group_linear(const Launch* L) {
+  return L->group[0] + (uint64_t)L->ngroups[0] * (L->group[1] + (uint64_t)L->ngroups[1] * L->group[2]);
+}
+static void new_segment() {
+  if (!g_race_on) return;
+  if (g_seg + 1 >= g_seg_cap) {
+    size_t cap = g_seg_cap ? g_seg_cap * 2 : 4096;
+    uint64_t* p = (uint64_t*)realloc(g_seg_group, cap * sizeof(uint64_t));
+    if (!p) {
+      g_race_on = 0;
+      return;
+    }
+    g_seg_group = p;
+    g_seg_cap = cap;
+  }
+  g_seg++;
+  g_seg_group[g_seg] = group_linear(g_launch);
+}
+
+// thread `tid` (linear index in its group) of group `g` (linear) -> positions
+static void describe_thread(char* buf, size_t len, uint64_t g, uint32_t tid) {
+  const Launch* L = g_launch;
+  uint32_t gp[3] = {(uint32_t)(g % L->ngroups[0]), (uint32_t)((g / L->ngroups[0]) % L->ngroups[1]),
+                    (uint32_t)(g / ((uint64_t)L->ngroups[0] * L->ngroups[1]))};
+  uint32_t tpg[3];
+  for (int d = 0; d < 3; d++) {
+    uint32_t rem = L->grid[d] - gp[d] * L->req_tpg[d];
+    tpg[d] = rem < L->req_tpg[d] ? rem : L->req_tpg[d];
+  }
+  uint32_t lp[3] = {tid % tpg[0], (tid / tpg[0]) % tpg[1], tid / (tpg[0] * tpg[1])};
+  snprintf(buf, len, "thread (%u,%u,%u) of threadgroup (%u,%u,%u)", lp[0], lp[1], lp[2], gp[0], gp[1], gp[2]);
+}
+
+static const char* tg_name(size_t off) {
+  const Launch* L = g_launch;
+  const char* best = "threadgroup memory";
+  int32_t best_off = -1;
+  for (uint32_t i = 0; i < kMaxTgSlots; i++)
+    if (L->slot_off[i] >= 0 && (size_t)L->slot_off[i] <= off && L->slot_off[i] > best_off && L->slot_name[i]) {
+      best_off = L->slot_off[i];
+      best = L->slot_name[i];
+    }
+  return best;
+}
+
+__attribute__((noinline, cold)) static void report_race(const RaceRange& r, uintptr_t a, uint32_t size, bool now_write,
+                                                        uint32_t pseg, uint32_t ptid, bool prev_write) {
+  if (g_nraces++) return;
+  const Launch* L = g_launch;
+  char me[96], other[96];
+  uint64_t g = group_linear(L);
+  describe_thread(me, sizeof me, g, g_cur->lin);
+  uint64_t pg = g_seg_group[pseg];
+  if (ptid == kManyReaders) snprintf(other, sizeof other, "other threads%s", pg == g ? "" : " of other threadgroups");
+  else describe_thread(other, sizeof other, pg, ptid);
+  size_t off = a - r.lo;
+  char what[160];
+  if (r.tg) {
+    const char* nm = tg_name(off);
+    int32_t base = 0;
+    for (uint32_t i = 0; i < kMaxTgSlots; i++)
+      if (L->slot_name[i] == nm && L->slot_off[i] >= 0) base = L->slot_off[i];
+    snprintf(what, sizeof what, "threadgroup array '%s', byte offset %zu (element %zu of %u bytes)", nm,
+             off - base, (off - base) / size, size);
+  } else {
+    snprintf(what, sizeof what, "%s, byte offset %zu (element %zu of %u bytes)", r.name, off, off / size, size);
+  }
+  snprintf(g_race_msg, sizeof g_race_msg,
+           "kernel %s: data race on %s: %s %s it and %s %s it %s", L->kernel_name, what, other,
+           prev_write ? "wrote" : "read", me, now_write ? "writes" : "reads",
+           pg != g ? "in another threadgroup (nothing orders threadgroups of one dispatch: use atomics or "
+                     "a separate dispatch)"
+                   : "with no threadgroup_barrier between them");
+}
+
+static inline bool conflicts(const RaceRange& r, uint32_t seg, uint32_t tid, uint32_t me) {
+  if (!seg) return false;
+  if (seg == g_seg) return tid != me;
+  return !r.tg && g_seg_group[seg] != g_seg_group[g_seg];
+}
+
+static inline void race_access(uintptr_t a, uint32_t size, bool write) {
+  if (!g_race_on || a + size <= g_rlo || a >= g_rhi || !g_cur) return;
+  for (uint32_t i = 0; i < g_nrr; i++) {
+    const RaceRange& r = g_rr[i];
+    if (a + size <= r.lo || a >= r.hi) continue;
+    const uint32_t me = g_cur->lin;
+    for (uintptr_t b = a < r.lo ? r.lo : a, e = a + size > r.hi ? r.hi : a + size; b < e; b++) {
+      Cell& c = r.shadow[b - r.lo];
+      if (conflicts(r, c.wseg, c.wtid, me)) report_race(r, a, size, write, c.wseg, c.wtid, true);
+      if (write) {
+        if (c.rseg && (c.rtid == kManyReaders ? (c.rseg == g_seg || (!r.tg && g_seg_group[c.rseg] !=
+                                                                              g_seg_group[g_seg]))
+                                              : conflicts(r, c.rseg, c.rtid, me)))
+          report_race(r, a, size, write, c.rseg, c.rtid, false);
+        c.wseg = g_seg;
+        c.wtid = me;
+      } else if (c.rseg == g_seg && c.rtid != me) {
+        c.rtid = kManyReaders;
+      } else if (c.rseg != g_seg) {
+        c.rseg = g_seg;
+        c.rtid = me;
+      }
+    }
+    return;
+  }
+}
+
+static void race_begin(unsigned char* arena) {
+  g_seg = 0;
+  g_nraces = 0;
+  g_race_msg[0] = 0;
+  if (!g_race_on) return;
+  if (g_nrr < kMaxRanges) g_rr[g_nrr++] = RaceRange{(uintptr_t)arena, (uintptr_t)arena + kTgArenaBytes, nullptr, 0, 1,
+                                                    "threadgroup memory"};
+  g_rlo = ~(uintptr_t)0;
+  g_rhi = 0;
+  for (uint32_t i = 0; i < g_nrr; i++) {
+    RaceRange& r = g_rr[i];
+    r.shadow_bytes = (r.hi - r.lo) * sizeof(Cell);
+    void* p = r.shadow_bytes ? mmap(nullptr, r.shadow_bytes, PROT_READ | PROT_WRITE,
+                                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0) : nullptr;
+    if (p == MAP_FAILED) {
+      g_race_on = 0;  // no memory for the shadow: this launch runs unchecked
+      p = nullptr;
+    }
+    r.shadow = (Cell*)p;
+    if (r.lo < g_rlo) g_rlo = r.lo;
+    if (r.hi > g_rhi) g_rhi = r.hi;
+  }
+}
+
+static void race_end() {
+  for (uint32_t i = 0; i < g_nrr; i++)
+    if (g_rr[i].shadow) munmap(g_rr[i].shadow, g_rr[i].shadow_bytes);
+  g_nrr = 0;
+  g_race_on = 0;
 }
 
 // ---------------------------------------------------------------- barrier
@@ -367,7 +548,8 @@ static int run_group() {
     t.lpos[2] = i / (tx * ty);
     for (int d = 0; d < 3; d++) t.gpos[d] = L->group[d] * L->req_tpg[d] + t.lpos[d];
   }
-  if (L->arena_used) memset(L->arena, 0xFF, L->arena_used);
+  if (L->arena_used) fill_tg(L->arena, L->arena_used);
+  new_segment();
   uint64_t gseed = L->seed ^ (0x51ED27ull * (1 + L->group[0] + 65537ull * L->group[1] + 4294967311ull * L->group[2]));
   uint32_t phase = 0;
   make_order(g_order, n, L->sched, gseed);
@@ -463,6 +645,7 @@ static int run_group() {
     for (uint32_t i = 0; i < n; i++)
       if (g_threads[i].state == ST_BARRIER) g_threads[i].state = ST_RUNNABLE;
     phase++;
+    new_segment();
     make_order(g_order, n, L->sched, gseed + 0x1234567ull * phase);
   }
   return RC_OK;
@@ -506,7 +689,7 @@ static int launch(const char* name, void (*entry)(void**), void** bufs, const ui
   L.arena = g_arena;
   L.arena_used = 0;
   for (uint32_t i = 0; i < kMaxTgSlots; i++) L.slot_off[i] = -1;
-  memset(g_arena, 0xFF, kTgArenaBytes);
+  fill_tg(g_arena, kTgArenaBytes);
   uint64_t total_groups = 1;
   L.req_total = 1;
   for (int d = 0; d < 3; d++) {
@@ -526,6 +709,7 @@ static int launch(const char* name, void (*entry)(void**), void** bufs, const ui
     return RC_ERROR;
   }
   g_launch = &L;
+  race_begin(g_arena);
 
   // install crash handlers (restored afterwards)
   // SIGRTMIN+7: watchdog (CPU time of this thread, $COMFY_METAL_EMU_TIMEOUT seconds, default 600)
@@ -631,6 +815,12 @@ static int launch(const char* name, void (*entry)(void**), void** bufs, const ui
   if (have_watchdog) timer_delete(watchdog);
   for (int i = 0; i < 5; i++) sigaction(sigs[i], &old[i], nullptr);
   sigaltstack(&old_ss, nullptr);
+  if (rc == RC_OK && g_nraces) {
+    snprintf(err, errlen, "%s (%llu racing accesses in all)", g_race_msg, (unsigned long long)g_nraces);
+    rc = RC_RACE;
+  }
+  race_end();
+  g_fill_poison = 0;
   g_launch = nullptr;
   g_cur = nullptr;
   return rc;
@@ -640,3 +830,50 @@ static inline Thread& cur() { return *g_cur; }
 static inline Launch& launch_info() { return *g_launch; }
 
 }  // namespace __emu
+#pragma clang attribute pop
+
+// ---------------------------------------------------------------- instrumentation hooks and configuration
+#define __EMU_TSAN_HOOKS(N)                                                                                    \
+  extern "C" __attribute__((visibility("hidden"), no_sanitize("thread"))) void __tsan_read##N(void* p) {       \
+    __emu::race_access((uintptr_t)p, N, false);                                                                \
+  }                                                                                                            \
+  extern "C" __attribute__((visibility("hidden"), no_sanitize("thread"))) void __tsan_write##N(void* p) {      \
+    __emu::race_access((uintptr_t)p, N, true);                                                                 \
+  }                                                                                                            \
+  extern "C" __attribute__((visibility("hidden"), no_sanitize("thread"))) void __tsan_unaligned_read##N(void* p) { \
+    __emu::race_access((uintptr_t)p, N, false);                                                                \
+  }                                                                                                            \
+  extern "C" __attribute__((visibility("hidden"), no_sanitize("thread"))) void __tsan_unaligned_write##N(void* p) { \
+    __emu::race_access((uintptr_t)p, N, true);                                                                 \
+  }
+__EMU_TSAN_HOOKS(1)
+__EMU_TSAN_HOOKS(2)
+__EMU_TSAN_HOOKS(4)
+__EMU_TSAN_HOOKS(8)
+__EMU_TSAN_HOOKS(16)
+#undef __EMU_TSAN_HOOKS
+extern "C" __attribute__((visibility("hidden"), no_sanitize("thread"))) void __tsan_read_range(void* p, size_t n) {
+  if (n) __emu::race_access((uintptr_t)p, (uint32_t)n, false);
+}
+extern "C" __attribute__((visibility("hidden"), no_sanitize("thread"))) void __tsan_write_range(void* p, size_t n) {
+  if (n) __emu::race_access((uintptr_t)p, (uint32_t)n, true);
+}
+extern "C" __attribute__((visibility("hidden"), no_sanitize("thread"))) void __tsan_init() {}
+extern "C" __attribute__((visibility("hidden"), no_sanitize("thread"))) void __tsan_func_entry(void*) {}
+extern "C" __attribute__((visibility("hidden"), no_sanitize("thread"))) void __tsan_func_exit() {}
+extern "C" __attribute__((visibility("hidden"), no_sanitize("thread"))) void __tsan_vptr_update(void**, void*) {}
+extern "C" __attribute__((visibility("hidden"), no_sanitize("thread"))) void __tsan_vptr_read(void**) {}
+
+// Checks for the next launch: race detection over the given [lo, hi) buffer ranges (names for messages),
+// and the threadgroup fill (0: 0xFF bytes, 1: poison).
+extern "C" __attribute__((visibility("default"), no_sanitize("thread"))) void __emu_configure(
+    uint32_t race, uint32_t poison, uint32_t n, const uint64_t* lohi, const char* const* names) {
+  __emu::g_fill_poison = poison;
+  __emu::g_race_on = race ? 1 : 0;
+  __emu::g_nrr = 0;
+  if (!race) return;
+  for (uint32_t i = 0; i < n && __emu::g_nrr + 1 < __emu::kMaxRanges; i++)
+    if (lohi[2 * i + 1] > lohi[2 * i])
+      __emu::g_rr[__emu::g_nrr++] = __emu::RaceRange{(uintptr_t)lohi[2 * i], (uintptr_t)lohi[2 * i + 1], nullptr, 0,
+                                                     0, names[i]};
+}

@@ -588,17 +588,19 @@ typedef atomic<ulong> atomic_ulong;
 typedef atomic<long> atomic_long;
 
 #define __EMU_AT(T) auto* p_ = const_cast<atomic<T>*>(o)
+// atomics are excluded from the race detector (no instrumentation inside them)
+#define __EMU_NORACE __attribute__((no_sanitize("thread")))
 template <class T, class U>
-inline T atomic_load_explicit(const volatile atomic<T>* o, U) {
+__EMU_NORACE inline T atomic_load_explicit(const volatile atomic<T>* o, U) {
   return const_cast<atomic<T>*>(o)->__v;
 }
 template <class T, class V, class U>
-inline void atomic_store_explicit(volatile atomic<T>* o, V v, U) {
+__EMU_NORACE inline void atomic_store_explicit(volatile atomic<T>* o, V v, U) {
   __EMU_AT(T);
   p_->__v = (T)v;
 }
 template <class T, class V, class U>
-inline T atomic_exchange_explicit(volatile atomic<T>* o, V v, U) {
+__EMU_NORACE inline T atomic_exchange_explicit(volatile atomic<T>* o, V v, U) {
   __EMU_AT(T);
   T old = p_->__v;
   p_->__v = (T)v;
@@ -606,7 +608,7 @@ inline T atomic_exchange_explicit(volatile atomic<T>* o, V v, U) {
 }
 #define __EMU_ATOP(NAME, EXPR)                                 \
   template <class T, class V, class U>                         \
-  inline T NAME(volatile atomic<T>* o, V v_, U) {              \
+  __EMU_NORACE inline T NAME(volatile atomic<T>* o, V v_, U) { \
     __EMU_AT(T);                                               \
     T old = p_->__v;                                           \
     T v = (T)v_;                                               \
@@ -622,7 +624,7 @@ __EMU_ATOP(atomic_fetch_min_explicit, (T)(v < old ? v : old))
 __EMU_ATOP(atomic_fetch_max_explicit, (T)(old < v ? v : old))
 #undef __EMU_ATOP
 template <class T, class V, class U1, class U2>
-inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* o, T* expected, V desired, U1, U2) {
+__EMU_NORACE inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* o, T* expected, V desired, U1, U2) {
   __EMU_AT(T);
   if (p_->__v == *expected) {
     p_->__v = (T)desired;
@@ -861,8 +863,9 @@ inline simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(T v) {
     for (int c = 0; c < C; c++) m.e[r][c] = v;
   return m;
 }
+// every lane loads/stores the whole matrix here (on the GPU the simdgroup shares the work): not race-checked
 template <class T, int C, int R, class U, class O = ulong2>
-inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const U* src, ulong elements_per_row = C,
+__attribute__((no_sanitize("thread"))) inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const U* src, ulong elements_per_row = C,
                            O origin = O(0), bool transpose = false) {
   const ulong ox = (ulong)origin[0], oy = (ulong)origin[1];
   for (int r = 0; r < R; r++)
@@ -870,7 +873,7 @@ inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const U* src, ulong ele
       d.e[r][c] = (T)(transpose ? src[(oy + c) * elements_per_row + ox + r] : src[(oy + r) * elements_per_row + ox + c]);
 }
 template <class T, int C, int R, class U, class O = ulong2>
-inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, U* dst, ulong elements_per_row = C,
+__attribute__((no_sanitize("thread"))) inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, U* dst, ulong elements_per_row = C,
                             O origin = O(0), bool transpose = false) {
   const ulong ox = (ulong)origin[0], oy = (ulong)origin[1];
   for (int r = 0; r < R; r++)
@@ -901,7 +904,9 @@ inline void simdgroup_multiply(simdgroup_matrix<TD, N, N>& d, const simdgroup_ma
 
 // threadgroup memory: per-group storage, filled with 0xFF at the start of every group
 namespace __emu {
-inline void* tg_storage(uint32_t slot, size_t size, size_t align) { return tg_alloc(slot, size, align); }
+inline void* tg_storage(uint32_t slot, size_t size, size_t align, const char* name) {
+  return tg_alloc(slot, size, align, name);
+}
 }  // namespace __emu
 
 // ------------------------------------------------------------------ MSL keywords

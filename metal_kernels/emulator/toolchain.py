@@ -15,7 +15,10 @@ HERE = Path(__file__).resolve().parent
 _FLAGS = ["-std=c++20", "-O1", "-Xclang", "-ffloat16-excess-precision=none", "-Xclang",
           "-fbfloat16-excess-precision=none", "-fPIC", "-shared", "-fvisibility=hidden", "-fno-strict-aliasing", "-fwrapv",
           "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-deprecated-volatile",
-          "-Wno-unused-value", "-Wno-c++11-narrowing", "-ferror-limit=20"]
+          "-Wno-unused-value", "-Wno-c++11-narrowing", "-ferror-limit=20",
+          # the race detector: ThreadSanitizer's instrumentation calls __tsan_read/write, defined in runtime.h
+          "-fsanitize=thread", "-mllvm", "-tsan-instrument-func-entry-exit=0", "-mllvm", "-tsan-instrument-atomics=0",
+          "-mllvm", "-tsan-instrument-memintrinsics=0"]
 _PP_FLAGS = ["-E", "-x", "c++", "-std=c++20", "-nostdinc", "-D__METAL_VERSION__=310", "-D__HAVE_BFLOAT__=1",
              "-D__METAL_MACOS__=1", "-D__METAL_EMULATOR__=1"]
 _STUB_HEADERS = ["metal_stdlib", "metal_math", "metal_simdgroup", "metal_simdgroup_matrix", "metal_atomic",

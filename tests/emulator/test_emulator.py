@@ -251,7 +251,7 @@ UNARY_KERNEL(negate_k, -v)
 template <typename T, int N>
 kernel void fill_n(device T* y [[buffer(0)]], uint i [[thread_position_in_grid]]) {
   threadgroup T tile[N];
-  tile[i % N] = T(N);
+  if (i < N) tile[i] = T(N);  // one writer per element (several would race)
   threadgroup_barrier(mem_flags::mem_threadgroup);
   y[i] = tile[(i + 1) % N];
 }
@@ -374,11 +374,22 @@ def test_tree_reduction_with_barriers(lib, sched):
     torch.testing.assert_close(out, x.view(4, 256).sum(1), rtol=1e-5, atol=1e-4)
 
 
-def test_missing_barrier_is_caught_by_default_schedule(lib):
+@pytest.mark.parametrize("sched", ["forward", "reverse", "shuffle"])
+def test_missing_barrier_is_a_race_under_every_schedule(lib, sched):
+    """The race detector sees the missing barrier whatever the order (under forward and reverse the numbers
+    even come out right); with the checks off, the default shuffled schedule still gets them wrong."""
     x = torch.randn(4 * 256)
     out = torch.zeros(4)
-    lib.tree_sum_nobarrier(out, x, threads=1024, group_size=256)
-    assert not torch.allclose(out, x.view(4, 256).sum(1), atol=1e-3)  # wrong or NaN
+    with emu.schedule(sched), pytest.raises(emu.DataRace, match=r"tree_sum_nobarrier: data race on threadgroup "
+                                                                  r"array 'buf'.*no threadgroup_barrier"):
+        lib.tree_sum_nobarrier(out, x, threads=1024, group_size=256)
+    if sched == "shuffle":
+        emu.set_checks(False)
+        try:
+            lib.tree_sum_nobarrier(out, x, threads=1024, group_size=256)
+        finally:
+            emu.set_checks(None)
+        assert not torch.allclose(out, x.view(4, 256).sum(1), atol=1e-3)  # wrong or NaN
 
 
 def test_schedule_env_and_setter(lib, monkeypatch):
@@ -399,7 +410,15 @@ def test_schedule_env_and_setter(lib, monkeypatch):
 
 def test_threadgroup_memory_starts_as_nan(lib):
     out = torch.zeros(64)
-    lib.uninit_tg(out, threads=64, group_size=64)
+    with pytest.raises(emu.UninitializedRead, match=r"'uninit_tg': the result depends on memory the kernel never "
+                                                     r"wrote.*argument 0 \(tensor \(64,\) float32\) differs at byte "
+                                                     r"offset 4 \(128 bytes"):
+        lib.uninit_tg(out, threads=64, group_size=64)
+    emu.set_checks(False)  # unchecked: the NaN fill is visible
+    try:
+        lib.uninit_tg(out, threads=64, group_size=64)
+    finally:
+        emu.set_checks(None)
     assert torch.equal(out[0::2], torch.ones(32))
     assert torch.isnan(out[1::2]).all()
 
@@ -429,9 +448,11 @@ def test_out_of_bounds_write_is_reported(lib):
 
 def test_out_of_bounds_read_sees_nan(lib):
     out = torch.zeros(10)
-    lib.read_past(out, torch.ones(10))
+    with pytest.raises(emu.UninitializedRead, match=r"'read_past'.*argument 0 \(tensor \(10,\) float32\) differs "
+                                                     r"at byte offset 36 \(4 bytes"):
+        lib.read_past(out, torch.ones(10))
     assert torch.equal(out[:9], torch.ones(9))
-    assert torch.isnan(out[9])
+    assert torch.isnan(out[9])  # the caller gets the first (NaN-guarded) run's result
 
 
 def test_simd_collectives_match_torch(lib):
@@ -505,11 +526,17 @@ def test_schedules_differ_and_neighbour_race_is_caught(lib):
     assert len({tuple(o) for o in shuffled}) == 3
     expected = torch.tensor([0.0] + list(range(63)), dtype=torch.float32)
     out = torch.zeros(64)
-    with emu.schedule("forward"):
+    emu.set_checks(False)
+    try:
+        with emu.schedule("forward"):
+            lib.neighbour(out, threads=64, group_size=64)
+        assert torch.equal(out, expected)  # the race is invisible in program order...
         lib.neighbour(out, threads=64, group_size=64)
-    assert torch.equal(out, expected)  # the race is invisible in program order...
-    lib.neighbour(out, threads=64, group_size=64)
-    assert torch.isnan(out).any()      # ...but the default (shuffled) schedule exposes it
+        assert torch.isnan(out).any()      # ...the default (shuffled) schedule exposes it
+    finally:
+        emu.set_checks(None)
+    with emu.schedule("forward"), pytest.raises(emu.DataRace, match="neighbour: data race on threadgroup array 'buf'"):
+        lib.neighbour(out, threads=64, group_size=64)  # and the race detector reports it under any schedule
 
 
 def test_simd_int_broadcast_vote(lib):
