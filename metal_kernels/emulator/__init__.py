@@ -40,10 +40,13 @@ Known limitations (MSL the emulator does not handle):
 * a threadgroup_barrier inside a helper function called from two places counts as
   one call site.
 
-Runtime checks: guard regions around every buffer (``OutOfBoundsWrite``), NaN
-filled threadgroup memory and out-of-bounds reads, barrier divergence
-(``BarrierDivergence``), schedule perturbation (forward / reverse / shuffle),
-crashes (SIGSEGV, SIGFPE, ...) reported as ``KernelCrash``.
+Before every compile, a strict MSL 3.1 front end (``strict.py``) rejects what Apple's compiler rejects
+(``MSLCompileError`` with the spec's rule). Runtime checks: guard regions around every buffer
+(``OutOfBoundsWrite``), NaN filled threadgroup memory and out-of-bounds reads, barrier divergence
+(``BarrierDivergence``), schedule perturbation (forward / reverse / shuffle), crashes (SIGSEGV, SIGFPE, ...)
+reported as ``KernelCrash``; in checked launches (default; ``COMFY_METAL_EMU_CHECKS=0`` or
+``set_checks(False)`` to skip) a shadow-memory race detector (``DataRace``) and two poison re-runs with
+large finite fills (``UninitializedRead``). See README.md.
 """
 from __future__ import annotations
 
