@@ -15,7 +15,7 @@ mode, syntax only, where
   float/half only (``exp(bfloat)`` is a deleted function), no 64-bit or bfloat SIMD reductions.
 
 What clang cannot see is checked on its output: recursion (cycles in clang's call graph,
-``debug.DumpCallGraph``), lambdas (anonymous-class call operators in that graph), ``goto``, ``long long``,
+``debug.DumpCallGraph``, confirmed per declaration on clang's JSON AST so overloads are told apart), lambdas (anonymous-class call operators in that graph), ``goto``, ``long long``,
 and kernel parameters (a ``[[buffer(n)]]`` must be a ``device``/``constant`` pointer or reference; every
 level of a pointer-to-pointer needs an address space).
 
@@ -23,6 +23,7 @@ level of a pointer-to-pointer needs an address space).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -42,6 +43,7 @@ STRICT_FLAGS = ["-x", "clcpp", "-cl-std=clc++2021", "-cl-no-stdinc", "-nostdinc"
                 "-cl_khr_fp64,-__opencl_c_fp64,-__opencl_c_pipes,-__opencl_c_device_enqueue,+cl_khr_fp16",
                 "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-unused-value", "-ferror-limit=50",
                 "--analyze", "--analyzer-no-default-checks", "-Xanalyzer", "-analyzer-checker=debug.DumpCallGraph"]
+_ANALYZE = {"--analyze", "--analyzer-no-default-checks", "-Xanalyzer", "-analyzer-checker=debug.DumpCallGraph"}
 _SRC = "msl_source.metal"
 
 _SPEC = "MSL 3.1"
@@ -163,44 +165,30 @@ def _param_rules(pp: str) -> list[str]:
     return out
 
 
-def _callgraph_rules(dump: str, pp: str) -> list[str]:
-    graph: dict[str, list[str]] = {}
-    for m in re.finditer(r"^\s*Function: (.*?) calls: ?(.*)$", dump, re.M):
-        caller = m.group(1).strip()
-        if caller == "< root >":
-            continue
-        # callees are separated by spaces, but lambda names contain spaces: split on known names
-        graph[caller] = []
-        rest = m.group(2).strip()
-        graph[caller].append(rest)
-    names = sorted(graph, key=len, reverse=True)
+def _name_graph(dump: str) -> dict[str, set[str]]:
+    """clang's call graph (debug.DumpCallGraph) by function name: overloads share a node."""
+    rows = {m.group(1).strip(): m.group(2).strip()
+            for m in re.finditer(r"^\s*Function: (.*?) calls: ?(.*)$", dump, re.M) if m.group(1).strip() != "< root >"}
+    names = sorted(rows, key=len, reverse=True)  # lambda names contain spaces: match whole known names
     edges: dict[str, set[str]] = {}
-    for caller, (rest,) in graph.items():
-        found = set()
-        r = " " + rest + " "
+    for caller, rest in rows.items():
+        r, found = " " + rest + " ", set()
         for n in names:
-            token = " " + n + " "
-            if token in r:
+            if " " + n + " " in r:
                 found.add(n)
-                r = r.replace(token, " ")
+                r = r.replace(" " + n + " ", " ")
         edges[caller] = found
-    out = []
-    lambdas = [n for n in graph if "(anonymous class)::operator()" in n or "(lambda" in n]
-    lam = [m.start() for m in re.finditer(r"[=(,{;]\s*\[[^\[\]]*\]\s*(?:\([^()]*\))?\s*(?:mutable\s*)?"
-                                            r"(?:->\s*[\w:<> ]+?\s*)?\{", pp)]
-    for j, n in enumerate(lambdas):
-        owner = n.split("(", 1)[0]
-        loc = _line_of(pp, lam[j] + 1) if j < len(lam) else _SRC
-        out.append(f"{loc}: error: a lambda expression in {owner!r} [{_SPEC} (C++ restrictions): lambda "
-                   f"expressions are not supported]")
-    # cycles (recursion)
-    color: dict[str, int] = {}
-    cycles = []
+    return edges
+
+
+def _cycles(edges: dict) -> list[list]:
+    color: dict = {}
+    cycles: list[list] = []
 
     def dfs(u, stack):
         color[u] = 1
         stack.append(u)
-        for v in sorted(edges.get(u, ())):
+        for v in sorted(edges.get(u, ()), key=str):
             if color.get(v, 0) == 0:
                 dfs(v, stack)
             elif color.get(v) == 1:
@@ -208,14 +196,68 @@ def _callgraph_rules(dump: str, pp: str) -> list[str]:
         stack.pop()
         color[u] = 2
 
-    for u in sorted(edges):
+    for u in sorted(edges, key=str):
         if color.get(u, 0) == 0:
             dfs(u, [])
-    for c in cycles:
-        m = re.search(rf"\b{re.escape(c[0])}\s*\(", pp)
-        loc = _line_of(pp, m.start()) if m else _SRC
-        out.append(f"{loc}: error: recursive call {' -> '.join(c)} [{_SPEC} (C++ restrictions): recursive "
-                   f"function calls are not supported]")
+    return cycles
+
+
+_FUNCTION_KINDS = {"FunctionDecl", "CXXMethodDecl", "CXXConstructorDecl", "CXXDestructorDecl", "CXXConversionDecl"}
+
+
+def _declaration_cycles(ast: dict) -> list[list[str]]:
+    """Recursion in the call graph of declarations (clang's JSON AST): overloads and template
+    specialisations are distinct nodes, redeclarations one node."""
+    prev: dict[str, str] = {}
+    names: dict[str, str] = {}
+    edges: dict[str, set[str]] = {}
+    stack = [(ast, None)]
+    while stack:
+        node, fn = stack.pop()
+        kind = node.get("kind")
+        if kind in _FUNCTION_KINDS:
+            names[node["id"]] = node.get("name", "?")
+            if node.get("previousDecl"):
+                prev[node["id"]] = node["previousDecl"]
+            if any(c.get("kind") == "CompoundStmt" for c in node.get("inner", ())):
+                fn = node["id"]
+        elif fn is not None:
+            ref = node.get("referencedDecl") if kind == "DeclRefExpr" else \
+                node.get("referencedMemberDecl") and {"id": node["referencedMemberDecl"], "kind": "CXXMethodDecl"}
+            if ref and ref.get("kind") in _FUNCTION_KINDS:
+                edges.setdefault(fn, set()).add(ref["id"])
+        for c in node.get("inner", ()):
+            stack.append((c, fn))
+
+    def canon(i):
+        seen = set()
+        while i in prev and i not in seen:
+            seen.add(i)
+            i = prev[i]
+        return i
+    graph: dict[str, set[str]] = {}
+    for f, callees in edges.items():
+        graph.setdefault(canon(f), set()).update(canon(c) for c in callees)
+    return [[names.get(i, "?") for i in c] for c in _cycles(graph)]
+
+
+def _callgraph_rules(dump: str, pp: str, precise) -> list[str]:
+    edges = _name_graph(dump)
+    out = []
+    lambdas = [n for n in edges if "(anonymous class)::operator()" in n or "(lambda" in n]
+    lam = [m.start() for m in re.finditer(r"[=(,{;]\s*\[[^\[\]]*\]\s*(?:\([^()]*\))?\s*(?:mutable\s*)?"
+                                            r"(?:->\s*[\w:<> ]+?\s*)?\{", pp)]
+    for j, n in enumerate(lambdas):
+        owner = n.split("(", 1)[0]
+        loc = _line_of(pp, lam[j] + 1) if j < len(lam) else _SRC
+        out.append(f"{loc}: error: a lambda expression in {owner!r} [{_SPEC} (C++ restrictions): lambda "
+                   f"expressions are not supported]")
+    if _cycles(edges):  # a cycle of names may be overloads calling each other: check declarations
+        for c in precise():
+            m = re.search(rf"\b{re.escape(c[0])}\s*\(", pp)
+            loc = _line_of(pp, m.start()) if m else _SRC
+            out.append(f"{loc}: error: recursive call {' -> '.join(c)} [{_SPEC} (C++ restrictions): recursive "
+                       f"function calls are not supported]")
     return out
 
 
@@ -245,8 +287,16 @@ def check(pp: str, clang: str | None = None) -> list[str]:
         rule = _rule(m.group("msg") + " " + note)
         problems.append(f"{m.group('loc')}: error: {m.group('msg')}" + (f" ({note})" if note else "")
                         + (f" [{rule}]" if rule else ""))
-    if r.returncode != 0 and not any(": error:" in p for p in problems[len(problems):]) and not _DIAG_RE.search(err):
+    if r.returncode != 0 and not diags:
         problems.append("strict MSL front end failed:\n" + err.strip())
     if r.returncode == 0:
-        problems += _callgraph_rules(r.stdout + "\n" + err, pp)
+        def precise():
+            with tempfile.TemporaryDirectory(prefix="comfy_metal_strict_") as tmp2:
+                src = Path(tmp2) / "strict_input.metal"
+                src.write_text(s)
+                flags = [f for f in STRICT_FLAGS if f not in _ANALYZE]
+                a = subprocess.run([clang, *flags, "-fsyntax-only", "-Xclang", "-ast-dump=json", "-include",
+                                    str(STRICT_HEADER), str(src)], capture_output=True, text=True, timeout=600)
+            return _declaration_cycles(json.loads(a.stdout)) if a.returncode == 0 else []
+        problems += _callgraph_rules(r.stdout + "\n" + err, pp, precise)
     return [re.sub(r"[^\s:\[\]]*/(msl_source\.metal)", r"\1", p) for p in problems]

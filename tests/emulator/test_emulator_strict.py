@@ -61,6 +61,8 @@ LEGAL = {
  "atomic_device": K("atomic_fetch_add_explicit(c, 1u, memory_order_relaxed); o[i] = 0.0f;", "device float* o [[buffer(0)]], device atomic_uint* c [[buffer(1)]], uint i [[thread_position_in_grid]]"),
  "struct_with_method": "struct Acc { float s; void add(float v) { s += v; } };\n" + K("Acc a{0.0f}; a.add(o[i]); o[i] = a.s;"),
  "device_to_const_device": K("const device float* r = o; o[i] = r[0];"),
+ "overloads_calling_each_other": "inline float gelu(float x) { return 0.5f * x * (1.0f + tanh(0.79788456f * x)); }\ninline float2 gelu(float2 v) { return float2(gelu(v.x), gelu(v.y)); }\n" + K("float2 r = gelu(float2(o[i], 1.0f)); o[i] = r.x + r.y;"),
+ "template_calling_other_specialisation": "template <int N> inline float p(float x) { return x * p<N - 1>(x); }\ntemplate <> inline float p<0>(float x) { return 1.0f; }\n" + K("o[i] = p<3>(o[i]);"),
  "pointer_array_param": K("o[i] = p[0][i];", "device float* o [[buffer(0)]], constant float* constant* p [[buffer(1)]], uint i [[thread_position_in_grid]]"),
 }
 
@@ -70,7 +72,7 @@ WHY = {
     "constant_to_device_ptr": "Address Spaces", "new_delete": "new and delete", "malloc": "C standard library",
     "virtual_function": "virtual functions", "lambda": "lambda expressions", "goto": "goto is not supported",
     "thread_local": "thread_local", "function_pointer": "function pointers", "recursion": "recursive",
-    "mutual_recursion": "recursive call a -> b -> a", "program_scope_variable": "Program Scope Variables",
+    "mutual_recursion": "recursive call b -> a -> b", "program_scope_variable": "Program Scope Variables",
     "static_local": "Program Scope Variables", "device_float_ptr_ptr": "device float** is rejected",
     "std_names": "std::", "long_long": "no long long", "threadgroup_in_helper": "only inside a kernel function",
     "thread_ptr_buffer": "device or constant pointer", "double": "double is not supported",
