@@ -35,7 +35,7 @@ import tempfile
 from . import (POSITION_ATTRIBUTES, MSLCompileError, _preprocessor_args, _template_param_names, clang_path,
                parse_kernels)
 from .msl_scan import LINE_MARKER_RE, Param, scan_kernel_signatures, split_top_level
-from .strict import check as strict_check
+from .strict import check as strict_check, unqualified_pointers
 
 __all__ = ["lint_source", "TG_MEMORY_LIMIT", "MAX_GROUP_THREADS"]
 
@@ -57,10 +57,6 @@ _KIND_TEXT = {"tensor": "a tensor (declare a pointer: device T*)", "int": "a Pyt
               "tensor[]": "a list of tensors (declare an array of pointers)"}
 
 
-_ADDRESS_SPACES = {"device", "constant", "thread", "threadgroup", "threadgroup_imageblock", "ray_data", "object_data"}
-# A pointer or reference to a built-in scalar/vector type (`float* p`, `const half4& v`, `(uint*)q`).
-_SCALAR_PTR_RE = re.compile(r"(?<![\w:.])(?:bool|char|uchar|short|ushort|int|uint|long|ulong|half|float|bfloat|"
-                            r"u?int(?:8|16|32|64)_t)(?:2|3|4)?\s*(?:const\s*)?[*&](?![&=])")
 _FLOAT_LITERAL_RE = re.compile(r"(?<![\w.])(?:\d+\.\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+)(?![\w.])")
 
 
@@ -257,13 +253,9 @@ def lint_source(src: str, arg_kinds: dict[str, list[str]] | None = None) -> list
 
     # --- pointers / references without an address space: Metal rejects them ("pointer type must have
     # explicit address space qualifier"); the emulator's shim defines address spaces away.
-    for m in _SCALAR_PTR_RE.finditer(body_text):
-        words = re.findall(r"[A-Za-z_]\w*|\S", body_text[max(0, m.start() - 120):m.start()])
-        while words and words[-1] in ("const", "volatile"):
-            words.pop()
-        if not words or words[-1] not in _ADDRESS_SPACES:
-            problems.append(f"{at(m.start())}: `{' '.join(m.group(0).split())}` has no address space: Metal needs "
-                            f"device / constant / thread / threadgroup on every pointer and reference")
+    for m in unqualified_pointers(body_text):
+        problems.append(f"{at(m.start())}: `{' '.join(m.group(0).split())}` has no address space: Metal needs "
+                        f"device / constant / thread / threadgroup on every pointer and reference")
 
     consts, named = _constants(body_text, src)
     # --- literal group sizes

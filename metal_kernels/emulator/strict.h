@@ -1,7 +1,7 @@
 // Comfy Metal MSL emulator -- strict front end: MSL 3.1's standard library as *declarations only*, for a
 // syntax-only clang-19 pass in C++-for-OpenCL 2021 mode (see strict.py).  The address spaces are real
-// here (device/threadgroup/constant/thread -> OpenCL global/local/constant/private, no generic address
-// space), exceptions and RTTI are off, and no C++ standard library is reachable.  Every function has the
+// here (device/threadgroup/constant/thread -> OpenCL global/local/constant/private; strict.py rejects
+// pointers written without one), exceptions and RTTI are off, and no C++ standard library is reachable.  Every function has the
 // overloads MSL 3.1 has and no more: math on float/half (bfloat has no math functions in MSL 3.1: they are
 // deleted here), integer functions on all integer types, SIMD reductions on 32-bit-or-narrower types only.
 #pragma OPENCL EXTENSION cl_khr_fp16 : enable

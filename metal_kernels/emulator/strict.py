@@ -5,8 +5,10 @@ library is reachable. This pass re-reads the same preprocessed source with clang
 mode, syntax only, where
 
 * ``device``/``threadgroup``/``constant``/``thread`` are real address spaces (OpenCL global/local/constant/
-  private, no generic address space), so a device pointer passed as a thread pointer, or a threadgroup array
-  assigned to a device pointer, is a type error;
+  private), so a device pointer passed as a thread pointer, or a threadgroup array assigned to a device
+  pointer, is a type error; a pointer or reference written without an address space is rejected by a token
+  rule (Metal requires one; clang would make it a generic pointer, which stays enabled so that a device struct
+  copies into a thread variable through the implicit copy constructor, as in Metal);
 * program-scope and static variables must be ``constant``; threadgroup variables are legal only in a kernel's
   body (only those are rewritten into kernel storage here, a helper's stays an error);
 * ``double``, new/delete, virtual functions, ``thread_local``, function pointers, ``typeid``/``dynamic_cast``,
@@ -39,7 +41,7 @@ __all__ = ["check", "STRICT_FLAGS", "STRICT_HEADER"]
 _HERE = Path(__file__).resolve().parent
 STRICT_HEADER = _HERE / "strict.h"
 STRICT_FLAGS = ["-x", "clcpp", "-cl-std=clc++2021", "-cl-no-stdinc", "-nostdinc", "-fno-exceptions", "-fno-rtti",
-                "-Xclang", "-cl-ext=-__opencl_c_generic_address_space,-__opencl_c_program_scope_global_variables,"
+                "-Xclang", "-cl-ext=-__opencl_c_program_scope_global_variables,"
                 "-cl_khr_fp64,-__opencl_c_fp64,-__opencl_c_pipes,-__opencl_c_device_enqueue,+cl_khr_fp16",
                 "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-unused-value", "-ferror-limit=50",
                 "--analyze", "--analyzer-no-default-checks", "-Xanalyzer", "-analyzer-checker=debug.DumpCallGraph"]
@@ -80,6 +82,20 @@ _RULES = [
 _DIAG_RE = re.compile(r"^(?P<loc>[^\s:][^:\n]*:\d+:\d+): (?P<kind>error|fatal error): (?P<msg>.*)$", re.M)
 _ADDRESS_SPACES = ("device", "constant", "threadgroup", "thread", "threadgroup_imageblock", "ray_data",
                    "object_data")
+# A pointer or reference to a built-in scalar/vector type (`float* p`, `const half4& v`, `(uint*)q`).
+_SCALAR_PTR_RE = re.compile(r"(?<![\w:.])(?:bool|char|uchar|short|ushort|int|uint|long|ulong|half|float|bfloat|"
+                            r"u?int(?:8|16|32|64)_t)(?:2|3|4)?\s*(?:const\s*)?[*&](?![&=])")
+
+
+def unqualified_pointers(text: str):
+    """Pointers/references to built-in types written without an address space (Metal: "pointer type must have
+    explicit address space qualifier"; clang's OpenCL mode would make them generic pointers and accept them)."""
+    for m in _SCALAR_PTR_RE.finditer(text):
+        words = re.findall(r"[A-Za-z_]\w*|\S", text[max(0, m.start() - 120):m.start()])
+        while words and words[-1] in ("const", "volatile"):
+            words.pop()
+        if not words or words[-1] not in _ADDRESS_SPACES:
+            yield m
 
 
 def _rule(msg: str) -> str:
@@ -132,6 +148,11 @@ def _token_rules(pp: str) -> list[str]:
     for m in re.finditer(r"\bgoto\b", code):
         out.append(f"{_line_of(pp, m.start())}: error: goto statement [{_SPEC} (C++ restrictions): goto is "
                    f"not supported]")
+    body = "\n".join(" " * len(ln) if LINE_MARKER_RE.match(ln) else ln for ln in code.split("\n"))
+    for m in unqualified_pointers(body):
+        out.append(f"{_line_of(pp, m.start())}: error: `{' '.join(m.group(0).split())}` has no address space "
+                   f"[{_SPEC} (Address Spaces): a pointer or reference type must have an explicit address space "
+                   f"qualifier (device, constant, threadgroup or thread)]")
     for m in re.finditer(r"\blong\s+long\b", code):
         out.append(f"{_line_of(pp, m.start())}: error: 'long long' [{_SPEC} (Scalar Data Types): there is no "
                    f"long long; long is 64-bit]")

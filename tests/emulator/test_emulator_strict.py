@@ -19,6 +19,7 @@ K = lambda body, params="device float* o [[buffer(0)]], uint i [[thread_position
     f"kernel void k({params}) {{\n{body}\n}}\n"
 ILLEGAL = {
  "device_ptr_as_thread_ptr": "void h(thread float* p) { *p = 1.0f; }\n" + K("h(o + i);"),
+ "unqualified_pointer_param": "void h(float* p) { *p = 1.0f; }\n" + K("h(o + i);"),
  "threadgroup_to_device_ptr": K("threadgroup float tg[32];\n device float* p = tg; p[0] = 1.0f; o[i] = tg[0];"),
  "constant_to_device_ptr": K("device float* q = (device float*)c; o[i] = q[0];", "device float* o [[buffer(0)]], constant float* c [[buffer(1)]], uint i [[thread_position_in_grid]]"),
  "new_delete": K("float* p = new float[4]; p[0] = 1.0f; o[i] = p[0]; delete[] p;"),
@@ -63,12 +64,16 @@ LEGAL = {
  "device_to_const_device": K("const device float* r = o; o[i] = r[0];"),
  "overloads_calling_each_other": "inline float gelu(float x) { return 0.5f * x * (1.0f + tanh(0.79788456f * x)); }\ninline float2 gelu(float2 v) { return float2(gelu(v.x), gelu(v.y)); }\n" + K("float2 r = gelu(float2(o[i], 1.0f)); o[i] = r.x + r.y;"),
  "template_calling_other_specialisation": "template <int N> inline float p(float x) { return x * p<N - 1>(x); }\ntemplate <> inline float p<0>(float x) { return 1.0f; }\n" + K("o[i] = p<3>(o[i]);"),
+ "device_struct_copied_to_thread": "struct P2 { float x; float y; };\n" + K("P2 p = q[i]; q[i].x = p.y; o[i] = p.x;", "device float* o [[buffer(0)]], device P2* q [[buffer(1)]], uint i [[thread_position_in_grid]]"),
+ "packed_half4": K("packed_half4 p = packed_half4(half4(1.0h)); half4 h = p; o[i] = float(h.x);"),
+ "user_struct_constructor": "struct Acc { float s; Acc(float v) : s(v) {} float get() const { return s; } };\n" + K("Acc a(o[i]); Acc b = a; o[i] = b.get();"),
  "pointer_array_param": K("o[i] = p[0][i];", "device float* o [[buffer(0)]], constant float* constant* p [[buffer(1)]], uint i [[thread_position_in_grid]]"),
 }
 
 # what each rejection must say (the rule from the MSL 3.1 specification, or the missing overload)
 WHY = {
     "device_ptr_as_thread_ptr": "Address Spaces", "threadgroup_to_device_ptr": "Address Spaces",
+    "unqualified_pointer_param": "explicit address space qualifier",
     "constant_to_device_ptr": "Address Spaces", "new_delete": "new and delete", "malloc": "C standard library",
     "virtual_function": "virtual functions", "lambda": "lambda expressions", "goto": "goto is not supported",
     "thread_local": "thread_local", "function_pointer": "function pointers", "recursion": "recursive",
