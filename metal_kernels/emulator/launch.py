@@ -14,6 +14,7 @@ from .schedule import _parse_schedule, get_schedule
 GUARD = 256  # bytes of 0xFF before and after every bound buffer
 SIMD_WIDTH = 32
 _launch_lock = threading.Lock()  # one launch at a time: the crash handlers are process-wide
+RACE_MAX_BYTES = int(float(os.environ.get("COMFY_METAL_EMU_RACE_MAX_MB", "64")) * 2**20)
 POISON_BYTES = (0x7B, 0xFB)  # the poison runs' fill: + and - large finite values in every float type
 
 
@@ -281,7 +282,9 @@ class Kernel:
         poison_problems, differs = [], None
         with _launch_lock:  # one launch at a time: the crash handlers are process-wide
             snapshot = [r.data().clone() for r, _ in regions] if checked else None
-            configure(1 if checked else 0, 0, len(regions), lohi, cnames)
+            # shadow memory costs 16 bytes per byte of buffer: very large launches run without the race detector
+            race = checked and sum(r.n for r, _ in regions) <= RACE_MAX_BYTES
+            configure(1 if race else 0, 0, len(regions), lohi, cnames)
             rc = self._fn(bufs, dims, kind, seed, err, len(err))
             if checked and rc == 0:
                 # the poison run: the same launch again from the same inputs, with threadgroup memory and the

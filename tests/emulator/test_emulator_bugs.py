@@ -449,3 +449,17 @@ def test_bug_is_caught(libs, name, sched):
 def test_fixed_kernel_passes(libs, name):
     got, ref = _run(libs[1], "fix", name)
     torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
+
+
+def test_race_detector_skips_launches_over_the_shadow_budget(libs, monkeypatch):
+    """The shadow takes 16 bytes per buffer byte: above COMFY_METAL_EMU_RACE_MAX_MB the launch runs unchecked
+    for races (the poison runs still happen)."""
+    from comfy_metal.metal_kernels.emulator import launch
+
+    monkeypatch.setattr(launch, "RACE_MAX_BYTES", 16)
+    with emu.schedule("forward"):
+        got, ref = _run(libs[0], "bug", "splitk_race")  # no DataRace; in program order the sum is even right
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(launch, "RACE_MAX_BYTES", 2**20)
+    with pytest.raises(emu.DataRace):
+        _run(libs[0], "bug", "splitk_race")
