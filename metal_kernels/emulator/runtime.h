@@ -148,6 +148,7 @@ struct Thread {
   Resolver resolver;
   uint32_t lpos[3];
   uint32_t gpos[3];
+  uint32_t sepoch;  // simdgroup_barriers passed in the current threadgroup barrier interval (race detector)
 };
 
 struct Launch {
@@ -345,6 +346,7 @@ static uint64_t group_linear(const Launch* L) {
 }
 static void new_segment() {
   if (!g_race_on) return;
+  for (uint32_t i = 0; i < g_launch->nthreads; i++) g_threads[i].sepoch = 0;
   if (g_seg + 1 >= g_seg_cap) {
     size_t cap = g_seg_cap ? g_seg_cap * 2 : 4096;
     uint64_t* p = (uint64_t*)realloc(g_seg_group, cap * sizeof(uint64_t));
@@ -394,7 +396,7 @@ __attribute__((noinline, cold)) static void report_race(const RaceRange& r, uint
   describe_thread(me, sizeof me, g, g_cur->lin);
   uint64_t pg = g_seg_group[pseg];
   if (ptid == kManyReaders) snprintf(other, sizeof other, "other threads%s", pg == g ? "" : " of other threadgroups");
-  else describe_thread(other, sizeof other, pg, ptid);
+  else describe_thread(other, sizeof other, pg, ptid & 1023u);
   size_t off = a - r.lo;
   char what[160];
   if (r.tg) {
@@ -415,9 +417,16 @@ __attribute__((noinline, cold)) static void report_race(const RaceRange& r, uint
                    : "with no threadgroup_barrier between them");
 }
 
+// A cell's thread field is the thread's index in its group | (simdgroup_barrier epoch << 10): lanes of one
+// simdgroup separated by a simdgroup_barrier are ordered.
+static inline bool same_interval_conflict(uint32_t tid, uint32_t me) {
+  const uint32_t a = tid & 1023u, b = me & 1023u;
+  if (a == b) return false;
+  return !(a / kSimdWidth == b / kSimdWidth && (tid >> 10) != (me >> 10));
+}
 static inline bool conflicts(const RaceRange& r, uint32_t seg, uint32_t tid, uint32_t me) {
   if (!seg) return false;
-  if (seg == g_seg) return tid != me;
+  if (seg == g_seg) return same_interval_conflict(tid, me);
   return !r.tg && g_seg_group[seg] != g_seg_group[g_seg];
 }
 
@@ -426,7 +435,7 @@ static inline void race_access(uintptr_t a, uint32_t size, bool write) {
   for (uint32_t i = 0; i < g_nrr; i++) {
     const RaceRange& r = g_rr[i];
     if (a + size <= r.lo || a >= r.hi) continue;
-    const uint32_t me = g_cur->lin;
+    const uint32_t me = g_cur->lin | (g_cur->sepoch << 10);
     for (uintptr_t b = a < r.lo ? r.lo : a, e = a + size > r.hi ? r.hi : a + size; b < e; b++) {
       Cell& c = r.shadow[b - r.lo];
       if (conflicts(r, c.wseg, c.wtid, me)) report_race(r, a, size, write, c.wseg, c.wtid, true);
@@ -437,8 +446,10 @@ static inline void race_access(uintptr_t a, uint32_t size, bool write) {
           report_race(r, a, size, write, c.rseg, c.rtid, false);
         c.wseg = g_seg;
         c.wtid = me;
-      } else if (c.rseg == g_seg && c.rtid != me) {
-        c.rtid = kManyReaders;
+      } else if (c.rseg == g_seg && c.rtid != me && c.rtid != kManyReaders) {
+        // a second reader: keep one record unless it is ordered after the first (simdgroup_barrier)
+        if (same_interval_conflict(c.rtid, me)) c.rtid = kManyReaders;
+        else c.rtid = me;
       } else if (c.rseg != g_seg) {
         c.rseg = g_seg;
         c.rtid = me;

@@ -833,6 +833,7 @@ __attribute__((noinline)) inline simd_vote simd_active_threads_mask() { return _
 #undef __EMU_VOTE
 inline void __emu_simdgroup_barrier(uintptr_t site, mem_flags) {
   (void)__emu::simd_exchange<uint64_t>(1, 0, site, &__emu::resolve<uint64_t, __emu::OP_BARRIER>);
+  __emu::cur().sepoch++;  // orders this lane's accesses after its simdgroup's earlier ones (race detector)
 }
 __attribute__((noinline)) inline void simdgroup_barrier(mem_flags f) { __emu_simdgroup_barrier(__EMU_RA, f); }
 inline void __emu_threadgroup_barrier(uintptr_t site, mem_flags) { __emu::barrier(site); }

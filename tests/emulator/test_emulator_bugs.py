@@ -317,6 +317,23 @@ kernel void {K}(device float* out [[buffer(0)]], const device float* x [[buffer(
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if ((long)l < n) out[l] = exp(x[l] - m[0]);
 }"""),
+    # lane 0 publishes a value in threadgroup memory for its simdgroup without a simdgroup_barrier
+    "simd_publish_no_barrier": ("""
+kernel void {K}(device float* out [[buffer(0)]], const device float* x [[buffer(1)]], constant long& n [[buffer(2)]],
+                uint l [[thread_position_in_threadgroup]]) {
+  threadgroup float t[1];
+  if (l == 0) t[0] = x[0] * 2.0f;
+  float v = t[0];
+  out[l] = v;
+}""", """
+kernel void {K}(device float* out [[buffer(0)]], const device float* x [[buffer(1)]], constant long& n [[buffer(2)]],
+                uint l [[thread_position_in_threadgroup]]) {
+  threadgroup float t[1];
+  if (l == 0) t[0] = x[0] * 2.0f;
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  float v = t[0];
+  out[l] = v;
+}"""),
     # integer division by a zero stride
     "int_div_by_zero": ("""
 kernel void {K}(device float* out [[buffer(0)]], const device float* x [[buffer(1)]], constant long& n [[buffer(2)]],
@@ -376,6 +393,8 @@ def _reference(name: str, x: torch.Tensor, n: int) -> torch.Tensor:
         return xd[:1]
     if name == "softmax_max_no_barrier":
         return (xn - xn.max()).exp()
+    if name == "simd_publish_no_barrier":
+        return (2.0 * xd[0]).repeat(n)
     if name == "int_div_by_zero":
         return xn + torch.arange(n, dtype=torch.float64) // max(n // 64, 1)
     if name == "half_exp_overflow":
@@ -391,7 +410,7 @@ SHAPES = {  # name -> (n, threads, group)
     "cross_simdgroup_no_barrier": (64, 64, 64), "oob_write_tail": (50, 64, 32), "oob_write_before": (20, 20, 20),
     "divergent_barrier": (50, 64, 64), "barrier_in_uneven_loop": (64, 64, 64), "tail_group_reads_past": (50, 64, 64),
     "tg_array_overrun": (64, 64, 64), "cross_group_read_after_write": (64, 128, 32),
-    "softmax_max_no_barrier": (64, 64, 64), "int_div_by_zero": (40, 40, 40), "half_exp_overflow": (64, 1, 1),
+    "softmax_max_no_barrier": (64, 64, 64), "simd_publish_no_barrier": (32, 32, 32), "int_div_by_zero": (40, 40, 40), "half_exp_overflow": (64, 1, 1),
 }
 
 
