@@ -130,7 +130,13 @@ class Kernel:
     def __repr__(self):
         return f"<emulated MSL kernel {self.name}>"
 
-    def __call__(self, *args, threads=None, group_size=None, arg_casts=None, error_buf_idx=None):
+    def __call__(self, *args, threads=None, group_size=None, arg_casts=None, error_buf_idx=None, windows=None):
+        """Launch like torch's compiled kernels. Emulator only: `windows={arg index: (byte_start, byte_end)}`
+        binds just that byte range of a tensor argument (guarded, copied in and back), at the address
+        the whole tensor would have. With a few threadgroups launched, a test can reach offsets past
+        2^31 in a tensor whose untouched pages are never allocated (torch.empty is lazy on Linux);
+        a kernel that reads outside the window reads the guard (NaN) or crashes (KernelCrash)."""
+        windows = {int(i): (int(a), int(b)) for i, (a, b) in (windows or {}).items()}
         casts: dict[int, str] = {}
         default_cast = None
         if arg_casts is None:
@@ -216,6 +222,13 @@ class Kernel:
         spans = []
         for i, t in tensors:
             s, e = _tensor_span(t)
+            if i in windows:
+                ws, we = windows[i]
+                if not 0 <= ws < we <= e - s:
+                    raise ValueError(f"window {windows[i]} of argument {i} is outside its {e - s} bytes")
+                s, e = s + ws, s + we
+                spans.append((-1 - len(spans), s, e, i, t))     # its own region, never merged
+                continue
             spans.append((t.untyped_storage().data_ptr() if t.numel() else -1 - len(spans), s, e, i, t))
         spans.sort(key=lambda x: (x[0], x[1]))
         regions: list[_Region] = []
@@ -236,7 +249,7 @@ class Kernel:
             r = _Region(s, e)
             for i, ms, me, t in members:
                 r.members.append((i, ms, me, _describe(t)))
-                tensor_addr[id(t)] = r.addr(ms)
+                tensor_addr[id(t)] = r.addr(t.data_ptr() if i in windows else ms)
             rlist.append(r)
         byte_regions = []  # (arg index, region, description)
         nbuf = max([len(args)] + [b + 1 for b in self.buffers])

@@ -698,3 +698,18 @@ def test_cache_dir_and_hash(tmp_path, monkeypatch):
     assert x.tolist() == [7.0] * 3
     assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
     assert os.path.commonpath([str(tmp_path), str(next(tmp_path.glob("*.so")))]) == str(tmp_path)
+
+
+def test_window_binds_only_a_byte_range_at_the_tensors_address():
+    """`windows={arg: (start, end)}` (emulator only) guards and copies just those bytes of a tensor; the kernel
+    addresses the tensor as usual, and a write outside the window hits the guard."""
+    lib = compile_library("#include <metal_stdlib>\nusing namespace metal;\n"
+                          "kernel void put(device float* o [[buffer(0)]], constant long& at [[buffer(1)]],\n"
+                          "                uint i [[thread_position_in_grid]]) { o[at + i] = 1.0f; }\n")
+    out = torch.zeros(256)
+    lib.put(out, 64, threads=64, windows={0: (256, 512)})
+    assert out[64:128].eq(1).all() and out[:64].eq(0).all() and out[128:].eq(0).all()
+    with pytest.raises(OutOfBoundsWrite):
+        lib.put(out, 65, threads=64, windows={0: (256, 512)})
+    with pytest.raises(ValueError, match="outside"):
+        lib.put(out, 0, threads=1, windows={0: (0, 4096)})
