@@ -93,7 +93,9 @@ class _RecordingLibrary:
 def test_self_check_cases_reach_every_entry_point_and_pass(spec_name):
     """On a Mac the one-time self-check is all that stands between an entry point and a user's model: its
     cases must launch every entry point of the kernel (e.g. gemv's _k4 variants, which production K values
-    take), and pass here in the emulator."""
+    take), and pass here in the emulator -- after the strict MSL 3.1 front end, under the race detector and
+    the poison re-runs (a race or a read of unwritten memory raises)."""
+    assert emulator.checks_enabled(), "COMFY_METAL_EMU_CHECKS is off: the kernels would not be race/poison checked"
     spec = registry.REGISTRY[spec_name]
     lib = _RecordingLibrary(emulator.compile_library(dispatch.library_source(only=spec.source)))
     import torch
