@@ -21,7 +21,6 @@ from .toolchain import (_FLAGS, _PP_FLAGS, HERE, _atomic_write, _cache_dir, _cla
 GENERATOR_VERSION = "2"
 _SHIM = HERE / "shim.h"
 _GENERATOR_FILES = sorted(p for p in HERE.iterdir() if p.suffix in (".py", ".h"))  # all hashed into the cache key
-_HERE = HERE
 
 
 def _build(src: str, clang: str, out_so: Path) -> list[dict]:
@@ -41,7 +40,7 @@ def _build(src: str, clang: str, out_so: Path) -> list[dict]:
         cpp = Path(tmp) / "translated.cpp"
         cpp.write_text(body + launchers)
         tmp_so = Path(tmp) / "lib.so"
-        _run([clang, "-x", "c++", *_FLAGS, "-I", str(_HERE), "-include", str(_SHIM), str(cpp), "-o", str(tmp_so)],
+        _run([clang, "-x", "c++", *_FLAGS, "-I", str(HERE), "-include", str(_SHIM), str(cpp), "-o", str(tmp_so)],
              tmp, "MSL compilation (emulator, clang-19)")
         _atomic_write(out_so, tmp_so.read_bytes())
     return table
