@@ -1,0 +1,194 @@
+"""Flash attention (attention.metal / attention.py): the pure-torch reference and the Metal kernel
+(in the MSL emulator, through the real launch glue) against float64 attention, at odd lengths,
+lengths that are not a multiple of the tile, every head dim ComfyUI's models use, cross-attention,
+bool/additive masks of every rank with broadcast dimensions, GQA and fully masked rows."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from comfy_metal.metal_kernels import attention as A
+from comfy_metal.metal_kernels import dispatch
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LOW_PRECISION_REL = 2e-3        # the issue's bar: relative to fp32 attention for fp16/bf16 inputs
+FP32_REL = 2e-5
+
+
+def oracle(q, k, v, mask=None, scale=None):
+    """float64 attention of the (already rounded) inputs; fully masked rows -> 0."""
+    q, k, v = q.double(), k.double(), v.double()
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    s = q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if mask is not None:
+        mask = mask[:, None] if mask.dim() == 3 else mask       # ComfyUI: a 3-D mask is (batch, Lq, Lk)
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
+    dead = torch.isneginf(s).all(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
+    return p @ v
+
+
+def rel_err(got, want):
+    """Normwise relative error ||got - want|| / ||want|| (Frobenius)."""
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def assert_matches(got, want, dtype):
+    """Normwise relative error <= 2e-3 for fp16/bf16 (2e-5 for fp32), and no element off by more than
+    one unit in the last place of the output dtype at the output's largest magnitude (a bf16 output's
+    own rounding is up to 2^-8 relative per element, so an elementwise 2e-3 could not hold)."""
+    assert not torch.isnan(got).any(), "NaN in the output"
+    bound = FP32_REL if dtype == torch.float32 else LOW_PRECISION_REL
+    err = rel_err(got, want)
+    assert err <= bound, f"normwise relative error {err:.3g} > {bound} ({dtype})"
+    worst = ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    ulp = {torch.float32: 1e-5, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+    assert worst <= ulp, f"max elementwise error {worst:.3g} of the largest output > {ulp:.3g} ({dtype})"
+
+
+def make(B, Hq, Hk, Lq, Lk, D, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Lq, D, generator=gen).to(dtype)
+    k = torch.randn(B, Hk, Lk, D, generator=gen).to(dtype)
+    v = torch.randn(B, Hk, Lk, D, generator=gen).to(dtype)
+    return q, k, v
+
+
+def make_mask(kind, B, H, Lq, Lk, dtype, seed=1):
+    """Mask forms ComfyUI's models pass; row 0 of query 1 is fully masked where the form allows it."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = {"2d": (Lq, Lk), "3d": (B, Lq, Lk), "3d1": (1, Lq, Lk), "4d": (B, H, Lq, Lk),
+             "4d_heads": (1, H, Lq, Lk), "4d_keys": (B, 1, 1, Lk)}[kind[:-5] if kind.endswith("_bool") else kind]
+    if kind.endswith("_bool"):
+        m = torch.rand(shape, generator=gen) > 0.3
+        if shape[-2] > 1:
+            m[..., 1, :] = False
+        return m
+    m = (torch.randn(shape, generator=gen) * 2).to(dtype)
+    if shape[-2] > 1:
+        m[..., 1, :] = float("-inf")
+    m[..., 0] = float("-inf")
+    return m
+
+
+MASK_KINDS = ("2d", "3d", "3d1", "4d", "4d_heads", "4d_keys", "2d_bool", "3d_bool", "4d_bool", "4d_keys_bool")
+
+
+# ------------------------------------------------------------------ the reference (no emulator)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask_kind", (None,) + MASK_KINDS)
+def test_reference_against_float64(dtype, mask_kind):
+    B, Hq, Hk, Lq, Lk, D = 2, 4, 2, 23, 41, 40
+    q, k, v = make(B, Hq, Hk, Lq, Lk, D, dtype)
+    mask = None if mask_kind is None else make_mask(mask_kind, B, Hq, Lq, Lk, dtype)
+    got = A.flash_attention_reference(q, k, v, mask=mask)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert_matches(got, oracle(q, k, v, mask), dtype)
+
+
+def test_reference_is_chunked_over_queries(monkeypatch):
+    """With a tiny chunk budget every query row is its own chunk; the result must not change."""
+    q, k, v = make(1, 2, 2, 37, 29, 64, torch.float32)
+    mask = make_mask("4d_bool", 1, 2, 37, 29, torch.float32)
+    whole = A.flash_attention_reference(q, k, v, mask=mask)
+    monkeypatch.setattr(A, "REFERENCE_CHUNK_BYTES", 1)
+    chunked = A.flash_attention_reference(q, k, v, mask=mask)
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)   # BLAS blocking differs by chunk
+    assert_matches(chunked, oracle(q, k, v, mask), torch.float32)
+
+
+def test_reference_fully_masked_row_is_zero_and_scale_is_used():
+    q, k, v = make(1, 1, 1, 4, 9, 8, torch.float32)
+    mask = torch.ones(4, 9, dtype=torch.bool)
+    mask[2] = False
+    out = A.flash_attention_reference(q, k, v, mask=mask, scale=0.3)
+    assert torch.equal(out[0, 0, 2], torch.zeros(8))
+    assert_matches(out, oracle(q, k, v, mask, scale=0.3), torch.float32)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda q, k, v: (q[0], k, v, None), "must be 4-D"),
+    (lambda q, k, v: (q, k.half(), v, None), "share one dtype"),
+    (lambda q, k, v: (q.int(), k.int(), v.int(), None), "not supported"),
+    (lambda q, k, v: (q, k[:, :, :, :4], v[:, :, :, :4], None), "must both be"),
+    (lambda q, k, v: (torch.cat([q, q[:, :1]], 1), k, v, None), "multiple of k/v heads"),
+    (lambda q, k, v: (q, k, v, torch.zeros(5, 7)), "does not broadcast"),
+    (lambda q, k, v: (q, k, v, torch.zeros(3, dtype=torch.int64)), "bool or floating point"),
+])
+def test_bad_input_is_a_clear_error(bad, message):
+    q, k, v = make(1, 2, 2, 6, 9, 8, torch.float32)
+    args = bad(q, k, v)
+    with pytest.raises((TypeError, ValueError), match=message):
+        A.flash_attention_reference(*args[:3], mask=args[3])
+
+
+# ------------------------------------------------------------------ the Metal kernel in the emulator
+@pytest.fixture(scope="module")
+def lib():
+    from comfy_metal.metal_kernels import emulator
+
+    if not emulator.available():
+        pytest.skip("clang-19 not found: the MSL emulator cannot run")
+    return dispatch.compile_library("emulator", only="attention.metal")
+
+
+@pytest.mark.parametrize("D", A.ATTENTION_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_every_head_dim(lib, D, dtype):
+    # 19 query rows: one full 16-row group and a partial one; 45 keys: one full 32-key block + 13
+    q, k, v = make(1, 2, 2, 19, 45, D, dtype, seed=D)
+    got = A.flash_attention_metal(lib, q, k, v)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert_matches(got, oracle(q, k, v), dtype)
+
+
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+def test_kernel_masks(lib, mask_kind):
+    B, H, Lq, Lk, D = 2, 3, 18, 35, 64
+    q, k, v = make(B, H, H, Lq, Lk, D, torch.float16, seed=7)
+    mask = make_mask(mask_kind, B, H, Lq, Lk, torch.float16)
+    got = A.flash_attention_metal(lib, q, k, v, mask=mask)
+    want = oracle(q, k, v, mask)
+    assert_matches(got, want, torch.float16)
+    if mask.shape[-2] > 1:                     # query row 1 is fully masked: zeros, not NaN
+        assert torch.equal(got[:, :, 1], torch.zeros_like(got[:, :, 1]))
+
+
+@pytest.mark.parametrize("Lq, Lk", [(1, 1), (5, 77), (77, 5), (33, 512), (16, 32), (31, 95)])
+def test_kernel_cross_attention_and_odd_lengths(lib, Lq, Lk):
+    q, k, v = make(1, 2, 2, Lq, Lk, 128, torch.bfloat16, seed=Lq + Lk)
+    assert_matches(A.flash_attention_metal(lib, q, k, v), oracle(q, k, v), torch.bfloat16)
+
+
+@pytest.mark.parametrize("Hq, Hk", [(4, 1), (6, 2), (8, 4)])
+def test_kernel_gqa(lib, Hq, Hk):
+    q, k, v = make(2, Hq, Hk, 9, 40, 80, torch.float32, seed=Hq * 10 + Hk)
+    mask = make_mask("4d_heads", 2, Hq, 9, 40, torch.float32)
+    assert_matches(A.flash_attention_metal(lib, q, k, v, mask=mask), oracle(q, k, v, mask), torch.float32)
+
+
+def test_kernel_scale_and_large_scores(lib):
+    """Scores far outside exp's range (the online max must rescale, not overflow)."""
+    q, k, v = make(1, 1, 1, 7, 70, 96, torch.float32)
+    q = q * 30
+    got = A.flash_attention_metal(lib, q, k, v, scale=0.5)
+    assert_matches(got, oracle(q, k, v, scale=0.5), torch.float32)
+
+
+def test_kernel_noncontiguous_inputs(lib):
+    """ComfyUI passes transposed views ((B, L, H, D) -> (B, H, L, D)): the launcher makes them contiguous."""
+    base = torch.randn(1, 21, 2, 64).half()
+    q = base.transpose(1, 2)
+    k = torch.randn(1, 30, 2, 64).half().transpose(1, 2)
+    v = torch.randn(1, 30, 2, 64).half().transpose(1, 2)
+    assert_matches(A.flash_attention_metal(lib, q, k, v), oracle(q, k, v), torch.float16)
+
+
+def test_public_function_runs_the_kernel_in_the_emulator(emulator_backend):
+    q, k, v = make(1, 2, 2, 11, 20, 40, torch.float16)
+    out = A.flash_attention(q, k, v)
+    assert dispatch.last_backend["flash_attention"] == "emulator"
+    assert_matches(out, oracle(q, k, v), torch.float16)
