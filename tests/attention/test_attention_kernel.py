@@ -192,3 +192,54 @@ def test_public_function_runs_the_kernel_in_the_emulator(emulator_backend):
     out = A.flash_attention(q, k, v)
     assert dispatch.last_backend["flash_attention"] == "emulator"
     assert_matches(out, oracle(q, k, v), torch.float16)
+
+
+def test_kernel_launched_in_chunks_of_groups(lib, monkeypatch):
+    """The host launches the logical grid in chunks (group_base): one threadgroup per launch here."""
+    monkeypatch.setattr(A, "MAX_LAUNCH_GROUPS", 1)
+    q, k, v = make(2, 2, 1, 35, 21, 40, torch.float16, seed=5)
+    assert_matches(A.flash_attention_metal(lib, q, k, v), oracle(q, k, v), torch.float16)
+
+
+def test_emulator_window_binds_a_byte_range(lib):
+    """The emulator's `windows` option: only the window is bound, at the tensor's own address."""
+    q, k, v = make(1, 3, 3, 16, 16, 64, torch.float32, seed=9)
+    out = torch.full_like(q, 7.0)
+    per_head = 16 * 64 * 4
+    win = (2 * per_head, 3 * per_head)                      # head 2 only
+    kernel = lib.attention_float
+    kernel(q, k, v, torch.zeros(1), out, 16, 16, 64, 3, 3, 1.4426950408889634 / 8, 0, 0, 0, 0, 0, 2, 1,
+           threads=128, group_size=128, windows={0: win, 1: win, 2: win, 4: win})
+    want = oracle(q, k, v)
+    assert_matches(out[:, 2:], want[:, 2:], torch.float32)
+    assert torch.all(out[:, :2] == 7.0)                   # outside the window: untouched
+    with pytest.raises(ValueError, match="outside"):
+        kernel(q, k, v, torch.zeros(1), out, 16, 16, 64, 3, 3, 0.1, 0, 0, 0, 0, 0, 2, 1,
+               threads=128, group_size=128, windows={0: (0, 10 ** 9)})
+
+
+def test_kernel_offsets_past_2_to_the_31(lib):
+    """64-bit index arithmetic: q, k, v and out hold 2^31 + 3072 fp16 elements each (4 GiB of virtual
+    memory that is never touched); only the last threadgroup runs, over windows at the end, so every
+    offset it uses is >= 2^31 elements (2^32 bytes). A 32-bit offset would wrap to the start."""
+    D, L = 64, 16
+    H = (1 << 31) // (L * D) + 3
+    per_head = L * D
+    try:
+        q, k, v, out = (torch.empty(H * per_head, dtype=torch.float16) for _ in range(4))
+    except RuntimeError as e:               # an allocator that refuses 4 GiB of address space
+        pytest.skip(f"cannot reserve 4 GiB of virtual memory: {e}")
+    first = (H - 1) * per_head
+    assert first >= 1 << 31
+    small_q, small_k, small_v = make(1, 1, 1, L, L, D, torch.float16, seed=31)
+    q[first:] = small_q.flatten()
+    k[first:] = small_k.flatten()
+    v[first:] = small_v.flatten()
+    out[first:] = float("nan")
+    win = (first * 2, H * per_head * 2)
+    shape = (1, H, L, D)
+    lib.attention_half(q.view(shape), k.view(shape), v.view(shape), torch.zeros(1), out.view(shape),
+                       L, L, D, H, H, 1.4426950408889634 / 8, 0, 0, 0, 0, 0, H - 1, 1,
+                       threads=128, group_size=128, windows={0: win, 1: win, 2: win, 4: win})
+    got = out[first:].view(1, 1, L, D)
+    assert_matches(got, oracle(small_q, small_k, small_v), torch.float16)
