@@ -341,10 +341,100 @@ def kernel_status(device: torch.device | str | None = None, run_pending: bool = 
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# Measured choice: "never slower than the platform op", by timing both on the user's machine.
+# ----------------------------------------------------------------------------------------------
+
+# (kernel, shape class) -> {"choice": name, "times_ms": {name: ms}, "reason": str}
+measured: dict[tuple, dict] = {}
+MEASURE_REPS = 3
+_clock = None      # None: time.perf_counter (tests put a fake timing source here)
+
+
+def _device_sync(device: torch.device) -> None:
+    if device.type == "mps":
+        torch.mps.synchronize()
+    elif device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measuring_enabled(device: torch.device) -> bool:
+    """Whether measured_choice times candidates on `device` (MPS only: elsewhere the platform op is
+    the normal path and the pack's kernels run only when asked for)."""
+    return torch.device(device).type == "mps"
+
+
+def measured_choice(kernel: str, shape_class, candidates: dict, device, *, reps: int | None = None,
+                    sync=None, clock=None) -> str:
+    """The name of the fastest of `candidates` (name -> zero-argument callable running the same
+    work) for (kernel, shape_class), timed once per process and then remembered.
+
+    At the first call for a key every candidate runs once to warm up (compiles, self-checks,
+    allocations), then `reps` times between device synchronisations; the median decides. A
+    candidate that raises is never chosen (its error is in the record's reason). Ties keep the
+    candidate listed first, so list the platform op first: a kernel must be strictly faster to be
+    chosen. `sync(device)` and `clock()` default to the device synchronise and time.perf_counter;
+    tests pass fakes. The record (choice, each time in ms) is in `measured` for the status route,
+    `doctor` and the badges."""
+    import statistics
+    import time
+
+    key = (kernel, shape_class)
+    with _lock:
+        known = measured.get(key)
+    if known is not None:
+        return known["choice"]
+    device = torch.device(device)
+    sync = sync or _device_sync
+    clock = clock or _clock or time.perf_counter
+    reps = reps or MEASURE_REPS
+    times: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    for name, fn in candidates.items():
+        try:
+            fn()                                   # warm-up
+            sync(device)
+            samples = []
+            for _ in range(reps):
+                t0 = clock()
+                fn()
+                sync(device)
+                samples.append(clock() - t0)
+            times[name] = statistics.median(samples) * 1e3
+        except Exception as e:                     # noqa: BLE001 - a failing candidate just loses
+            if _out_of_memory(e):
+                raise
+            failed[name] = f"{type(e).__name__}: {e}"
+    if not times:
+        raise RuntimeError(f"{kernel}: every candidate failed for {shape_class}: {failed}")
+    first = next(n for n in candidates if n in times)
+    choice = min(times, key=lambda n: (times[n], n != first))
+    others = ", ".join(f"{n} {t:.3g} ms" for n, t in times.items() if n != choice)
+    reason = f"measured {choice} {times[choice]:.3g} ms" + (f" vs {others}" if others else "")
+    if failed:
+        reason += "; failed: " + "; ".join(f"{n}: {m}" for n, m in failed.items())
+    record = {"choice": choice, "times_ms": times, "reason": reason, "kernel": kernel,
+              "shape_class": shape_class, "device": device.type}
+    with _lock:
+        measured.setdefault(key, record)
+        record = measured[key]
+    _log_once(("measured",) + key, logging.INFO, f"comfy_metal: {kernel} {shape_class}: {record['reason']}")
+    return record["choice"]
+
+
+def measured_records() -> list[dict]:
+    """Every measured choice so far (JSON-friendly), for the status route and doctor."""
+    with _lock:
+        records = list(measured.values())
+    return [{**r, "shape_class": list(r["shape_class"]) if isinstance(r["shape_class"], tuple)
+             else r["shape_class"]} for r in records]
+
+
 def reset():
-    """Forget compiled libraries and decisions (tests)."""
+    """Forget compiled libraries, decisions and measured choices (tests)."""
     with _lock:
         _libraries.clear()
         _decisions.clear()
         _logged.clear()
         last_backend.clear()
+        measured.clear()

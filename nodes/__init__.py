@@ -11,7 +11,7 @@ import logging
 
 # Feature packages (nodes/<capability>/), in the order their nodes appear. A new capability adds its
 # package name here; its __init__.py exports NODE_CLASS_MAPPINGS / NODE_DISPLAY_NAME_MAPPINGS.
-FEATURE_MODULES = ("fp8", "gguf", "sampling", "vae", "moe", "status")
+FEATURE_MODULES = ("fp8", "gguf", "sampling", "vae", "moe", "attention", "status")
 
 NODE_CLASS_MAPPINGS: dict = {}
 NODE_DISPLAY_NAME_MAPPINGS: dict = {}
