@@ -97,17 +97,16 @@ def flash_attention_reference(q, k, v, mask=None, scale=None):
     chunk = max(1, REFERENCE_CHUNK_BYTES // max(1, B * Hq * Lk * 4))
     for i0 in range(0, Lq, chunk):
         i1 = min(Lq, i0 + chunk)
-        qc = q[:, :, i0:i1].to(torch.float32).reshape(B, Hk, G, i1 - i0, D)
-        s = torch.matmul(qc, kf.transpose(-1, -2)) * scale     # (B, Hk, G, c, Lk) fp32
+        qc = (q[:, :, i0:i1].to(torch.float32) * scale).reshape(B, Hk, G, i1 - i0, D)
+        s = torch.matmul(qc, kf.transpose(-1, -2))               # (B, Hk, G, c, Lk) fp32 scores
         if add is not None:
             a = add if add.shape[2] == 1 else add[:, :, i0:i1]
-            a = a.expand(B, Hq, i1 - i0, Lk).reshape(B, Hk, G, i1 - i0, Lk)
-            s = s + a
+            s.add_(a.expand(B, Hq, i1 - i0, Lk).reshape(B, Hk, G, i1 - i0, Lk))
         row_max = s.amax(dim=-1, keepdim=True)
-        row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
-        p = torch.exp(s - row_max)                              # masked keys: exp(-inf) = 0
+        row_max.masked_fill_(torch.isneginf(row_max), 0.0)      # fully masked row: exp(-inf) = 0 below
+        p = s.sub_(row_max).exp_()
         denom = p.sum(dim=-1, keepdim=True)
-        o = torch.matmul(p, vf) / torch.where(denom > 0, denom, torch.ones_like(denom))
+        o = torch.matmul(p, vf).div_(denom.masked_fill_(denom == 0, 1.0))
         out[:, :, i0:i1] = o.reshape(B, Hq, i1 - i0, D).to(q.dtype)
     return out
 
