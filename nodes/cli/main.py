@@ -41,6 +41,7 @@ def doctor(args) -> int:
     for name, k in status["kernels"].items():
         if k["backend"] == "reference" and k["device"] == "mps":
             failed = True
+    report["measured"] = metal_kernels.dispatch.measured_records()
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
         print()
@@ -53,6 +54,10 @@ def doctor(args) -> int:
     for name, k in status["kernels"].items():
         kt.add(name, k["device"], k["backend"], k["reason"])
     print(kt.render() + "\n")
+    if report["measured"]:
+        from .status import measured_table
+
+        print(measured_table(report["measured"]).render() + "\n")
     if report["stages"]:
         st = Table("End-to-end pipeline on synthetic weights", ["stage", "ok", "seconds", "detail"])
         for s in report["stages"]:

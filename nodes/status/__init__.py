@@ -4,10 +4,10 @@ from .records import (BACKEND_EVENT, RECORDER_ATTR, clear_records, history, node
                       record_node_backend, recording_kernels, records_since, summarize_backends)
 from .routes import (BACKEND_ENV, ROUTE_PREFIX, ROUTES, add_routes, force_reference_enabled, memory_info,
                      register_with_comfyui, set_force_reference, status_payload)
-from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, MetalStatus, status_report
+from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, MetalStatus, measured_table, status_report
 
 __all__ = ["BACKEND_EVENT", "RECORDER_ATTR", "clear_records", "history", "node_backends", "record_forward_kernels",
            "record_node_backend", "recording_kernels", "records_since", "summarize_backends", "BACKEND_ENV",
            "ROUTE_PREFIX", "ROUTES", "add_routes", "force_reference_enabled", "memory_info", "register_with_comfyui",
            "set_force_reference", "status_payload", "NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS",
-           "MetalStatus", "status_report"]
+           "MetalStatus", "measured_table", "status_report"]

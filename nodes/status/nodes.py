@@ -19,12 +19,27 @@ def status_report(status: dict, probe_backend: dict | None = None) -> str:
                     ["kernel", "device", "backend", "reason"])
     for name, k in status["kernels"].items():
         kernels.add(name, k["device"], k["backend"], k["reason"])
+    tables = [kernels.render(), caps.render()]
+    if status.get("measured"):
+        tables.append(measured_table(status["measured"]).render())
     mem = status.get("memory") or {}
     lines = [f"Memory ({mem.get('device')}): {human_bytes(mem.get('in_use'))} in use, "
              f"recommended max {human_bytes(mem.get('recommended_max'))}"]
     if probe_backend:
         lines.append(f"This node's probe call: {probe_backend['backend']} ({probe_backend['reason']})")
-    return "\n\n".join([kernels.render(), caps.render(), "\n".join(lines)])
+    return "\n\n".join(tables + ["\n".join(lines)])
+
+
+def measured_table(records: list[dict]):
+    """The measured choices (kernel vs platform op, per shape class) as a table."""
+    from ..common.report import Table
+
+    t = Table("Measured choices (the faster path is kept for the process)",
+              ["kernel", "shape class", "device", "chosen", "times (ms)"])
+    for r in records:
+        times = ", ".join(f"{n} {ms:.3g}" for n, ms in r["times_ms"].items())
+        t.add(r["kernel"], " ".join(str(x) for x in r["shape_class"]), r["device"], r["choice"], times)
+    return t
 
 
 class MetalStatus:
@@ -60,7 +75,8 @@ class MetalStatus:
             device = torch.device("cpu")
         metal_kernels.softmax(torch.linspace(-1.0, 1.0, 24, device=device).reshape(3, 8))
         record = record_node_backend("MetalStatus", ["softmax"])
-        payload = {**metal_kernels.status(device), "memory": memory_info()}
+        payload = {**metal_kernels.status(device), "memory": memory_info(),
+                   "measured": metal_kernels.dispatch.measured_records()}
         text = status_report(payload, record)
         return {"ui": {"text": [text]}, "result": (text,)}
 

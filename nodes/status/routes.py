@@ -115,6 +115,7 @@ def status_payload() -> dict:
         "kernels": {name: {"backend": k["backend"], "reason": k["reason"], "device": k["device"]}
                     for name, k in status["kernels"].items()},
         "last_backend": dict(dispatch.last_backend),
+        "measured": dispatch.measured_records(),
         "node_backends": nodes,
         "memory": memory_info(),
         "pack_nodes": list(NODE_CLASS_MAPPINGS),     # the frontend badges exactly these node classes

@@ -1,0 +1,40 @@
+"""Measured choices reach the status route payload, the status report (MetalStatus node) and doctor."""
+from __future__ import annotations
+
+import json
+
+from comfy_metal.metal_kernels import dispatch
+from comfy_metal.nodes import status
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_measured_choice_in_status_payload_and_report(monkeypatch):
+    dispatch.reset()
+    clock = Clock()
+
+    def cost(s):
+        def run():
+            clock.t += s
+        return run
+
+    try:
+        dispatch.measured_choice("flash_attention", ("bfloat16", 128, 4096, 4096, False, False),
+                                 {"sub_quad": cost(0.019), "metal_flash": cost(0.010)}, "mps",
+                                 sync=lambda d: None, clock=clock)
+        payload = status.status_payload()
+        json.dumps(payload, default=str)
+        (record,) = payload["measured"]
+        assert record["choice"] == "metal_flash" and record["kernel"] == "flash_attention"
+        assert record["times_ms"]["sub_quad"] == 19.0 and record["shape_class"][1] == 128
+        text = status.status_report(payload)
+        assert "Measured choices" in text and "metal_flash" in text and "sub_quad 19" in text
+    finally:
+        dispatch.reset()
+    assert status.status_payload()["measured"] == []
