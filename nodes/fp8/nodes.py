@@ -32,6 +32,23 @@ def _record(node_class: str, kernels: list[str]) -> None:
     record_node_backend(node_class, kernels)
 
 
+# The loader's attention option -> the Metal Attention mode (None: ComfyUI's own attention).
+ATTENTION_OPTIONS = {"auto": "auto", "metal_flash": "always", "comfy default": None}
+
+
+def with_attention(model, option: str = "auto"):
+    """The loaded model with the pack's attention per the loader's `attention` option ("auto" patches
+    only on MPS, where the measured dispatch decides per shape)."""
+    from ...metal_kernels.probe import mps_available
+
+    mode = ATTENTION_OPTIONS[option]
+    if mode is None or (option == "auto" and not mps_available()):
+        return model
+    from ..attention.comfy_attention import patch_model
+
+    return patch_model(model, mode)
+
+
 class MetalFP8ModelLoader:
     @classmethod
     def INPUT_TYPES(cls):
@@ -43,6 +60,12 @@ class MetalFP8ModelLoader:
                             "auto: FP8 weights stay FP8, others as in the file. e4m3fn tensorwise/rowwise: also "
                             "quantize bf16/fp16/fp32 Linear weights (norms, embeddings, first/last layers stay)."}),
             "compute_dtype": (list(COMPUTE_DTYPES), {"default": "auto"}),
+        }, "optional": {
+            "attention": (list(ATTENTION_OPTIONS), {"default": "auto", "tooltip":
+                          "auto: on Apple GPUs the model's attention goes through the Metal Attention dispatch "
+                          "(the Metal kernel where it is measured faster than ComfyUI's, per shape); elsewhere "
+                          "ComfyUI's. metal_flash: the pack's attention on every device. comfy default: "
+                          "ComfyUI's own attention."}),
         }}
 
     RETURN_TYPES = ("MODEL",)
@@ -50,11 +73,14 @@ class MetalFP8ModelLoader:
     CATEGORY = "Comfy Metal/loaders"
     DESCRIPTION = "Loads a diffusion model keeping FP8 weights at 1 byte each (Metal FP8 kernels on Apple GPUs)."
 
-    def load(self, unet_name, weight_mode="auto", compute_dtype="auto"):
+    def load(self, unet_name, weight_mode="auto", compute_dtype="auto", attention="auto"):
         import folder_paths
 
+        if attention not in ATTENTION_OPTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_OPTIONS)}, got {attention!r}")
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         model = load_diffusion_model(path, weight_mode, compute_dtype)
+        model = with_attention(model, attention)
         # Quantizing on load encodes (and decodes, for the error summary); an FP8 file loads as is.
         _record("MetalFP8ModelLoader", QUANTIZE_KERNELS if weight_mode != "auto" else [])
         return (model,)

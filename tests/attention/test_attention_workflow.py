@@ -87,3 +87,36 @@ def test_tiny_model_with_metal_attention_matches_stock(comfyui, pack, monkeypatc
     n = calls["n"]
     again = _sample(comfyui, model, latent, ctx, extra)
     assert calls["n"] == n and torch.equal(again, stock)
+
+
+def test_fp8_loader_attention_option(comfyui, pack):
+    """The FP8 loader's `attention` option: metal_flash patches the model, auto patches only on MPS
+    (this is a CPU run: no patch), comfy default never patches."""
+    loader_mod = importlib.import_module(comfyui.pack_module.__name__ + ".nodes.fp8_loader")
+    name = "tiny_attention_flux_loader.safetensors"
+    save_file({k: v.contiguous() for k, v in wm.flux_state_dict(seed=13).items()},
+              str(comfyui.models_dir("diffusion_models") / name))
+    comfyui.refresh_models()
+    loader = loader_mod.MetalFP8ModelLoader()
+
+    def override(option):
+        (model,) = loader.load(name, "auto", "fp32", attention=option)
+        return model.model_options.get("transformer_options", {}).get("optimized_attention_override")
+
+    patched = override("metal_flash")
+    assert patched is not None
+    q, k, v = (torch.randn(1, 5, 16) for _ in range(3))
+    before = dict(pack[1].dispatch.last_backend)
+    pack[1].dispatch.last_backend.pop("flash_attention", None)
+    try:
+        patched(None, q, k, v, 2)
+        assert pack[1].dispatch.last_backend.get("flash_attention") == "reference"   # asked for: runs on CPU
+    finally:
+        pack[1].dispatch.last_backend.clear()
+        pack[1].dispatch.last_backend.update(before)
+    assert override("auto") is None
+    assert override("comfy default") is None
+    with pytest.raises(ValueError, match="attention must be one of"):
+        loader.load(name, "auto", "fp32", attention="flash")
+    spec = comfyui.object_info()["MetalFP8ModelLoader"]["input"]["optional"]["attention"]
+    assert spec[0] == ["auto", "metal_flash", "comfy default"] and spec[1]["tooltip"]
