@@ -84,7 +84,8 @@ def model_note(files, extra: str = "") -> str:
 def fp8_flux_t2i() -> tuple[dict, list[str], dict]:
     p = {
         "1": {"class_type": "MetalFP8ModelLoader",
-              "inputs": {"unet_name": FLUX_MODEL[1], "weight_mode": "auto", "compute_dtype": "auto"}},
+              "inputs": {"unet_name": FLUX_MODEL[1], "weight_mode": "auto", "compute_dtype": "auto",
+                         "attention": "auto"}},
         "2": {"class_type": "DualCLIPLoader",
               "inputs": {"clip_name1": CLIP_L[1], "clip_name2": T5XXL_FP8[1], "type": "flux", "device": "default"}},
         "3": {"class_type": "VAELoader", "inputs": {"vae_name": FLUX_VAE[1]}},
@@ -155,9 +156,11 @@ def gguf_flux_t2i() -> tuple[dict, list[str], dict]:
 def fp8_wan22_t2v() -> tuple[dict, list[str], dict]:
     p = {
         "1": {"class_type": "MetalFP8ModelLoader",
-              "inputs": {"unet_name": WAN_HIGH[1], "weight_mode": "auto", "compute_dtype": "auto"}},
+              "inputs": {"unet_name": WAN_HIGH[1], "weight_mode": "auto", "compute_dtype": "auto",
+                         "attention": "auto"}},
         "2": {"class_type": "MetalFP8ModelLoader",
-              "inputs": {"unet_name": WAN_LOW[1], "weight_mode": "auto", "compute_dtype": "auto"}},
+              "inputs": {"unet_name": WAN_LOW[1], "weight_mode": "auto", "compute_dtype": "auto",
+                         "attention": "auto"}},
         "3": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["1", 0], "shift": 8.0}},
         "4": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["2", 0], "shift": 8.0}},
         "5": {"class_type": "CLIPLoader", "inputs": {"clip_name": UMT5[1], "type": "wan", "device": "default"}},
@@ -210,7 +213,8 @@ def moe_t2i_prompt_enhancer() -> tuple[dict, list[str], dict]:
         "4": {"class_type": "CLIPTextEncode", "inputs": {"text": ["2", 0], "clip": ["3", 0]}},
         "5": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["4", 0], "guidance": 3.5}},
         "6": {"class_type": "MetalFP8ModelLoader",
-              "inputs": {"unet_name": FLUX_MODEL[1], "weight_mode": "auto", "compute_dtype": "auto"}},
+              "inputs": {"unet_name": FLUX_MODEL[1], "weight_mode": "auto", "compute_dtype": "auto",
+                         "attention": "auto"}},
         "7": {"class_type": "BasicGuider", "inputs": {"model": ["6", 0], "conditioning": ["5", 0]}},
         "8": {"class_type": "RandomNoise", "inputs": {"noise_seed": 7}},
         "9": {"class_type": "MetalSamplerSelect",
@@ -249,7 +253,8 @@ def moe_t2i_prompt_enhancer() -> tuple[dict, list[str], dict]:
 def quantize_and_save() -> tuple[dict, list[str], dict]:
     p = {
         "1": {"class_type": "MetalFP8ModelLoader",
-              "inputs": {"unet_name": WAN5B_FP16[1], "weight_mode": "e4m3fn rowwise", "compute_dtype": "auto"}},
+              "inputs": {"unet_name": WAN5B_FP16[1], "weight_mode": "e4m3fn rowwise", "compute_dtype": "auto",
+                         "attention": "comfy default"}},
         "2": {"class_type": "MetalFP8SaveModel",
               "inputs": {"model": ["1", 0], "filename": "wan2.2_ti2v_5B_fp8_e4m3fn_rowwise",
                          "quantize_mode": "e4m3fn rowwise", "overwrite": False}},
