@@ -7,6 +7,8 @@ flash_attention(q, k, v, mask=None, scale=None)
        (B, Hq, Lq, Lk) as ComfyUI's attention does: (Lq, Lk), (B|1, Lq, Lk) (batch, not heads),
        (B|1, Hq|1, Lq|1, Lk|1).
     scale: softmax scale, default 1 / sqrt(D).
+    variant: "auto" (the simdgroup-matrix kernel for D % 8 == 0 and >= 32 query rows, else the
+       simd-reduction kernel), "simd" or "mma" (the Metal kernel to use; the reference ignores it).
     Returns (B, Hq, Lq, D) in q.dtype. Softmax and accumulation in fp32; a query row whose every
     key is masked (bool False or -inf) gives zeros, not NaN.
 
@@ -29,6 +31,9 @@ DMAX = 256                      # ATTN_DMAX in attention.metal
 ROWS = 16                       # ATTN_ROWS: query rows per threadgroup
 GROUP_THREADS = 128             # ATTN_THREADS
 MAX_LAUNCH_GROUPS = (1 << 31) // GROUP_THREADS // 2   # [[threadgroup_position_in_grid]] is 32-bit
+MMA_ROWS = 32                   # AMMA_ROWS: query rows per threadgroup of the simdgroup-matrix kernels
+MMA_MIN_QUERIES = 32            # "auto" takes the simdgroup-matrix kernels from this many query rows
+VARIANTS = ("auto", "simd", "mma")
 REFERENCE_CHUNK_BYTES = 256 << 20
 ATTENTION_HEAD_DIMS = (40, 64, 72, 80, 96, 128, 160, 256)   # what ComfyUI's models use (all covered)
 
@@ -81,7 +86,13 @@ def _additive(m4: torch.Tensor) -> torch.Tensor:
     return m4.to(torch.float32)
 
 
-def flash_attention_reference(q, k, v, mask=None, scale=None):
+def _check_variant(variant):
+    if variant not in VARIANTS:
+        raise ValueError(f"flash_attention: variant must be one of {VARIANTS}, got {variant!r}")
+
+
+def flash_attention_reference(q, k, v, mask=None, scale=None, variant="auto"):
+    _check_variant(variant)
     q, k, v, m4, scale = _prepare(q, k, v, mask, scale)
     B, Hq, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
@@ -117,12 +128,24 @@ def _mask_strides(add: torch.Tensor) -> list[int]:
     return [0 if n == 1 else s for n, s in zip(add.shape, strides)]
 
 
-def flash_attention_metal(lib, q, k, v, mask=None, scale=None):
+def mma_bucket(D: int) -> int | None:
+    """The simdgroup-matrix instantiation (64, 128, 256) for head dim D, or None (D % 8 != 0)."""
+    if D % 8 or D == 0:
+        return None
+    return next((n for n in (64, 128, 256) if D <= n), None)
+
+
+def flash_attention_metal(lib, q, k, v, mask=None, scale=None, variant="auto"):
+    _check_variant(variant)
     q, k, v, m4, scale = _prepare(q, k, v, mask, scale)
     B, Hq, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
     if D > DMAX or D == 0:
         return flash_attention_reference(q, k, v, mask, scale)
+    bucket = mma_bucket(D)
+    if variant == "mma" and bucket is None:
+        raise ValueError(f"flash_attention: variant 'mma' needs a head dim that is a multiple of 8, got {D}")
+    use_mma = variant == "mma" or (variant == "auto" and bucket is not None and Lq >= MMA_MIN_QUERIES)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
@@ -134,8 +157,11 @@ def flash_attention_metal(lib, q, k, v, mask=None, scale=None):
     else:
         add = _additive(m4).contiguous()
         has_mask, strides = 1, _mask_strides(add)
-    kernel = getattr(lib, f"attention_{MSL_TYPE[q.dtype]}")
-    q_blocks = -(-Lq // ROWS)
+    if use_mma:
+        kernel, rows = getattr(lib, f"attention_mma{bucket}_{MSL_TYPE[q.dtype]}"), MMA_ROWS
+    else:
+        kernel, rows = getattr(lib, f"attention_{MSL_TYPE[q.dtype]}"), ROWS
+    q_blocks = -(-Lq // rows)
     groups = B * Hq * q_blocks
     for g0 in range(0, groups, MAX_LAUNCH_GROUPS):
         n = min(MAX_LAUNCH_GROUPS, groups - g0)
@@ -172,15 +198,28 @@ def _cases(device):
             mask = (torch.randn(Lq, Lk, generator=gen) * 2).to(dtype)
             mask[2] = float("-inf")
         out.append(((q.to(device), k.to(device), v.to(device)),
-                    {"mask": None if mask is None else mask.to(device)}))
+                    {"mask": None if mask is None else mask.to(device), "variant": "simd"}))
+    # every simdgroup-matrix instantiation (head-dim bucket x dtype), odd lengths, a mask, GQA
+    for i, (D, dtype) in enumerate([(d, t) for d in (40, 128, 160) for t in MSL_TYPE]):
+        Hk = 1 if i % 2 else 2
+        q = torch.randn(1, 2, 9 + i, D, generator=gen).to(dtype)
+        k = torch.randn(1, Hk, 21 + 2 * i, D, generator=gen).to(dtype)
+        v = torch.randn(1, Hk, 21 + 2 * i, D, generator=gen).to(dtype)
+        mask = None
+        if i % 3 == 0:
+            mask = torch.rand(1, 1, 9 + i, 21 + 2 * i, generator=gen) > 0.25
+            mask[..., 2, :] = False
+        out.append(((q.to(device), k.to(device), v.to(device)),
+                    {"mask": None if mask is None else mask.to(device), "variant": "mma"}))
     return out
 
 
 flash_attention = register(KernelSpec(
     name="flash_attention",
     source="attention.metal",
-    entry_points={f"attention_{t}": ("tensor",) * 5 + ("int",) * 5 + ("float",) + ("int",) * 7
-                  for t in MSL_TYPE.values()},
+    entry_points={name: ("tensor",) * 5 + ("int",) * 5 + ("float",) + ("int",) * 7
+                  for t in MSL_TYPE.values()
+                  for name in [f"attention_{t}"] + [f"attention_mma{n}_{t}" for n in (64, 128, 256)]},
     reference=flash_attention_reference,
     metal=flash_attention_metal,
     self_check_cases=_cases,

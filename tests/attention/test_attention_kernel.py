@@ -135,39 +135,72 @@ def lib():
     return dispatch.compile_library("emulator", only="attention.metal")
 
 
+VARIANTS = ("simd", "mma")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("D", A.ATTENTION_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kernel_every_head_dim(lib, D, dtype):
-    # 19 query rows: one full 16-row group and a partial one; 45 keys: one full 32-key block + 13
-    q, k, v = make(1, 2, 2, 19, 45, D, dtype, seed=D)
-    got = A.flash_attention_metal(lib, q, k, v)
+def test_kernel_every_head_dim(lib, D, dtype, variant):
+    # simd: 19 query rows = a full 16-row group and a partial one, 45 keys = a 32-key block + 13;
+    # mma: 37 rows = a 32-row group + 5, 45 keys = blocks of 64 / 56 / 48 / 40 / 24 / 16 keys by D
+    lq = 19 if variant == "simd" else 37
+    q, k, v = make(1, 2, 2, lq, 45 if D < 160 else 53, D, dtype, seed=D)
+    got = A.flash_attention_metal(lib, q, k, v, variant=variant)
     assert got.dtype == dtype and got.shape == q.shape
     assert_matches(got, oracle(q, k, v), dtype)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("mask_kind", MASK_KINDS)
-def test_kernel_masks(lib, mask_kind):
-    B, H, Lq, Lk, D = 2, 3, 18, 35, 64
+def test_kernel_masks(lib, mask_kind, variant):
+    B, H, Lq, Lk, D = 2, 3, 18, 75, 64
     q, k, v = make(B, H, H, Lq, Lk, D, torch.float16, seed=7)
     mask = make_mask(mask_kind, B, H, Lq, Lk, torch.float16)
-    got = A.flash_attention_metal(lib, q, k, v, mask=mask)
+    got = A.flash_attention_metal(lib, q, k, v, mask=mask, variant=variant)
     want = oracle(q, k, v, mask)
     assert_matches(got, want, torch.float16)
     if mask.shape[-2] > 1:                     # query row 1 is fully masked: zeros, not NaN
         assert torch.equal(got[:, :, 1], torch.zeros_like(got[:, :, 1]))
 
 
-@pytest.mark.parametrize("Lq, Lk", [(1, 1), (5, 77), (77, 5), (33, 512), (16, 32), (31, 95)])
-def test_kernel_cross_attention_and_odd_lengths(lib, Lq, Lk):
+@pytest.mark.parametrize("variant", VARIANTS + ("auto",))
+@pytest.mark.parametrize("Lq, Lk", [(1, 1), (5, 77), (77, 5), (33, 512), (16, 32), (31, 95), (70, 130)])
+def test_kernel_cross_attention_and_odd_lengths(lib, Lq, Lk, variant):
     q, k, v = make(1, 2, 2, Lq, Lk, 128, torch.bfloat16, seed=Lq + Lk)
-    assert_matches(A.flash_attention_metal(lib, q, k, v), oracle(q, k, v), torch.bfloat16)
+    got = A.flash_attention_metal(lib, q, k, v, variant=variant)
+    assert_matches(got, oracle(q, k, v), torch.bfloat16)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("Hq, Hk", [(4, 1), (6, 2), (8, 4)])
-def test_kernel_gqa(lib, Hq, Hk):
+def test_kernel_gqa(lib, Hq, Hk, variant):
     q, k, v = make(2, Hq, Hk, 9, 40, 80, torch.float32, seed=Hq * 10 + Hk)
     mask = make_mask("4d_heads", 2, Hq, 9, 40, torch.float32)
-    assert_matches(A.flash_attention_metal(lib, q, k, v, mask=mask), oracle(q, k, v, mask), torch.float32)
+    got = A.flash_attention_metal(lib, q, k, v, mask=mask, variant=variant)
+    assert_matches(got, oracle(q, k, v, mask), torch.float32)
+
+
+def test_variant_choice_and_errors(lib, monkeypatch):
+    """auto: the simdgroup-matrix kernel from MMA_MIN_QUERIES rows when D % 8 == 0, else the simd one."""
+    launched = []
+    real = A.flash_attention_metal
+
+    class Spy:
+        def __getattr__(self, name):
+            launched.append(name)
+            return getattr(lib, name)
+
+    q, k, v = make(1, 1, 1, A.MMA_MIN_QUERIES, 9, 64, torch.float16)
+    real(Spy(), q, k, v)
+    real(Spy(), q[:, :, :A.MMA_MIN_QUERIES - 1], k, v)
+    q2, k2, v2 = make(1, 1, 1, 40, 9, 36, torch.float16)
+    real(Spy(), q2, k2, v2)
+    assert launched == ["attention_mma64_half", "attention_half", "attention_half"]
+    with pytest.raises(ValueError, match="multiple of 8"):
+        real(lib, q2, k2, v2, variant="mma")
+    with pytest.raises(ValueError, match="variant must be one of"):
+        A.flash_attention_reference(q, k, v, variant="fast")
 
 
 def test_kernel_scale_and_large_scores(lib):
@@ -194,11 +227,13 @@ def test_public_function_runs_the_kernel_in_the_emulator(emulator_backend):
     assert_matches(out, oracle(q, k, v), torch.float16)
 
 
-def test_kernel_launched_in_chunks_of_groups(lib, monkeypatch):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kernel_launched_in_chunks_of_groups(lib, monkeypatch, variant):
     """The host launches the logical grid in chunks (group_base): one threadgroup per launch here."""
     monkeypatch.setattr(A, "MAX_LAUNCH_GROUPS", 1)
     q, k, v = make(2, 2, 1, 35, 21, 40, torch.float16, seed=5)
-    assert_matches(A.flash_attention_metal(lib, q, k, v), oracle(q, k, v), torch.float16)
+    got = A.flash_attention_metal(lib, q, k, v, variant=variant)
+    assert_matches(got, oracle(q, k, v), torch.float16)
 
 
 def test_emulator_window_binds_a_byte_range(lib):
@@ -218,11 +253,12 @@ def test_emulator_window_binds_a_byte_range(lib):
                threads=128, group_size=128, windows={0: (0, 10 ** 9)})
 
 
-def test_kernel_offsets_past_2_to_the_31(lib):
-    """64-bit index arithmetic: q, k, v and out hold 2^31 + 3072 fp16 elements each (4 GiB of virtual
-    memory that is never touched); only the last threadgroup runs, over windows at the end, so every
-    offset it uses is >= 2^31 elements (2^32 bytes). A 32-bit offset would wrap to the start."""
-    D, L = 64, 16
+@pytest.mark.parametrize("variant, kernel", [("simd", "attention_half"), ("mma", "attention_mma64_half")])
+def test_kernel_offsets_past_2_to_the_31(lib, variant, kernel):
+    """64-bit index arithmetic: q, k, v and out hold a little over 2^31 fp16 elements each (4 GiB of
+    virtual memory that is never touched); only the last threadgroup runs, over windows at the end, so
+    every offset it uses is >= 2^31 elements (2^32 bytes). A 32-bit offset would wrap to the start."""
+    D, L = 64, (A.ROWS if variant == "simd" else A.MMA_ROWS)
     H = (1 << 31) // (L * D) + 3
     per_head = L * D
     try:
@@ -238,8 +274,8 @@ def test_kernel_offsets_past_2_to_the_31(lib):
     out[first:] = float("nan")
     win = (first * 2, H * per_head * 2)
     shape = (1, H, L, D)
-    lib.attention_half(q.view(shape), k.view(shape), v.view(shape), torch.zeros(1), out.view(shape),
-                       L, L, D, H, H, 1.4426950408889634 / 8, 0, 0, 0, 0, 0, H - 1, 1,
-                       threads=128, group_size=128, windows={0: win, 1: win, 2: win, 4: win})
+    getattr(lib, kernel)(q.view(shape), k.view(shape), v.view(shape), torch.zeros(1), out.view(shape),
+                         L, L, D, H, H, 1.4426950408889634 / 8, 0, 0, 0, 0, 0, H - 1, 1,
+                         threads=128, group_size=128, windows={0: win, 1: win, 2: win, 4: win})
     got = out[first:].view(1, 1, L, D)
     assert_matches(got, oracle(small_q, small_k, small_v), torch.float16)
