@@ -77,7 +77,9 @@ def _case_table(name, B, H, L, D, dtype, device, quick, attention, reps):
         backend, reason = dispatch.choose(spec, device)
         if backend == "metal":
             lib = dispatch._library_for(spec, "metal")
-            rows.append(("metal_flash (Metal kernel)", lambda: kernels.flash_attention_metal(lib, q, k, v)))
+            for variant in ("simd", "mma"):
+                rows.append((f"metal_flash ({variant} kernel)",
+                             lambda variant=variant: kernels.flash_attention_metal(lib, q, k, v, variant=variant)))
         else:
             rows.append((f"metal_flash unavailable: {reason[:60]}", None))
     else:
@@ -105,7 +107,7 @@ def _case_table(name, B, H, L, D, dtype, device, quick, attention, reps):
             measured.append((label, seconds, m["peak"], err))
         except Exception as e:  # an OOM or a missing op is a row, not a crashed bench
             measured.append((f"{label}: {type(e).__name__}: {str(e)[:50]}", None, None, None))
-    base = {i: measured[i][1] for i in (1, 2)}
+    base = {i: measured[i][1] for i in (-2, -1)}      # ComfyUI's sub_quad and SDPA rows
     title = f"Attention: {name}, {str(dtype).replace('torch.', '')}, B{B} H{H} L{L} D{D}"
     columns = ["path", "ms", "peak", "max err vs fp64", "time / sub_quad", "time / SDPA"]
     if on_mps:
@@ -115,7 +117,7 @@ def _case_table(name, B, H, L, D, dtype, device, quick, attention, reps):
         if seconds is None:
             table.add(label, "n/a", "n/a", "n/a", "", "", *([""] if on_mps else []))
             continue
-        ratios = [f"{seconds / base[i]:.2f}x" if base.get(i) else "n/a" for i in (1, 2)]
+        ratios = [f"{seconds / base[i]:.2f}x" if base.get(i) else "n/a" for i in (-2, -1)]
         row = [label, round(seconds * 1e3, 2), human_bytes(peak), f"{err:.2e}", *ratios]
         if on_mps:
             row.append(f"{flops / seconds / 1e12:.2f}")
