@@ -102,6 +102,32 @@ def uncovered_reason(q4, k4, v4, mask, kwargs) -> str | None:
     return None
 
 
+_recorded: set = set()
+
+
+def _record_for_badge(key, note: str | None, ran_kernel: bool) -> None:
+    """Once per (executing node, key): a record for the node's badge (the attention runs inside a core
+    node, e.g. KSampler), with the measured choice as its note."""
+    from ..status import records
+
+    node_id = records._current_node_id()
+    if (node_id, key) in _recorded:
+        return
+    _recorded.add((node_id, key))
+    records.record_node_backend(None, [KERNEL] if ran_kernel else [], note=note)
+
+
+def measured_note(record: dict, comfy_name: str) -> str:
+    """"metal_flash 1.9x sub_quad" (the kernel won) or "sub_quad (metal_flash 1.3x slower)"."""
+    t = record["times_ms"]
+    ours, theirs = t.get(REGISTRY_NAME), t.get(comfy_name)
+    if not ours or not theirs:
+        return f"{record['choice']} ({record['reason']})"
+    if record["choice"] == REGISTRY_NAME:
+        return f"{REGISTRY_NAME} {theirs / ours:.1f}x {comfy_name}"
+    return f"{comfy_name} ({REGISTRY_NAME} {ours / theirs:.1f}x slower)"
+
+
 def _emulator_asked() -> bool:
     return os.environ.get("COMFY_METAL_BACKEND", "").strip().lower() == "emulator"
 
@@ -146,7 +172,9 @@ def metal_flash_attention(q, k, v, heads, mask=None, attn_precision=None, skip_r
 
     if asked:
         last_choice["choice"] = REGISTRY_NAME
-        return ours()
+        out = ours()
+        _record_for_badge(("asked", comfy_metal_mode), None, True)
+        return out
     backend, reason = dispatch.choose(dispatch.REGISTRY[KERNEL], device)
     if backend != "metal":
         _log_once(f"ComfyUI's attention: the Metal kernel is not available ({reason})", logging.WARNING)
@@ -157,7 +185,11 @@ def metal_flash_attention(q, k, v, heads, mask=None, attn_precision=None, skip_r
     # ComfyUI's own first: on a tie it is kept (the pack must be strictly faster to be used)
     choice = dispatch.measured_choice(KERNEL, shape_class, {comfy_name: comfy, REGISTRY_NAME: ours}, device)
     last_choice["choice"] = choice
-    return ours() if choice == REGISTRY_NAME else comfy()
+    out = ours() if choice == REGISTRY_NAME else comfy()
+    record = dispatch.measured.get((KERNEL, shape_class))
+    if record is not None:
+        _record_for_badge(shape_class, measured_note(record, comfy_name), choice == REGISTRY_NAME)
+    return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -101,14 +101,16 @@ def summarize_backends(kernels: dict[str, dict]) -> tuple[str, str]:
     return "mixed", "reference for " + "; ".join(fallback)
 
 
-def record_node_backend(node_class: str | None, kernels, node_id: str | None = None) -> dict | None:
+def record_node_backend(node_class: str | None, kernels, node_id: str | None = None,
+                        note: str | None = None) -> dict | None:
     """Record which backend the kernels `kernels` (names) used in this node's last run.
 
     Reads `metal_kernels.dispatch.last_backend`; call it at the end of the node function. The node
     id is taken from ComfyUI's executing context when not given. Code that runs inside a core node
     (e.g. a sampler function called by KSampler) passes node_class=None: the record then belongs to
-    whichever node is executing, by id. Never raises (returns None on an internal problem, logged at
-    debug level).
+    whichever node is executing, by id. `note`: a short text the badge shows after the backend (e.g.
+    a measured choice: "metal_flash 1.9x sub_quad"). Never raises (returns None on an internal problem,
+    logged at debug level).
     """
     global _history_count
     try:
@@ -127,6 +129,8 @@ def record_node_backend(node_class: str | None, kernels, node_id: str | None = N
         record = {"node_id": None if node_id is None else str(node_id),
                   "node_class": None if node_class is None else str(node_class),
                   "backend": backend, "reason": reason, "kernels": per_kernel, "time": time.time()}
+        if note:
+            record["note"] = str(note)
         with _lock:
             node_backends[record["node_id"] or record["node_class"] or "(unknown node)"] = record
             history.append(record)

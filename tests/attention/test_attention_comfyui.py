@@ -271,4 +271,14 @@ def test_attention_on_mps_never_picks_a_slow_kernel(pack, monkeypatch):
     assert ca.last_choice["choice"] == "metal_flash"
     records = d.measured_records()
     assert sorted(r["choice"] == "metal_flash" for r in records) == [False, True]
+    # the badge of the node that ran it (here no executing node) carries the measured choice
+    status = importlib.import_module(comfyui_pack_name(ca) + ".nodes.status")
+    notes = [r.get("note") for r in list(status.history)[-2:]]
+    comfy_name = "fake_comfy"                      # the name of the function standing for ComfyUI's
+    assert notes[0].startswith(f"{comfy_name} (metal_flash ") and notes[0].endswith("x slower)"), notes
+    assert notes[1].startswith("metal_flash ") and notes[1].endswith(f"x {comfy_name}"), notes
     d.reset()
+
+
+def comfyui_pack_name(module):
+    return module.__name__.rsplit(".nodes.", 1)[0]

@@ -39,6 +39,9 @@ test("badge text, colour and tooltip follow the record", () => {
   assert.notEqual(r.bgColor, m.bgColor);
   assert.match(r.tooltip, /Last run: Reference/);
   assert.match(r.tooltip, /sampler_step: reference on cpu \(Metal runs only on MPS/);
+  const noted = badgeFor({ ...metalRecord, note: "metal_flash 1.9x sub_quad" });
+  assert.equal(noted.text, "Metal · metal_flash 1.9x sub_quad");
+  assert.match(noted.tooltip, /Last run: Metal\nmetal_flash 1.9x sub_quad/);
   assert.equal(badgeFor(null), null);
   assert.equal(badgeFor({ node_class: "MetalX" }), null);
   assert.equal(badgeFor({ backend: "mixed", reason: "reference for a: x" }).text, "Mixed");

@@ -42,13 +42,16 @@ export function badgeFor(record) {
   if (!record || typeof record !== "object" || !record.backend) return null;
   const style = styleFor(record.backend);
   const lines = [`Last run: ${style.label}`];
+  if (record.note) lines.push(record.note);
   if (record.reason) lines.push(record.reason);
   const kernels = Object.entries(record.kernels ?? {}).sort(([a], [b]) => a.localeCompare(b));
   for (const [name, k] of kernels) {
     const where = k.device ? ` on ${k.device}` : "";
     lines.push(`${name}: ${k.backend}${where}${k.reason ? ` (${k.reason})` : ""}`);
   }
-  return { text: style.label, tooltip: lines.join("\n"), fgColor: style.fgColor, bgColor: style.bgColor };
+  // a measured choice (e.g. "metal_flash 1.9x sub_quad", nodes/status.py record_node_backend's note)
+  const text = record.note ? `${style.label} · ${record.note}` : style.label;
+  return { text, tooltip: lines.join("\n"), fgColor: style.fgColor, bgColor: style.bgColor };
 }
 
 // Latest record per node id and per node class, fed by websocket events and the status route.
