@@ -348,6 +348,7 @@ def kernel_status(device: torch.device | str | None = None, run_pending: bool = 
 # (kernel, shape class) -> {"choice": name, "times_ms": {name: ms}, "reason": str}
 measured: dict[tuple, dict] = {}
 MEASURE_REPS = 3
+MEASURE_SLOW_SECONDS = 0.5
 _clock = None      # None: time.perf_counter (tests put a fake timing source here)
 
 
@@ -370,7 +371,8 @@ def measured_choice(kernel: str, shape_class, candidates: dict, device, *, reps:
     work) for (kernel, shape_class), timed once per process and then remembered.
 
     At the first call for a key every candidate runs once to warm up (compiles, self-checks,
-    allocations), then `reps` times between device synchronisations; the median decides. A
+    allocations), then `reps` times between device synchronisations (once if its warm-up took over
+    MEASURE_SLOW_SECONDS); the median decides. A
     candidate that raises is never chosen (its error is in the record's reason). Ties keep the
     candidate listed first, so list the platform op first: a kernel must be strictly faster to be
     chosen. `sync(device)` and `clock()` default to the device synchronise and time.perf_counter;
@@ -392,10 +394,13 @@ def measured_choice(kernel: str, shape_class, candidates: dict, device, *, reps:
     failed: dict[str, str] = {}
     for name, fn in candidates.items():
         try:
+            sync(device)
+            t0 = clock()
             fn()                                   # warm-up
             sync(device)
+            slow = clock() - t0 > MEASURE_SLOW_SECONDS
             samples = []
-            for _ in range(reps):
+            for _ in range(1 if slow else reps):   # a call of seconds (long videos) is timed once
                 t0 = clock()
                 fn()
                 sync(device)

@@ -38,3 +38,24 @@ def test_measured_choice_in_status_payload_and_report(monkeypatch):
     finally:
         dispatch.reset()
     assert status.status_payload()["measured"] == []
+
+
+def test_measured_choice_times_slow_calls_once():
+    """Warm-up over MEASURE_SLOW_SECONDS: one timed call (a long video's attention is not run 4 times)."""
+    dispatch.reset()
+    clock = Clock()
+    calls = {"fast": 0, "slow": 0}
+
+    def run(name, s):
+        def fn():
+            calls[name] += 1
+            clock.t += s
+        return fn
+
+    try:
+        pick = dispatch.measured_choice("k", ("x",), {"slow": run("slow", 2.0), "fast": run("fast", 0.01)}, "mps",
+                                        sync=lambda d: None, clock=clock)
+        assert pick == "fast"
+        assert calls == {"slow": 2, "fast": 1 + dispatch.MEASURE_REPS}
+    finally:
+        dispatch.reset()
