@@ -6,8 +6,8 @@ weight (native float8 on CPU/CUDA and MPS >= torch 2.15, uint8 bytes on older MP
 scale (tensorwise () or per-row (N,)) as module state, so ComfyUI's memory accounting
 (`module_size` = bytes of the state dict) sees 1 byte a weight.
 
-Linear forward: M <= GEMV_MAX_ROWS rows -> `metal_kernels.gemv` reads the FP8 weight directly;
-larger M -> `metal_kernels.fp8_decode` to the compute dtype (the input's dtype) + the platform
+Linear forward: M <= GEMV_MAX_ROWS rows -> `metal_kernels.gemv` reads the FP8 weight directly (on
+MPS only where `dispatch.measured_choice` timed it faster than decode + matmul for that shape); larger M -> `metal_kernels.fp8_decode` to the compute dtype (the input's dtype) + the platform
 matmul. Conv and embedding weights decode the same way (an embedding decodes only the looked-up rows).
 
 LoRA: `MetalFP8ModelPatcher` (a `comfy.model_patcher.ModelPatcher`) does not rewrite FP8 weights;
@@ -38,6 +38,13 @@ def _kernels():
     from ... import metal_kernels as mk
 
     return mk.fp8_decode, mk.gemv
+
+
+def _dispatch():
+    from ..metal_kernels import dispatch
+
+    return dispatch
+
 
 
 def storage_dtype(device, fmt: str) -> torch.dtype:
@@ -239,7 +246,21 @@ class FP8LinearMixin(FP8WeightMixin):
         fns = self._weight_functions()
         if 0 < M <= GEMV_MAX_ROWS and not fns:
             w, scale = self._fp8_bytes_scale(x.device)
-            y = gemv(x2.contiguous(), w, bias, fmt=self.fp8_format, scale=scale, out_dtype=dtype)
+
+            def via_gemv():
+                return gemv(x2.contiguous(), w, bias, fmt=self.fp8_format, scale=scale, out_dtype=dtype)
+
+            dispatch = _dispatch()
+            if not dispatch.measuring_enabled(x.device):
+                y = via_gemv()
+            else:  # on MPS: GEMV only where measured faster than decode + the platform matmul
+                def via_matmul():
+                    return torch.nn.functional.linear(x2, self.fp8_decoded_weight(x.device, dtype), bias)
+
+                key = (M, self.out_features, K, self.fp8_format, str(dtype).replace("torch.", ""))
+                choice = dispatch.measured_choice("gemv", key, {"decode+matmul": via_matmul, "gemv": via_gemv},
+                                                  x.device)
+                y = via_gemv() if choice == "gemv" else via_matmul()
         else:
             w = self.fp8_decoded_weight(x.device, dtype)
             y = torch.nn.functional.linear(x2, w, bias)
