@@ -13,7 +13,7 @@ from ..common.report import Table
 # Modules (in nodes/cli/bench/) that contribute bench tables: each has `bench(quick: bool) -> list[Table]`.
 BENCH_MODULES = (".bench.kernels", ".bench.fp8", ".bench.gguf", ".bench.samplers", ".bench.vae", ".bench.moe", "..attention.bench")
 # Modules that contribute doctor stages: each has `doctor_stages() -> list[(name, callable)]`.
-DOCTOR_MODULES = (".doctor",)
+DOCTOR_MODULES = (".doctor", "..attention.doctor")
 
 
 def _modules(names):
@@ -55,7 +55,7 @@ def doctor(args) -> int:
         kt.add(name, k["device"], k["backend"], k["reason"])
     print(kt.render() + "\n")
     if report["measured"]:
-        from .status import measured_table
+        from ..status import measured_table
 
         print(measured_table(report["measured"]).render() + "\n")
     if report["stages"]:

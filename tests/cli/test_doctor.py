@@ -34,9 +34,11 @@ def test_doctor_json_reports_every_kernel_and_runs_the_pipeline(tmp_path):
     caps = report["status"]["capabilities"]
     assert "native_fp8_e4m3fn_on_mps" in caps and "torch.mps.compile_shader" in caps
     stages = {s["stage"]: s for s in report["stages"]}
-    assert list(stages) == ["FP8 load", "MoE text encode", "Metal sampler", "low-memory VAE decode", "PNG"]
+    assert list(stages) == ["FP8 load", "MoE text encode", "Metal sampler", "low-memory VAE decode", "PNG",
+                            "Metal attention"]
     assert all(s["ok"] for s in stages.values()), stages
     assert "1.000 bytes/weight" in stages["FP8 load"]["detail"]
+    assert "matches float64" in stages["Metal attention"]["detail"]
     png = tmp_path / "comfy-metal-doctor.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
