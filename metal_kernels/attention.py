@@ -22,11 +22,11 @@ import math
 
 import torch
 
+from .dtypes import MSL_TYPE
 from .registry import KernelSpec, register
 
 __all__ = ["flash_attention", "attention_shape_class", "ATTENTION_HEAD_DIMS"]
 
-MSL_TYPE = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
 DMAX = 256                      # ATTN_DMAX in attention.metal
 ROWS = 16                       # ATTN_ROWS: query rows per threadgroup
 GROUP_THREADS = 128             # ATTN_THREADS

@@ -14,12 +14,11 @@ a minute or two; the table says so. ComfyUI's functions need ComfyUI importable 
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import torch
 
-from ..report import Table, bench_device, human_bytes, median_seconds
+from ..common.comfyui import import_comfy
+from ..common.report import Table, bench_device, human_bytes, median_seconds
 from ..vae_tiling import measure_peak
 
 # (name, batch, heads, tokens, head dim, dtype) at full size; CPU: (heads, tokens) reduced
@@ -34,23 +33,8 @@ ORACLE_HEADS, ORACLE_ROWS = 2, 64
 
 def _comfy_attention():
     """comfy.ldm.modules.attention when ComfyUI is importable, else the reason (a str)."""
-    path = os.environ.get("COMFYUI_PATH")
-    if path and path not in sys.path:
-        sys.path.insert(0, path)
-        stubs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                             "tests", "comfy_stubs")
-        if os.path.isdir(stubs):
-            sys.path.append(stubs)
-    try:
-        import comfy.cli_args
-
-        if not (torch.cuda.is_available() or torch.backends.mps.is_available()):
-            comfy.cli_args.args.cpu = True
-        import comfy.ldm.modules.attention as attention
-
-        return attention
-    except Exception as e:
-        return f"ComfyUI not importable ({type(e).__name__}: {str(e)[:80]})"
+    module, why = import_comfy("comfy.ldm.modules.attention")
+    return module if module is not None else why
 
 
 def _oracle_error(out, q, k, v) -> float:

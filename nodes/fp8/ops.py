@@ -41,7 +41,7 @@ def _kernels():
 
 
 def _dispatch():
-    from ..metal_kernels import dispatch
+    from ...metal_kernels import dispatch
 
     return dispatch
 

@@ -92,7 +92,7 @@ def test_tiny_model_with_metal_attention_matches_stock(comfyui, pack, monkeypatc
 def test_fp8_loader_attention_option(comfyui, pack):
     """The FP8 loader's `attention` option: metal_flash patches the model, auto patches only on MPS
     (this is a CPU run: no patch), comfy default never patches."""
-    loader_mod = importlib.import_module(comfyui.pack_module.__name__ + ".nodes.fp8_loader")
+    loader_mod = importlib.import_module(comfyui.pack_module.__name__ + ".nodes.fp8.nodes")
     name = "tiny_attention_flux_loader.safetensors"
     save_file({k: v.contiguous() for k, v in wm.flux_state_dict(seed=13).items()},
               str(comfyui.models_dir("diffusion_models") / name))

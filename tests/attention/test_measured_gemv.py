@@ -8,7 +8,7 @@ import torch
 
 import fp8_models as fm
 from comfy_metal.metal_kernels import dispatch
-from comfy_metal.nodes import fp8_ops
+from comfy_metal.nodes.fp8 import ops as fp8_ops
 
 
 def _linear(n=24, k=40, seed=0):

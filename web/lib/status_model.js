@@ -49,7 +49,7 @@ export function badgeFor(record) {
     const where = k.device ? ` on ${k.device}` : "";
     lines.push(`${name}: ${k.backend}${where}${k.reason ? ` (${k.reason})` : ""}`);
   }
-  // a measured choice (e.g. "metal_flash 1.9x sub_quad", nodes/status.py record_node_backend's note)
+  // a measured choice (e.g. "metal_flash 1.9x sub_quad", nodes/status record_node_backend's note)
   const text = record.note ? `${style.label} · ${record.note}` : style.label;
   return { text, tooltip: lines.join("\n"), fgColor: style.fgColor, bgColor: style.bgColor };
 }
