@@ -213,8 +213,10 @@ inline void attention_mma_rows(device const T* q, device const T* k, device cons
         simdgroup_load(qm[d8], my_s, 8);
         simdgroup_barrier(mem_flags::mem_threadgroup);
     }
+    // O = 0, written through the reference (as every other update of O: no matrix assignment)
+    const simdgroup_float8x8 zero = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     simdgroup_float8x8 om[ND8];
-    for (int d8 = 0; d8 < ND8; ++d8) om[d8] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    for (int d8 = 0; d8 < ND8; ++d8) simdgroup_multiply(om[d8], zero, zero);
 
     float m_run = -INFINITY;
     float l_run = 0.0f;
@@ -273,9 +275,7 @@ inline void attention_mma_rows(device const T* q, device const T* k, device cons
         simdgroup_load(dm, my_s, 8);
         for (int d8 = 0; d8 < ND8; ++d8) {
             if (d8 >= nd8) break;
-            simdgroup_float8x8 scaled;
-            simdgroup_multiply(scaled, dm, om[d8]);
-            om[d8] = scaled;
+            simdgroup_multiply(om[d8], dm, om[d8]);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);     // every simdgroup is done with K (and my_s)
 
