@@ -438,6 +438,28 @@ def test_fp8_flux_t2i_on_the_emulator_matches_the_reference_run(comfyui, models,
     assert err.max() < 1e-3 and err.mean() < 1e-4
 
 
+@pytest.mark.parametrize("name, decoded", [("fp8_flux_t2i", "9"), ("fp8_wan22_t2v", "12")])
+def test_workflow_with_metal_attention_on_the_emulator_matches_comfy_attention(comfyui, models, tiny_text_encoders,
+                                                                               emulator, name, decoded):
+    """The loaders' attention option set to metal_flash: ComfyUI's executor runs the whole workflow with the
+    model's attention in the Metal kernel (MSL emulator); the decoded output matches the same prompt with
+    ComfyUI's own attention (attention "comfy default"), every other kernel emulated in both runs."""
+    _, api = load(name)
+    stock, ours = shrink(api), shrink(api)
+    loaders = [k for k, n in stock.items() if n["class_type"] == "MetalFP8ModelLoader"]
+    assert loaders
+    for k in loaders:
+        stock[k]["inputs"]["attention"] = "comfy default"
+        ours[k]["inputs"]["attention"] = "metal_flash"
+    want = first(comfyui.run_prompt(stock, execute=[decoded]), decoded).float()
+    assert "flash_attention" not in emulator.last_backend
+    got = first(comfyui.run_prompt(ours, execute=[decoded]), decoded).float()
+    assert emulator.last_backend.get("flash_attention") == "emulator", dict(emulator.last_backend)
+    err = (got - want).abs()
+    print(f"{name}: Metal attention (emulated) vs ComfyUI's attention: max {err.max():.2e}, mean {err.mean():.2e}")
+    assert err.max() < 1e-3 and err.mean() < 1e-4
+
+
 def test_moe_t2i_prompt_enhancer_on_the_emulator(comfyui, models, tiny_text_encoders, emulator):
     _, api = load("moe_t2i_prompt_enhancer")
     result = comfyui.run_prompt(shrink(api))
