@@ -29,6 +29,7 @@ CPU_REDUCED = {"Flux 1024² (4096+512 tok)": (2, 4608), "SDXL 1024² (4096 tok)"
                "Wan 2.2 480p 81 frames (32760 tok)": (1, 8192)}
 QUICK_TOKENS = 1024
 ORACLE_HEADS, ORACLE_ROWS = 2, 64
+MPS_SDPA_MAX_SCORE_BYTES = 4 << 30
 
 
 def _comfy_attention():
@@ -47,7 +48,7 @@ def _oracle_error(out, q, k, v) -> float:
     return (out[:, :h, :r].double().cpu() - want).abs().max().item()
 
 
-def _case_table(name, B, H, L, D, dtype, device, quick, attention, reps):
+def _case_table(name, B, H, L, D, dtype, device, attention, reps):
     from ...metal_kernels import attention as kernels
     from ...metal_kernels import dispatch
 
@@ -75,8 +76,13 @@ def _case_table(name, B, H, L, D, dtype, device, quick, attention, reps):
     else:
         rows.append(("ComfyUI sub_quad (MPS default)", lambda: attention.attention_sub_quad(
             q, k, v, H, skip_reshape=True, skip_output_reshape=True)))
-        rows.append(("ComfyUI attention_pytorch (SDPA)", lambda: attention.attention_pytorch(
-            q, k, v, H, skip_reshape=True, skip_output_reshape=True)))
+        score_bytes = 4 * B * H * L * L
+        if on_mps and score_bytes > MPS_SDPA_MAX_SCORE_BYTES:
+            # MPS SDPA builds the whole fp32 score matrix; past 4 GiB buffers crash the process (pytorch #149325)
+            rows.append((f"SDPA skipped: its {human_bytes(score_bytes)} score matrix", None))
+        else:
+            rows.append(("ComfyUI attention_pytorch (SDPA)", lambda: attention.attention_pytorch(
+                q, k, v, H, skip_reshape=True, skip_output_reshape=True)))
     measured = []
     for label, fn in rows:
         if fn is None:
@@ -122,7 +128,7 @@ def bench(quick: bool = False) -> list[Table]:
         if quick:
             L = min(L, QUICK_TOKENS)
             note = (note + "; " if note else "") + f"--quick: {L} tokens"
-        t = _case_table(name, B, H, L, D, dtype, device, quick, attention, reps)
+        t = _case_table(name, B, H, L, D, dtype, device, attention, reps)
         t.note = ((note + ". ") if note else "") + (
             f"Device {device.type.upper()}. peak = live tensor bytes allocated during one call (inputs excluded); "
             f"error over {ORACLE_HEADS} heads x {ORACLE_ROWS} query rows against float64; time ratios > 1 = "

@@ -30,8 +30,6 @@ import functools
 import logging
 import os
 
-import torch
-
 from ...metal_kernels import attention as attention_kernels
 from ...metal_kernels import dispatch
 
