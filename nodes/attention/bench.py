@@ -19,7 +19,7 @@ import torch
 
 from ..common.comfyui import import_comfy
 from ..common.report import Table, bench_device, human_bytes, median_seconds
-from ..vae_tiling import measure_peak
+from ..vae.memory import measure_peak
 
 # (name, batch, heads, tokens, head dim, dtype) at full size; CPU: (heads, tokens) reduced
 CASES = [("Flux 1024² (4096+512 tok)", 1, 24, 4608, 128, torch.bfloat16),
