@@ -5,7 +5,7 @@ import importlib
 
 
 def test_bench_tables(comfyui, monkeypatch):
-    bench = importlib.import_module(comfyui.pack_module.__name__ + ".nodes.attention.bench")
+    bench = importlib.import_module(comfyui.pack_module.__name__ + ".nodes.cli.bench.attention")
     monkeypatch.setattr(bench, "QUICK_TOKENS", 48)
     tables = bench.bench(quick=True)
     assert [t.title.split(",")[0] for t in tables] == [
@@ -21,3 +21,14 @@ def test_bench_tables(comfyui, monkeypatch):
         assert all(float(row[3]) < 0.05 for row in t.rows), t.rows
         assert "reduced on CPU" in t.note and "48 tokens" in t.note
         t.render()
+
+
+def test_bench_only_attention_from_the_command_line(comfyui, monkeypatch, capsys):
+    """`python -m comfy_metal bench --only attention --quick` selects this section (and only it)."""
+    name = comfyui.pack_module.__name__
+    bench = importlib.import_module(name + ".nodes.cli.bench.attention")
+    cli = importlib.import_module(name + ".nodes.cli.main")
+    monkeypatch.setattr(bench, "QUICK_TOKENS", 32)
+    assert cli.main(["bench", "--only", "attention", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("Attention: ") == 3 and "Kernels: Metal vs reference" not in out

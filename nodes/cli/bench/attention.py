@@ -17,9 +17,9 @@ import math
 
 import torch
 
-from ..common.comfyui import import_comfy
-from ..common.report import Table, bench_device, human_bytes, median_seconds
-from ..vae.memory import measure_peak
+from ...common.comfyui import import_comfy
+from ...common.report import Table, bench_device, human_bytes, median_seconds
+from ...vae.memory import measure_peak
 
 # (name, batch, heads, tokens, head dim, dtype) at full size; CPU: (heads, tokens) reduced
 CASES = [("Flux 1024² (4096+512 tok)", 1, 24, 4608, 128, torch.bfloat16),
@@ -49,8 +49,8 @@ def _oracle_error(out, q, k, v) -> float:
 
 
 def _case_table(name, B, H, L, D, dtype, device, attention, reps):
-    from ...metal_kernels import attention as kernels
-    from ...metal_kernels import dispatch
+    from ....metal_kernels import attention as kernels
+    from ....metal_kernels import dispatch
 
     on_mps = device.type == "mps"
     gen = torch.Generator().manual_seed(0)
