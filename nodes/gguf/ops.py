@@ -215,12 +215,10 @@ class GGUFLinearMixin(GGUFWeightMixin):
 
     def _gemv_choice(self, x, M, dtype, via_matmul, via_gemv) -> str:
         """The path of a call with <= 8 rows: the fused GEMV, or dequantise + matmul where the dispatch's
-        measured choice (timed once per shape on MPS, where the kernel dispatch offers it) found the
-        GEMV slower."""
+        measured choice (timed once per shape on MPS) found the GEMV slower."""
         from ...metal_kernels import dispatch
 
-        enabled = getattr(dispatch, "measuring_enabled", None)
-        if enabled is None or not enabled(x.device):
+        if not dispatch.measuring_enabled(x.device):
             return "gemv"
         key = (M, self.out_features, self.in_features, self.gguf_qtype, str(dtype).replace("torch.", ""))
         return dispatch.measured_choice("gguf_gemv", key, {"dequantize+matmul": via_matmul, "gemv": via_gemv},
