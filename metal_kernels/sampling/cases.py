@@ -162,3 +162,21 @@ def _cases_dpmpp_2s_ancestral_cfg_pp(device):
     return out
 
 
+
+
+def _cases_uni_pc(device):
+    from .unipc import unipc_plan
+
+    t = [14.6, 9.7, 6.1, 3.9]
+    plans = [unipc_plan(t[:1], t[1], 1, "bh1", False, 3.1, 2.2), unipc_plan(t[:1], t[1], 1, "bh2", True, 3.1, 2.2),
+             unipc_plan(t[:2], t[2], 2, "bh1", False, 2.2, 1.4), unipc_plan(t[:2], t[2], 2, "bh2", True, 2.2, 1.4),
+             unipc_plan(t[:3], t[3], 3, "bh1", True, 1.4, 1.0), unipc_plan(t[:3], t[3], 3, "bh2", False),
+             unipc_plan([0.9, 0.6, 0.3], 0.001, 3, "bh1", False, 1.04, 1.0)]
+    out = []
+    for i, (shape, dtype) in enumerate(_SHAPES):
+        x, m0, m1, m2, mt = _tensors(device, shape, dtype, 5, 140 + i)
+        for p in plans:
+            hist = [m1, m2][:len(p.rks)]
+            hist += [None] * (2 - len(hist))
+            out.append(((x, m0, *hist, mt if p.corrector else None), {"plan": p}))
+    return out

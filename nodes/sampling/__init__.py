@@ -6,13 +6,13 @@ metal_kernels/sampling/.
 """
 from .cfg_pp import (sample_dpmpp_2m_cfg_pp_metal, sample_dpmpp_2s_ancestral_cfg_pp_metal,
                      sample_euler_ancestral_cfg_pp_metal, sample_euler_cfg_pp_metal, sample_res_multistep_cfg_pp_metal)
-from .functions import SAMPLER_FUNCTIONS, SAMPLER_KERNELS, get_sampler_function, sampler_options
+from .functions import SAMPLER_FUNCTIONS, SAMPLER_KERNELS, comfy_function, get_sampler_function, sampler_options
 from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS, MetalSamplerSelect, register_ksampler_entries
 from .samplers import (CFG_PP_NAMES, NOISE_ENV, NOISE_MODES, SAMPLER_NAMES, SamplingError, default_noise_mode, is_flow,
                        sample_dpmpp_2m_metal, sample_dpmpp_2m_sde_metal, sample_dpmpp_3m_sde_metal, sample_euler_ancestral_metal,
                        sample_euler_metal, sample_heun_metal, sample_lcm_metal, sample_res_multistep_metal)
 
-__all__ = ["SAMPLER_FUNCTIONS", "SAMPLER_KERNELS", "get_sampler_function", "sampler_options", "NODE_CLASS_MAPPINGS",
+__all__ = ["comfy_function", "SAMPLER_FUNCTIONS", "SAMPLER_KERNELS", "get_sampler_function", "sampler_options", "NODE_CLASS_MAPPINGS",
            "NODE_DISPLAY_NAME_MAPPINGS", "MetalSamplerSelect", "register_ksampler_entries", "CFG_PP_NAMES", "NOISE_ENV",
            "NOISE_MODES", "SAMPLER_NAMES", "SamplingError", "default_noise_mode", "is_flow",
            "sample_dpmpp_2m_cfg_pp_metal", "sample_dpmpp_2s_ancestral_cfg_pp_metal",

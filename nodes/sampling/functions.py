@@ -13,6 +13,7 @@ from .cfg_pp import (sample_dpmpp_2m_cfg_pp_metal, sample_dpmpp_2s_ancestral_cfg
 from .samplers import (NOISE_CHOICES, SAMPLER_NAMES, SamplingError, sample_dpmpp_2m_metal,
                        sample_dpmpp_2m_sde_metal, sample_dpmpp_3m_sde_metal, sample_euler_ancestral_metal,
                        sample_euler_metal, sample_heun_metal, sample_lcm_metal, sample_res_multistep_metal)
+from .unipc import sample_uni_pc_bh2_metal, sample_uni_pc_metal
 
 SAMPLER_FUNCTIONS = {
     "euler": sample_euler_metal,
@@ -28,7 +29,23 @@ SAMPLER_FUNCTIONS = {
     "dpmpp_2m_cfg_pp": sample_dpmpp_2m_cfg_pp_metal,
     "dpmpp_2s_ancestral_cfg_pp": sample_dpmpp_2s_ancestral_cfg_pp_metal,
     "res_multistep_cfg_pp": sample_res_multistep_cfg_pp_metal,
+    "uni_pc": sample_uni_pc_metal,
+    "uni_pc_bh2": sample_uni_pc_bh2_metal,
 }
+
+# ComfyUI's sampler of each name where it is not comfy.k_diffusion.sampling.sample_<name> (module, function).
+COMFY_FUNCTIONS = {"uni_pc": ("comfy.extra_samplers.uni_pc", "sample_unipc"),
+                   "uni_pc_bh2": ("comfy.extra_samplers.uni_pc", "sample_unipc_bh2")}
+# Samplers ComfyUI's KSampler runs on a schedule without its penultimate sigma (KSampler.DISCARD_PENULTIMATE_...).
+DISCARD_PENULTIMATE = ("uni_pc", "uni_pc_bh2")
+
+
+def comfy_function(name: str):
+    """ComfyUI's own sampler function of that name (imports ComfyUI: benches and tests only)."""
+    import importlib
+
+    module, attr = COMFY_FUNCTIONS.get(name, ("comfy.k_diffusion.sampling", f"sample_{name}"))
+    return getattr(importlib.import_module(module), attr)
 
 
 SAMPLER_KERNELS = tuple(name for name in REGISTRY if name.startswith("sampler_"))

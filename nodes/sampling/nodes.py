@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from .functions import SAMPLER_FUNCTIONS, get_sampler_function, sampler_options
+from .functions import DISCARD_PENULTIMATE, SAMPLER_FUNCTIONS, get_sampler_function, sampler_options
 from .samplers import NOISE_CHOICES, SAMPLER_NAMES
 
 log = logging.getLogger("comfy_metal")
@@ -40,6 +40,10 @@ def register_ksampler_entries() -> list[str]:
                 if full not in lst:
                     lst.append(full)
                     added.append(full)
+        # uni_pc(_bh2)_metal get the schedule ComfyUI's KSampler gives uni_pc(_bh2)
+        discard = getattr(getattr(samplers, "KSampler", None), "DISCARD_PENULTIMATE_SIGMA_SAMPLERS", None)
+        if isinstance(discard, set):
+            discard.update(f"{name}_metal" for name in DISCARD_PENULTIMATE)
     except Exception as e:  # never break ComfyUI's start over a dropdown entry
         log.warning("comfy_metal: could not add the Metal samplers to KSampler: %s: %s", type(e).__name__, e)
     return added

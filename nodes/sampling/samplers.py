@@ -1,7 +1,7 @@
 """Metal-accelerated k-diffusion samplers: ComfyUI's euler, euler_ancestral, heun, dpmpp_2m,
 dpmpp_2m_sde, dpmpp_3m_sde, lcm and res_multistep, and the CFG++ samplers euler_cfg_pp,
-euler_ancestral_cfg_pp, dpmpp_2m_cfg_pp, dpmpp_2s_ancestral_cfg_pp and res_multistep_cfg_pp, each
-step (each stage for heun and dpmpp_2s_ancestral_cfg_pp) one fused kernel
+euler_ancestral_cfg_pp, dpmpp_2m_cfg_pp, dpmpp_2s_ancestral_cfg_pp and res_multistep_cfg_pp (uni_pc and
+uni_pc_bh2 in unipc.py), each step (each stage for heun and dpmpp_2s_ancestral_cfg_pp) one fused kernel
 (`metal_kernels.sampling`), no host sync inside the step loop.
 
 * `sample_<name>_metal(model, x, sigmas, extra_args, callback, disable, ...)`: the k-diffusion
@@ -43,7 +43,7 @@ log = logging.getLogger("comfy_metal")
 
 SAMPLER_NAMES = ("euler", "euler_ancestral", "heun", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_3m_sde", "lcm",
                  "res_multistep", "euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp",
-                 "dpmpp_2s_ancestral_cfg_pp", "res_multistep_cfg_pp")
+                 "dpmpp_2s_ancestral_cfg_pp", "res_multistep_cfg_pp", "uni_pc", "uni_pc_bh2")
 CFG_PP_NAMES = tuple(n for n in SAMPLER_NAMES if n.endswith("_cfg_pp"))
 NOISE_MODES = ("fast", "exact")
 NOISE_CHOICES = ("auto",) + NOISE_MODES   # "auto": default_noise_mode(device)

@@ -109,6 +109,15 @@ def reference_then_emulator(monkeypatch, run):
     return want, got, backends
 
 
+# Samplers whose step kernel is another sampler's (the rest use sampler_<name>_step).
+_SHARED_STEP = {"uni_pc_bh2": "uni_pc", "ddim": "euler", "dpmpp_2m_sde_gpu": "dpmpp_2m_sde",
+                "res_multistep_ancestral": "res_multistep"}
+
+
+def _step_kernel(name):
+    return f"sampler_{_SHARED_STEP.get(name, name)}_step"
+
+
 def _run(name, model, x, sigmas, **kw):
     kw.setdefault("extra_args", {"seed": 42})
     return S.SAMPLER_FUNCTIONS[name](model, x.clone(), sigmas.clone(), disable=True, **kw)
@@ -440,7 +449,7 @@ COMFY_CASES = [
     ("dpmpp_2m_sde", {}), ("dpmpp_2m_sde", {"eta": 0.5, "solver_type": "heun"}),
     ("dpmpp_3m_sde", {}), ("dpmpp_3m_sde", {"eta": 0.7, "s_noise": 1.1}),
     ("lcm", {}), ("lcm", {"s_noise": 0.8, "s_noise_end": 1.2, "noise_clip_std": 1.5}),
-    ("res_multistep", {}),
+    ("res_multistep", {}), ("uni_pc", {}), ("uni_pc_bh2", {}),
 ]
 
 
@@ -483,7 +492,7 @@ def test_matches_comfyui_sampler(comfyui, case, kind, monkeypatch):
     def comfy_run():
         torch.manual_seed(0)  # churn noise comes from the global generator
         seen = []
-        out = getattr(kds, f"sample_{name}")(model, x.clone(), sigmas.clone(), extra_args={"seed": 42},
+        out = S.comfy_function(name)(model, x.clone(), sigmas.clone(), extra_args={"seed": 42},
                                              callback=lambda d: seen.append(d), disable=True, **opts)
         return out, seen
 
@@ -499,11 +508,14 @@ def test_matches_comfyui_sampler(comfyui, case, kind, monkeypatch):
     got, got_cb = ours()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert [d["i"] for d in got_cb] == [d["i"] for d in want_cb]
-    assert set(got_cb[0]) == set(want_cb[0]) == {"x", "i", "sigma", "sigma_hat", "denoised"}
+    # ComfyUI's uni_pc reports x, i and denoised only (its x is in its variance-preserving space)
+    keys = {"x", "i", "denoised"} if name.startswith("uni_pc") else {"x", "i", "sigma", "sigma_hat", "denoised"}
+    assert set(got_cb[0]) == set(want_cb[0]) == keys
     for a, b in zip(got_cb, want_cb):
         torch.testing.assert_close(a["denoised"], b["denoised"], atol=1e-5, rtol=1e-5)
-        assert float(a["sigma"]) == float(b["sigma"])
-        assert math.isclose(float(a["sigma_hat"]), float(b["sigma_hat"]), rel_tol=1e-6)
+        if "sigma" in keys:
+            assert float(a["sigma"]) == float(b["sigma"])
+            assert math.isclose(float(a["sigma_hat"]), float(b["sigma_hat"]), rel_tol=1e-6)
 
     if _emulator_reason():
         pytest.skip(_emulator_reason())
@@ -511,7 +523,7 @@ def test_matches_comfyui_sampler(comfyui, case, kind, monkeypatch):
     dispatch.reset()
     try:
         emu, _ = ours()
-        assert dispatch.last_backend.get(f"sampler_{name}_step") == "emulator", dispatch.last_backend
+        assert dispatch.last_backend.get(_step_kernel(name)) == "emulator", dispatch.last_backend
     finally:
         dispatch.reset()
     torch.testing.assert_close(emu, got, atol=1e-3, rtol=1e-3)
@@ -625,9 +637,10 @@ def test_object_info_lists_metal_samplers(comfyui):
 
 
 @pytest.mark.parametrize("kind", ["eps", "flow"])
-@pytest.mark.parametrize("name", ["euler", "dpmpp_2m_sde"])
+@pytest.mark.parametrize("name", ["euler", "dpmpp_2m_sde", "uni_pc"])
 def test_ksampler_end_to_end_same_latent(comfyui, tiny_unets, name, kind, monkeypatch, reference_backend):
-    """ComfyUI's KSampler node: `<name>_metal` (exact noise) gives the latent of `<name>`."""
+    """ComfyUI's KSampler node: `<name>_metal` (exact noise) gives the latent of `<name>` (uni_pc: on the
+    schedule without its penultimate sigma, as KSampler gives uni_pc)."""
     monkeypatch.setenv(S.NOISE_ENV, "exact")
     positive, negative = _conds()
     latent = {"samples": torch.zeros(1, 4, 8, 8)}

@@ -140,7 +140,7 @@ def bench(quick: bool = False) -> list[Table]:
             for name in S.SAMPLER_NAMES:
                 ours = S.SAMPLER_FUNCTIONS[name]
                 model = _Denoiser()
-                run = lambda mode: ours(model, x.clone(), sigmas, extra_args={"seed": 1}, disable=True,  # noqa: E731
+                run = lambda mode: ours(model, x.clone(), sigmas.clone(), extra_args={"seed": 1}, disable=True,  # noqa: E731
                                         noise_mode=mode)
                 for _ in range(1 if big else 2):
                     run("fast")  # warm-up: kernel self-check / compile, allocator, thread pool
@@ -148,8 +148,8 @@ def bench(quick: bool = False) -> list[Table]:
                 exact = _time_per_step(lambda: run("exact"), steps, device, repeats) if (name in NOISY and kds) else \
                     (fast if name not in NOISY else float("nan"))
                 if kds is not None:
-                    theirs_fn = getattr(kds, f"sample_{name}")
-                    theirs = _time_per_step(lambda: theirs_fn(model, x.clone(), sigmas, extra_args={"seed": 1},
+                    theirs_fn = S.comfy_function(name)
+                    theirs = _time_per_step(lambda: theirs_fn(model, x.clone(), sigmas.clone(), extra_args={"seed": 1},
                                                               disable=True), steps, device, repeats)
                     ratio = f"{theirs / fast:.2f}x"
                 else:
@@ -161,20 +161,20 @@ def bench(quick: bool = False) -> list[Table]:
         for name in S.SAMPLER_NAMES:
             ours_traffic = _traffic_mode()
             with ours_traffic, dispatch.recording_traffic() as kernel_traffic:
-                S.SAMPLER_FUNCTIONS[name](_Denoiser(ours_traffic), x.clone(), sigmas, extra_args={"seed": 1},
+                S.SAMPLER_FUNCTIONS[name](_Denoiser(ours_traffic), x.clone(), sigmas.clone(), extra_args={"seed": 1},
                                           disable=True, noise_mode="fast")
             fused = kernel_traffic.bytes / steps
             fused_exact = why_not
             if kds is not None:
                 with dispatch.recording_traffic() as kernel_traffic:
-                    S.SAMPLER_FUNCTIONS[name](_Denoiser(), x.clone(), sigmas, extra_args={"seed": 1},
+                    S.SAMPLER_FUNCTIONS[name](_Denoiser(), x.clone(), sigmas.clone(), extra_args={"seed": 1},
                                               disable=True, noise_mode="exact")
                 fused_exact = human_bytes(kernel_traffic.bytes / steps)
             if kds is not None:
                 traffic = _traffic_mode()
                 with traffic:
-                    getattr(kds, f"sample_{name}")(_Denoiser(traffic), x.clone(), sigmas, extra_args={"seed": 1},
-                                                   disable=True)
+                    S.comfy_function(name)(_Denoiser(traffic), x.clone(), sigmas.clone(), extra_args={"seed": 1},
+                                           disable=True)
                 cb, cs = human_bytes(traffic.bytes / steps), f"{traffic.syncs / steps:.1f}"
                 cr = f"{traffic.bytes / steps / fused:.1f}x"
             else:
