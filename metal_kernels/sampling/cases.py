@@ -180,3 +180,33 @@ def _cases_uni_pc(device):
             hist += [None] * (2 - len(hist))
             out.append(((x, m0, *hist, mt if p.corrector else None), {"plan": p}))
     return out
+
+
+def _cases_to_d(device):
+    out = []
+    for i, (shape, dtype) in enumerate(_SHAPES):
+        x, d = _tensors(device, shape, dtype, 2, 150 + i)
+        out += [((x, d, 14.6), {}), ((x, d, 0.3), {})]
+    return out
+
+
+def _cases_gradient_estimation(device):
+    out = []
+    for i, (shape, dtype) in enumerate(_SHAPES):
+        x, d, xp, dp, u, up = _tensors(device, shape, dtype, 6, 160 + i)
+        out += [((x, d, None, None, 14.6, 9.7), {}), ((x, d, xp, dp, 9.7, 6.1, 14.6), {"ge_gamma": 2.5}),
+                ((x, d, xp, dp, 0.4, 0.0, 0.8), {}),
+                ((x, d, None, None, 14.6, 9.7, None, u), {"cfg_pp": True}),
+                ((x, d, xp, None, 0.9, 0.7, 1.0, u, up), {"cfg_pp": True}),
+                ((x, d, xp, None, 0.9, 0.7, 1.0, d, up), {"cfg_pp": True})]
+    return out
+
+
+def _cases_ipndm(device):
+    out = []
+    for i, (shape, dtype) in enumerate(_SHAPES):
+        x, d, d1, d2, d3 = _tensors(device, shape, dtype, 5, 170 + i)
+        out += [((x, d, None, None, None, 14.6, 9.7), {}), ((x, d, d1, None, None, 9.7, 6.1), {}),
+                ((x, d, d1, d2, None, 6.1, 3.9), {}), ((x, d, d1, d2, d3, 3.9, 2.0), {}),
+                ((x, d, d1, d2, d3, 0.4, 0.0), {})]
+    return out

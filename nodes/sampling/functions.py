@@ -13,6 +13,9 @@ from .cfg_pp import (sample_dpmpp_2m_cfg_pp_metal, sample_dpmpp_2s_ancestral_cfg
 from .samplers import (NOISE_CHOICES, SAMPLER_NAMES, SamplingError, sample_dpmpp_2m_metal,
                        sample_dpmpp_2m_sde_metal, sample_dpmpp_3m_sde_metal, sample_euler_ancestral_metal,
                        sample_euler_metal, sample_heun_metal, sample_lcm_metal, sample_res_multistep_metal)
+from .more import (sample_ddim_metal, sample_dpmpp_2m_sde_gpu_metal, sample_dpmpp_2s_ancestral_metal,
+                   sample_gradient_estimation_cfg_pp_metal, sample_gradient_estimation_metal, sample_ipndm_metal,
+                   sample_res_multistep_ancestral_metal)
 from .unipc import sample_uni_pc_bh2_metal, sample_uni_pc_metal
 
 SAMPLER_FUNCTIONS = {
@@ -31,11 +34,21 @@ SAMPLER_FUNCTIONS = {
     "res_multistep_cfg_pp": sample_res_multistep_cfg_pp_metal,
     "uni_pc": sample_uni_pc_metal,
     "uni_pc_bh2": sample_uni_pc_bh2_metal,
+    "ddim": sample_ddim_metal,
+    "dpmpp_2m_sde_gpu": sample_dpmpp_2m_sde_gpu_metal,
+    "res_multistep_ancestral": sample_res_multistep_ancestral_metal,
+    "dpmpp_2s_ancestral": sample_dpmpp_2s_ancestral_metal,
+    "gradient_estimation": sample_gradient_estimation_metal,
+    "gradient_estimation_cfg_pp": sample_gradient_estimation_cfg_pp_metal,
+    "ipndm": sample_ipndm_metal,
 }
 
 # ComfyUI's sampler of each name where it is not comfy.k_diffusion.sampling.sample_<name> (module, function).
-COMFY_FUNCTIONS = {"uni_pc": ("comfy.extra_samplers.uni_pc", "sample_unipc"),
+COMFY_FUNCTIONS = {"ddim": ("comfy.k_diffusion.sampling", "sample_euler"),
+                   "uni_pc": ("comfy.extra_samplers.uni_pc", "sample_unipc"),
                    "uni_pc_bh2": ("comfy.extra_samplers.uni_pc", "sample_unipc_bh2")}
+# ComfyUI's KSAMPLER inpaint_options of the samplers that set them (comfy.samplers.sampler_object).
+INPAINT_OPTIONS = {"ddim": {"random": True}}
 # Samplers ComfyUI's KSampler runs on a schedule without its penultimate sigma (KSampler.DISCARD_PENULTIMATE_...).
 DISCARD_PENULTIMATE = ("uni_pc", "uni_pc_bh2")
 

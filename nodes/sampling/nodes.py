@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from .functions import DISCARD_PENULTIMATE, SAMPLER_FUNCTIONS, get_sampler_function, sampler_options
+from .functions import DISCARD_PENULTIMATE, INPAINT_OPTIONS, SAMPLER_FUNCTIONS, get_sampler_function, sampler_options
 from .samplers import NOISE_CHOICES, SAMPLER_NAMES
 
 log = logging.getLogger("comfy_metal")
@@ -75,7 +75,8 @@ class MetalSamplerSelect:
 
         register_ksampler_entries()
         fn = get_sampler_function(sampler_name)
-        return (comfy.samplers.KSAMPLER(fn, sampler_options(sampler_name, noise_mode, eta, s_noise), {}),)
+        inpaint = dict(INPAINT_OPTIONS.get(sampler_name.removesuffix("_metal"), {}))
+        return (comfy.samplers.KSAMPLER(fn, sampler_options(sampler_name, noise_mode, eta, s_noise), inpaint),)
 
 
 NODE_CLASS_MAPPINGS = {"MetalSamplerSelect": MetalSamplerSelect}

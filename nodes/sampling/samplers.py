@@ -43,7 +43,9 @@ log = logging.getLogger("comfy_metal")
 
 SAMPLER_NAMES = ("euler", "euler_ancestral", "heun", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_3m_sde", "lcm",
                  "res_multistep", "euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp",
-                 "dpmpp_2s_ancestral_cfg_pp", "res_multistep_cfg_pp", "uni_pc", "uni_pc_bh2")
+                 "dpmpp_2s_ancestral_cfg_pp", "res_multistep_cfg_pp", "uni_pc", "uni_pc_bh2",
+                 "ddim", "dpmpp_2m_sde_gpu", "res_multistep_ancestral", "dpmpp_2s_ancestral", "gradient_estimation",
+                 "gradient_estimation_cfg_pp", "ipndm")
 CFG_PP_NAMES = tuple(n for n in SAMPLER_NAMES if n.endswith("_cfg_pp"))
 NOISE_MODES = ("fast", "exact")
 NOISE_CHOICES = ("auto",) + NOISE_MODES   # "auto": default_noise_mode(device)
@@ -156,8 +158,9 @@ class _Run:
         self.x = x
 
     # noise -------------------------------------------------------------------------------
-    def noise_source(self, kind, sigmas, noise_sampler, original_sigmas=None):
-        """Return noise(i) for the step i (tensor or DeviceNoise). kind: "brownian" | "iid"."""
+    def noise_source(self, kind, sigmas, noise_sampler, original_sigmas=None, cpu=True):
+        """Return noise(i) for the step i (tensor or DeviceNoise). kind: "brownian" | "iid"; cpu: where
+        ComfyUI's Brownian tree runs in exact mode (False for its *_gpu samplers)."""
         x = self.x
         seed = self.extra_args.get("seed", None)
         if noise_sampler is not None:
@@ -169,13 +172,13 @@ class _Run:
                 if self.noise_auto:   # chosen, not asked for: outside ComfyUI (bench, doctor) use the hashed noise
                     log.info("comfy_metal: %s: ComfyUI is not importable, so fast noise instead of exact", self.name)
                     self.noise_mode = "fast"
-                    return self.noise_source(kind, sigmas, noise_sampler, original_sigmas)
+                    return self.noise_source(kind, sigmas, noise_sampler, original_sigmas, cpu)
                 raise SamplingError(f"{self.name}: noise_mode='exact' uses ComfyUI's noise sampler, and ComfyUI "
                                     f"is not importable ({e})") from e
             if kind == "brownian":
                 src = sigmas if original_sigmas is None else original_sigmas
                 sigma_min, sigma_max = src[src > 0].min(), src.max()
-                ns = kds.BrownianTreeNoiseSampler(x, sigma_min, sigma_max, seed=seed, cpu=True)
+                ns = kds.BrownianTreeNoiseSampler(x, sigma_min, sigma_max, seed=seed, cpu=cpu)
             else:
                 ns = kds.default_noise_sampler(x, seed=seed)
             return lambda i: ns(sigmas[i], sigmas[i + 1])
@@ -312,7 +315,7 @@ def _offset_first_sigma(run, sigmas, model_sampling, flow, percent_offset=1e-4):
     return sigmas
 
 
-def _sde_setup(name, model, x, sigmas, extra_args, noise_mode, noise_sampler, s_noise):
+def _sde_setup(name, model, x, sigmas, extra_args, noise_mode, noise_sampler, s_noise, cpu=True):
     """What the SDE samplers share: the run, flow or not, the schedule with ComfyUI's first-sigma offset,
     the Brownian noise source, and s_noise times the model's noise scale."""
     run = _Run(name, model, x, sigmas, extra_args, noise_mode)
@@ -320,19 +323,20 @@ def _sde_setup(name, model, x, sigmas, extra_args, noise_mode, noise_sampler, s_
     flow = is_flow(model_sampling)
     offset = _offset_first_sigma(run, sigmas, model_sampling, flow)
     # ComfyUI sizes its Brownian tree on the original schedule and queries it with the offset one.
-    noise = run.noise_source("brownian", offset, noise_sampler, original_sigmas=sigmas)
+    noise = run.noise_source("brownian", offset, noise_sampler, original_sigmas=sigmas, cpu=cpu)
     return run, flow, offset, noise, s_noise * _noise_scale(model_sampling)
 
 
 @torch.no_grad()
 def sample_dpmpp_2m_sde_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, eta=1., s_noise=1.,
-                              noise_sampler=None, solver_type="midpoint", noise_mode=None):
+                              noise_sampler=None, solver_type="midpoint", noise_mode=None, _name="dpmpp_2m_sde",
+                              _cpu_tree=True):
     if len(sigmas) <= 1:
         return x
     if solver_type not in {"heun", "midpoint"}:
         raise SamplingError("dpmpp_2m_sde_metal: solver_type must be 'heun' or 'midpoint'")
-    run, flow, sigmas, noise, s_noise = _sde_setup("dpmpp_2m_sde", model, x, sigmas, extra_args, noise_mode,
-                                                  noise_sampler, s_noise)
+    run, flow, sigmas, noise, s_noise = _sde_setup(_name, model, x, sigmas, extra_args, noise_mode,
+                                                  noise_sampler, s_noise, cpu=_cpu_tree)
     extra_args, sig = run.extra_args, run.sig
     s_in = x.new_ones([x.shape[0]])
     old_denoised, h, h_last = None, None, None

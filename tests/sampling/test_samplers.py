@@ -111,10 +111,14 @@ def reference_then_emulator(monkeypatch, run):
 
 # Samplers whose step kernel is another sampler's (the rest use sampler_<name>_step).
 _SHARED_STEP = {"uni_pc_bh2": "uni_pc", "ddim": "euler", "dpmpp_2m_sde_gpu": "dpmpp_2m_sde",
-                "res_multistep_ancestral": "res_multistep"}
+                "res_multistep_ancestral": "res_multistep", "gradient_estimation_cfg_pp": "gradient_estimation",
+                "dpmpp_2s_ancestral": "dpmpp_2s_ancestral_cfg_pp"}
+_FLOW_STEP = {"dpmpp_2s_ancestral": "euler_ancestral"}   # its _RF form for flow models
 
 
-def _step_kernel(name):
+def _step_kernel(name, kind="eps"):
+    if kind == "flow" and name in _FLOW_STEP:
+        return f"sampler_{_FLOW_STEP[name]}_step"
     return f"sampler_{_SHARED_STEP.get(name, name)}_step"
 
 
@@ -169,6 +173,12 @@ def test_kernels_odd_shapes_and_nan_record_in_emulator(emulator_backend, monkeyp
     }
     calls["sampler_dpmpp_2s_ancestral_cfg_pp_step"] = lambda **f: K.sampler_dpmpp_2s_ancestral_cfg_pp_step(
         x, d, o, o2, 6.1, 3.9, bridge, eta=0.8, **f)
+    plan = K.unipc_plan([9.7, 6.1, 3.9], 2.0, 3, "bh2", True, 4.0, 2.2)
+    calls["sampler_uni_pc_step"] = lambda **f: K.sampler_uni_pc_step(x, d, o, o2, n, plan=plan, **f)
+    calls["sampler_to_d_step"] = lambda **f: K.sampler_to_d_step(x, d, 3.9, **f)
+    calls["sampler_gradient_estimation_step"] = lambda **f: K.sampler_gradient_estimation_step(
+        x, d, o, o2, 6.1, 3.9, 9.7, n, x, cfg_pp=True, **f)
+    calls["sampler_ipndm_step"] = lambda **f: K.sampler_ipndm_step(x, d, o, o2, n, 6.1, 3.9, **f)
     assert set(calls) == set(SAMPLER_SPECS) - {"sampler_churn_step", "sampler_device_noise"}
     tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
     for name, call in calls.items():
@@ -450,6 +460,12 @@ COMFY_CASES = [
     ("dpmpp_3m_sde", {}), ("dpmpp_3m_sde", {"eta": 0.7, "s_noise": 1.1}),
     ("lcm", {}), ("lcm", {"s_noise": 0.8, "s_noise_end": 1.2, "noise_clip_std": 1.5}),
     ("res_multistep", {}), ("uni_pc", {}), ("uni_pc_bh2", {}),
+    ("ddim", {}), ("dpmpp_2m_sde_gpu", {}), ("dpmpp_2m_sde_gpu", {"eta": 0.5, "solver_type": "heun"}),
+    ("res_multistep_ancestral", {}), ("res_multistep_ancestral", {"eta": 0.6, "s_noise": 0.9}),
+    ("dpmpp_2s_ancestral", {}), ("dpmpp_2s_ancestral", {"eta": 0.5, "s_noise": 1.1}),
+    ("dpmpp_2s_ancestral", {"eta": 0.0}),
+    ("gradient_estimation", {}), ("gradient_estimation", {"ge_gamma": 3.0}),
+    ("ipndm", {}), ("ipndm", {"max_order": 2}),
 ]
 
 
@@ -523,7 +539,7 @@ def test_matches_comfyui_sampler(comfyui, case, kind, monkeypatch):
     dispatch.reset()
     try:
         emu, _ = ours()
-        assert dispatch.last_backend.get(_step_kernel(name)) == "emulator", dispatch.last_backend
+        assert dispatch.last_backend.get(_step_kernel(name, kind)) == "emulator", dispatch.last_backend
     finally:
         dispatch.reset()
     torch.testing.assert_close(emu, got, atol=1e-3, rtol=1e-3)
@@ -637,7 +653,7 @@ def test_object_info_lists_metal_samplers(comfyui):
 
 
 @pytest.mark.parametrize("kind", ["eps", "flow"])
-@pytest.mark.parametrize("name", ["euler", "dpmpp_2m_sde", "uni_pc"])
+@pytest.mark.parametrize("name", ["euler", "dpmpp_2m_sde", "uni_pc", "dpmpp_2s_ancestral", "ipndm"])
 def test_ksampler_end_to_end_same_latent(comfyui, tiny_unets, name, kind, monkeypatch, reference_backend):
     """ComfyUI's KSampler node: `<name>_metal` (exact noise) gives the latent of `<name>` (uni_pc: on the
     schedule without its penultimate sigma, as KSampler gives uni_pc)."""

@@ -31,12 +31,14 @@ from test_samplers import CONST, ToyDenoiser, ToyEPS, _comfy_model_sampling, _co
     _run, _tiny_unet_patcher, reference_then_emulator, toy_schedule
 
 CFG_PP = ("euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp", "dpmpp_2s_ancestral_cfg_pp",
-          "res_multistep_cfg_pp")
-PLAIN = {"euler_cfg_pp": "euler", "dpmpp_2m_cfg_pp": "dpmpp_2m", "res_multistep_cfg_pp": "res_multistep"}
+          "res_multistep_cfg_pp", "gradient_estimation_cfg_pp")
+PLAIN = {"euler_cfg_pp": "euler", "dpmpp_2m_cfg_pp": "dpmpp_2m", "res_multistep_cfg_pp": "res_multistep",
+         "gradient_estimation_cfg_pp": "gradient_estimation"}
 STEP_KERNEL = {"euler_cfg_pp": "sampler_euler_cfg_pp_step", "euler_ancestral_cfg_pp": "sampler_euler_cfg_pp_step",
                "dpmpp_2m_cfg_pp": "sampler_dpmpp_2m_cfg_pp_step",
                "dpmpp_2s_ancestral_cfg_pp": "sampler_dpmpp_2s_ancestral_cfg_pp_step",
-               "res_multistep_cfg_pp": "sampler_res_multistep_cfg_pp_step"}
+               "res_multistep_cfg_pp": "sampler_res_multistep_cfg_pp_step",
+               "gradient_estimation_cfg_pp": "sampler_gradient_estimation_step"}
 
 
 def standin_cfg_function(model, cond_pred, uncond_pred, cond_scale, x, timestep, model_options={}):
@@ -258,6 +260,8 @@ COMFY_CASES = [
     ("dpmpp_2s_ancestral_cfg_pp", "dpmpp_2s_ancestral_cfg_pp", {"eta": 0.5, "s_noise": 1.2}),
     ("res_multistep_cfg_pp", "res_multistep_cfg_pp", {}),
     ("res_multistep_cfg_pp", "res_multistep_ancestral_cfg_pp", {"eta": 0.8, "s_noise": 0.9}),
+    ("gradient_estimation_cfg_pp", "gradient_estimation_cfg_pp", {}),
+    ("gradient_estimation_cfg_pp", "gradient_estimation_cfg_pp", {"ge_gamma": 2.5}),
 ]
 
 

@@ -1,0 +1,147 @@
+"""More of ComfyUI's samplers as `_metal`: ddim, dpmpp_2m_sde_gpu, res_multistep_ancestral (the samplers of
+samplers.py under ComfyUI's other names and options), dpmpp_2s_ancestral, gradient_estimation(_cfg_pp) and
+ipndm. Each step is one fused kernel (ipndm: one more launch keeps the step's derivative as history, as
+ComfyUI keeps it), no host sync inside the loop.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...metal_kernels import sampling as K
+
+from .cfg_pp import _UncondCapture
+from .samplers import (_Run, _callback, _inner_model_sampling, _noise_scale, _patcher_model_sampling, _trange, is_flow,
+                       sample_dpmpp_2m_sde_metal, sample_euler_metal, sample_res_multistep_metal)
+
+
+@torch.no_grad()
+def sample_ddim_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, s_churn=0., s_tmin=0.,
+                      s_tmax=float("inf"), s_noise=1., noise_mode=None):
+    """ComfyUI's ddim: its euler sampler (ComfyUI adds the "random" inpaint option, which Metal Sampler Select
+    passes; the KSampler list entry cannot)."""
+    return sample_euler_metal(model, x, sigmas, extra_args, callback, disable, s_churn, s_tmin, s_tmax, s_noise,
+                              noise_mode)
+
+
+@torch.no_grad()
+def sample_dpmpp_2m_sde_gpu_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, eta=1., s_noise=1.,
+                                  noise_sampler=None, solver_type="midpoint", noise_mode=None):
+    """ComfyUI's dpmpp_2m_sde_gpu: dpmpp_2m_sde with its Brownian tree on the latent's device (exact noise)."""
+    return sample_dpmpp_2m_sde_metal(model, x, sigmas, extra_args, callback, disable, eta, s_noise, noise_sampler,
+                                     solver_type, noise_mode, _name="dpmpp_2m_sde_gpu", _cpu_tree=False)
+
+
+@torch.no_grad()
+def sample_res_multistep_ancestral_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, eta=1.,
+                                         s_noise=1., noise_sampler=None, noise_mode=None):
+    """ComfyUI's res_multistep_ancestral."""
+    return sample_res_multistep_metal(model, x, sigmas, extra_args, callback, disable, s_noise, noise_sampler,
+                                      noise_mode, eta=eta)
+
+
+def _rf_midpoint_sigma(sigma, sigma_down):
+    """sample_dpmpp_2s_ancestral_RF's sigma_s: half way in lambda = logit(1 - sigma) (0.9999 at sigma 1)."""
+    if sigma == 1.0:
+        return 0.9999
+    t_i, t_down = math.log((1 - sigma) / sigma), math.log((1 - sigma_down) / sigma_down)
+    return 1 / (math.exp(t_i + 0.5 * (t_down - t_i)) + 1)
+
+
+@torch.no_grad()
+def sample_dpmpp_2s_ancestral_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, eta=1.,
+                                    s_noise=1., noise_sampler=None, noise_mode=None):
+    """ComfyUI's dpmpp_2s_ancestral: two model calls per step; flow (CONST) models take its _RF form."""
+    run = _Run("dpmpp_2s_ancestral", model, x, sigmas, extra_args, noise_mode)
+    sig, extra_args = run.sig, run.extra_args
+    model_sampling = _patcher_model_sampling(model)
+    flow = is_flow(_inner_model_sampling(model))   # ComfyUI: model.inner_model.inner_model.model_sampling
+    if flow:
+        s_noise = s_noise * _noise_scale(model_sampling)
+    noise = run.noise_source("iid", sigmas, noise_sampler) if run.steps else None
+    s_in = x.new_ones([x.shape[0]])
+    for i in _trange(run.steps, disable):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        _callback(callback, x, i, sigmas[i], sigmas[i], denoised)
+        if flow:
+            if sig[i + 1] == 0:
+                x = K.sampler_euler_step(x, denoised, sig[i], 0.0, flags=run.flags, step=i)
+                continue
+            sigma_down = sig[i + 1] * (1 + (sig[i + 1] / sig[i] - 1) * eta)
+            sigma_s = _rf_midpoint_sigma(sig[i], sigma_down)
+            u = K.sampler_euler_step(x, denoised, sig[i], sigma_s, flags=run.flags, step=i)
+            d_i = model(u, sigma_s * s_in, **extra_args)
+            n = noise(i) if eta > 0 else None   # ComfyUI adds noise when sigma_next > 0 and eta > 0
+            x = K.sampler_euler_ancestral_step(x, d_i, sig[i], sig[i + 1], n, eta=eta, s_noise=s_noise, flow=True,
+                                               flags=run.flags, step=i)
+            continue
+        sigma_down, _ = K.ancestral_step(sig[i], sig[i + 1], eta)
+        denoised_2 = None
+        if sigma_down != 0:
+            x_2 = K.sampler_dpmpp_2s_ancestral_cfg_pp_step(x, denoised, denoised, None, sig[i], sig[i + 1], eta=eta,
+                                                           midpoint=True, flags=run.flags, step=i)
+            sigma_s = K.dpmpp_2s_midpoint_sigma(sig[i], sigma_down)
+            denoised_2 = model(x_2, sigma_s * s_in, **extra_args)
+        n = noise(i) if sig[i + 1] > 0 else None   # ComfyUI draws on every step but the last (even at eta 0)
+        # the CFG++ step with the denoised output as the unconditional one is the plain DPM-Solver++(2S) step
+        x = K.sampler_dpmpp_2s_ancestral_cfg_pp_step(x, denoised, denoised, denoised_2, sig[i], sig[i + 1], n,
+                                                     eta=eta, s_noise=s_noise, flags=run.flags, step=i)
+    return run.finish(x)
+
+
+def _gradient_estimation(name, model, x, sigmas, extra_args, callback, disable, ge_gamma, cfg_pp, noise_mode):
+    run = _Run(name, model, x, sigmas, extra_args, noise_mode)
+    capture = _UncondCapture(run) if cfg_pp else None
+    sig, extra_args = run.sig, run.extra_args
+    s_in = x.new_ones([x.shape[0]])
+    prev = None   # (x, denoised, uncond) of the previous step
+    for i in _trange(run.steps, disable):
+        if cfg_pp:
+            denoised, uncond = capture(model, x, sigmas[i] * s_in, extra_args)
+        else:
+            denoised, uncond = model(x, sigmas[i] * s_in, **extra_args), None
+        _callback(callback, x, i, sigmas[i], sigmas[i], denoised)
+        x_prev, den_prev, unc_prev = prev if prev is not None else (None, None, None)
+        new = K.sampler_gradient_estimation_step(x, denoised, x_prev, den_prev, sig[i], sig[i + 1],
+                                                 sig[i - 1] if i else None, uncond, unc_prev, ge_gamma=ge_gamma,
+                                                 cfg_pp=cfg_pp, flags=run.flags, step=i)
+        prev = (x, denoised, uncond)
+        x = new
+    return run.finish(x)
+
+
+@torch.no_grad()
+def sample_gradient_estimation_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, ge_gamma=2.,
+                                     noise_mode=None):
+    """ComfyUI's gradient_estimation."""
+    return _gradient_estimation("gradient_estimation", model, x, sigmas, extra_args, callback, disable, ge_gamma,
+                                False, noise_mode)
+
+
+@torch.no_grad()
+def sample_gradient_estimation_cfg_pp_metal(model, x, sigmas, extra_args=None, callback=None, disable=None,
+                                            ge_gamma=2., noise_mode=None):
+    """ComfyUI's gradient_estimation_cfg_pp (the unconditional output through the post-CFG hook, as CFG++)."""
+    return _gradient_estimation("gradient_estimation_cfg_pp", model, x, sigmas, extra_args, callback, disable,
+                                ge_gamma, True, noise_mode)
+
+
+@torch.no_grad()
+def sample_ipndm_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, max_order=4, noise_mode=None):
+    """ComfyUI's ipndm (order up to max_order, 1 to 4)."""
+    if not 1 <= int(max_order) <= 4:
+        raise ValueError(f"ipndm_metal: max_order must be 1 to 4, got {max_order}")
+    run = _Run("ipndm", model, x, sigmas, extra_args, noise_mode)
+    sig, extra_args = run.sig, run.extra_args
+    s_in = x.new_ones([x.shape[0]])
+    history = []   # derivatives of the earlier steps, the latest first
+    for i in _trange(run.steps, disable):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        _callback(callback, x, i, sigmas[i], sigmas[i], denoised)
+        hist = (history[:min(max_order, i + 1) - 1] + [None] * 3)[:3]
+        x_next = K.sampler_ipndm_step(x, denoised, *hist, sig[i], sig[i + 1], flags=run.flags, step=i)
+        if i + 1 < run.steps and max_order > 1:   # the last step's derivative is never read
+            history = [K.sampler_to_d_step(x, denoised, sig[i], flags=run.flags, step=i)] + history[:max_order - 2]
+        x = x_next
+    return run.finish(x)
