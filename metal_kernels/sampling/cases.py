@@ -210,3 +210,14 @@ def _cases_ipndm(device):
                 ((x, d, d1, d2, None, 6.1, 3.9), {}), ((x, d, d1, d2, d3, 3.9, 2.0), {}),
                 ((x, d, d1, d2, d3, 0.4, 0.0), {})]
     return out
+
+
+def _cases_dpmpp_sde(device):
+    out = []
+    for i, (shape, dtype) in enumerate(_SHAPES):
+        x, d, d2, n = _tensors(device, shape, dtype, 4, 180 + i)
+        out += [((x, d, None, 14.6, 9.7, n), {}), ((x, d, d2, 14.6, 9.7, _bridge_noise()), {}),
+                ((x, d, d2, 6.1, 3.9, n), {"eta": 0.5, "s_noise": 1.1, "r": 0.4}),
+                ((x, d, None, 0.9, 0.7, n), {"flow": True}), ((x, d, d2, 0.9, 0.7, iid_noise(2, 3)), {"flow": True}),
+                ((x, d, d2, 0.9, 0.7), {"eta": 0.0}), ((x, d, None, 0.4, 0.0), {})]
+    return out

@@ -4,7 +4,11 @@ maths) and Metal launcher (host coefficients). A step with five input tensors pu
 kernel's tensor-noise slot (one more weighted input)."""
 from __future__ import annotations
 
-from .launch import _check_same, _f32, _finish, _launch_lincomb
+
+import torch
+
+from .launch import _check_same, _f32, _finish, _launch_lincomb, _noise_ref
+from .sigmas import ancestral_step, half_log_snr
 from .steps import _merged
 
 
@@ -110,3 +114,82 @@ def ipndm_metal(lib, x, denoised, d_1=None, d_2=None, d_3=None, sigma=1.0, sigma
     c = dt * w[0] / sigma
     terms = [(x, 1.0 + c), (denoised, -c)] + [(d, dt * wk) for d, wk in zip(hist, w[1:])]
     return _launch_terms(lib, terms, flags, step, dtype=x.dtype)
+
+
+def dpmpp_sde_plan(sigma, sigma_next, eta=1.0, r=0.5, flow=False):
+    """The coefficients of ComfyUI's sample_dpmpp_sde step from sigma to sigma_next (> 0): sigma_s_1 (the
+    second model call's sigma), stage 1 (cx, cden, cnoise) and stage 2 (cx, cden, cden_2, cnoise), the noise
+    coefficients without s_noise.
+
+    Computed as ComfyUI computes them: float32 scalar tensors, its operations in its order, on the CPU (host
+    maths: no device work, read back with tolist). Near sigma 1 on flow models get_ancestral_step's
+    sigma_to^2 - sigma_up^2 keeps few digits, so the result depends on float32 rounding bit for bit, and the
+    Brownian tree is queried at sigma_s_1."""
+    def t32(v):
+        return torch.tensor(float(v), dtype=torch.float32)
+
+    def lam(v):   # sigma_to_half_log_snr
+        return v.logit().neg() if flow else v.log().neg()
+
+    def sigma_fn(v):   # half_log_snr_to_sigma
+        return v.neg().sigmoid() if flow else v.neg().exp()
+
+    def ancestral(sigma_from, sigma_to):   # get_ancestral_step
+        if not eta:
+            return sigma_to, t32(0.0)
+        sigma_up = torch.minimum(sigma_to, eta * (sigma_to ** 2 * (sigma_from ** 2 - sigma_to ** 2) / sigma_from ** 2)
+                                 ** 0.5)
+        return (sigma_to ** 2 - sigma_up ** 2) ** 0.5, sigma_up
+
+    s, t = t32(sigma), t32(sigma_next)
+    lambda_s, lambda_t = lam(s), lam(t)
+    h = lambda_t - lambda_s
+    lambda_s_1 = lambda_s + r * h
+    fac = 1 / (2 * r)
+    sigma_s_1 = sigma_fn(lambda_s_1)
+    alpha_s = s * lambda_s.exp()
+    alpha_s_1 = sigma_s_1 * lambda_s_1.exp()
+    alpha_t = t * lambda_t.exp()
+
+    def stage(lambda_to, alpha_to):
+        sd, su = ancestral(lambda_s.neg().exp(), lambda_to.neg().exp())
+        h_ = sd.log().neg() - lambda_s
+        return [(alpha_to / alpha_s) * (-h_).exp(), -alpha_to * (-h_).expm1(), alpha_to * su]
+
+    values = torch.stack([sigma_s_1] + stage(lambda_s_1, alpha_s_1) + stage(lambda_t, alpha_t)).tolist()
+    sigma_s_1, cx1, cd1, cn1, cx2, cd2, cn2 = values
+    return sigma_s_1, (cx1, cd1, cn1), (cx2, cd2 * (1 - fac), cd2 * fac, cn2)
+
+
+def dpmpp_sde_ref(x, denoised, denoised_2=None, sigma=1.0, sigma_next=0.0, noise=None, *, eta=1.0, s_noise=1.0, r=0.5,
+                  flow=False, flags=None, step=-1):
+    """ComfyUI's DPM-Solver++ (stochastic) step: denoised_2 None gives stage 1 (the latent for the second
+    model call, at dpmpp_sde_plan's sigma_s_1, noise = noise_sampler(sigma, sigma_s_1)); otherwise stage 2
+    (noise = noise_sampler(sigma, sigma_next)). sigma_next 0: denoised. s_noise already includes the model's
+    noise_scale; noise is added when eta > 0 and s_noise > 0."""
+    _check_same("sampler_dpmpp_sde_step", x, denoised=denoised, denoised_2=denoised_2)
+    xf, den = _f32(x), _f32(denoised)
+    if sigma_next == 0:
+        return _finish(den.clone(), x, flags, step)
+    _, (cx1, cd1, cn1), (cx2, cd2a, cd2b, cn2) = dpmpp_sde_plan(sigma, sigma_next, eta, r, flow)
+    if denoised_2 is None:
+        out, cn = cx1 * xf + cd1 * den, cn1
+    else:
+        out, cn = cx2 * xf + (cd2a * den + cd2b * _f32(denoised_2)), cn2
+    if eta > 0 and s_noise > 0:
+        out = out + _noise_ref(noise, x, "sampler_dpmpp_sde_step") * (cn * s_noise)
+    return _finish(out, x, flags, step)
+
+
+def dpmpp_sde_metal(lib, x, denoised, denoised_2=None, sigma=1.0, sigma_next=0.0, noise=None, *, eta=1.0, s_noise=1.0,
+                    r=0.5, flow=False, flags=None, step=-1):
+    _check_same("sampler_dpmpp_sde_step", x, denoised=denoised, denoised_2=denoised_2)
+    if sigma_next == 0:
+        return _launch_lincomb(lib, [(denoised, 1.0)], flags=flags, step=step, dtype=x.dtype)
+    _, (cx1, cd1, cn1), (cx2, cd2a, cd2b, cn2) = dpmpp_sde_plan(sigma, sigma_next, eta, r, flow)
+    if denoised_2 is None:
+        terms, cn = [(x, cx1), (denoised, cd1)], cn1
+    else:
+        terms, cn = [(x, cx2), (denoised, cd2a), (denoised_2, cd2b)], cn2
+    cn = cn * s_noise if (eta > 0 and s_noise > 0) else 0.0
+    return _launch_lincomb(lib, _merged(terms), noise, cn, flags, step, dtype=x.dtype)

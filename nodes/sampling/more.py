@@ -1,6 +1,6 @@
 """More of ComfyUI's samplers as `_metal`: ddim, dpmpp_2m_sde_gpu, res_multistep_ancestral (the samplers of
-samplers.py under ComfyUI's other names and options), dpmpp_2s_ancestral, gradient_estimation(_cfg_pp) and
-ipndm. Each step is one fused kernel (ipndm: one more launch keeps the step's derivative as history, as
+samplers.py under ComfyUI's other names and options), dpmpp_2s_ancestral, dpmpp_sde, gradient_estimation(_cfg_pp)
+and ipndm. Each step is one fused kernel (ipndm: one more launch keeps the step's derivative as history, as
 ComfyUI keeps it), no host sync inside the loop.
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ import torch
 from ...metal_kernels import sampling as K
 
 from .cfg_pp import _UncondCapture
-from .samplers import (_Run, _callback, _inner_model_sampling, _noise_scale, _patcher_model_sampling, _trange, is_flow,
+from .samplers import (_Run, _callback, _inner_model_sampling, _noise_scale, _patcher_model_sampling, _sde_setup,
+                       _trange, is_flow,
                        sample_dpmpp_2m_sde_metal, sample_euler_metal, sample_res_multistep_metal)
 
 
@@ -144,4 +145,32 @@ def sample_ipndm_metal(model, x, sigmas, extra_args=None, callback=None, disable
         if i + 1 < run.steps and max_order > 1:   # the last step's derivative is never read
             history = [K.sampler_to_d_step(x, denoised, sig[i], flags=run.flags, step=i)] + history[:max_order - 2]
         x = x_next
+    return run.finish(x)
+
+
+@torch.no_grad()
+def sample_dpmpp_sde_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, eta=1., s_noise=1.,
+                           noise_sampler=None, r=1 / 2, noise_mode=None):
+    """ComfyUI's dpmpp_sde: two model calls per step, Brownian noise on [sigma, sigma_s_1] and [sigma, sigma_next]."""
+    if len(sigmas) <= 1:
+        return x
+    run, flow, sigmas, noise, s_noise = _sde_setup("dpmpp_sde", model, x, sigmas, extra_args, noise_mode,
+                                                  noise_sampler, s_noise, between=True)
+    extra_args, sig = run.extra_args, run.sig
+    noisy = eta > 0 and s_noise > 0
+    s_in = x.new_ones([x.shape[0]])
+    for i in _trange(run.steps, disable):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        _callback(callback, x, i, sigmas[i], sigmas[i], denoised)
+        if sig[i + 1] == 0:
+            x = K.sampler_dpmpp_sde_step(x, denoised, None, sig[i], 0.0, flags=run.flags, step=i)
+            continue
+        sigma_s_1 = K.dpmpp_sde_plan(sig[i], sig[i + 1], eta, r, flow)[0]
+        n = noise(sig[i], sigma_s_1) if noisy else None
+        x_2 = K.sampler_dpmpp_sde_step(x, denoised, None, sig[i], sig[i + 1], n, eta=eta, s_noise=s_noise, r=r,
+                                       flow=flow, flags=run.flags, step=i)
+        denoised_2 = model(x_2, sigma_s_1 * s_in, **extra_args)
+        n = noise(sig[i], sig[i + 1]) if noisy else None
+        x = K.sampler_dpmpp_sde_step(x, denoised, denoised_2, sig[i], sig[i + 1], n, eta=eta, s_noise=s_noise, r=r,
+                                     flow=flow, flags=run.flags, step=i)
     return run.finish(x)

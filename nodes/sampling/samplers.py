@@ -45,7 +45,7 @@ SAMPLER_NAMES = ("euler", "euler_ancestral", "heun", "dpmpp_2m", "dpmpp_2m_sde",
                  "res_multistep", "euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp",
                  "dpmpp_2s_ancestral_cfg_pp", "res_multistep_cfg_pp", "uni_pc", "uni_pc_bh2",
                  "ddim", "dpmpp_2m_sde_gpu", "res_multistep_ancestral", "dpmpp_2s_ancestral", "gradient_estimation",
-                 "gradient_estimation_cfg_pp", "ipndm")
+                 "gradient_estimation_cfg_pp", "ipndm", "dpmpp_sde")
 CFG_PP_NAMES = tuple(n for n in SAMPLER_NAMES if n.endswith("_cfg_pp"))
 NOISE_MODES = ("fast", "exact")
 NOISE_CHOICES = ("auto",) + NOISE_MODES   # "auto": default_noise_mode(device)
@@ -158,12 +158,15 @@ class _Run:
         self.x = x
 
     # noise -------------------------------------------------------------------------------
-    def noise_source(self, kind, sigmas, noise_sampler, original_sigmas=None, cpu=True):
+    def noise_source(self, kind, sigmas, noise_sampler, original_sigmas=None, cpu=True, between=False):
         """Return noise(i) for the step i (tensor or DeviceNoise). kind: "brownian" | "iid"; cpu: where
-        ComfyUI's Brownian tree runs in exact mode (False for its *_gpu samplers)."""
+        ComfyUI's Brownian tree runs in exact mode (False for its *_gpu samplers). between=True (Brownian):
+        noise(s, t) for any two sigmas (host floats) instead, as noise_sampler(s, t)."""
         x = self.x
         seed = self.extra_args.get("seed", None)
         if noise_sampler is not None:
+            if between:
+                return lambda a, b: noise_sampler(_as_sigma(a, sigmas), _as_sigma(b, sigmas))
             return lambda i: noise_sampler(sigmas[i], sigmas[i + 1])
         if self.noise_mode == "exact":
             try:
@@ -181,6 +184,8 @@ class _Run:
                 ns = kds.BrownianTreeNoiseSampler(x, sigma_min, sigma_max, seed=seed, cpu=cpu)
             else:
                 ns = kds.default_noise_sampler(x, seed=seed)
+            if between:
+                return lambda a, b: ns(_as_sigma(a, sigmas), _as_sigma(b, sigmas))
             return lambda i: ns(sigmas[i], sigmas[i + 1])
         if isinstance(seed, (list, tuple)):
             seed = hash(tuple(int(s) for s in seed)) & ((1 << 63) - 1)
@@ -192,6 +197,8 @@ class _Run:
             if self.sig and max(self.sig) > bridge.length:
                 raise SamplingError(f"{self.name}: sigma_max {max(self.sig):g} exceeds the fast Brownian noise "
                                     f"range [0, {bridge.length:g}]; use noise_mode='exact'")
+            if between:
+                return bridge.increment
             return lambda i: bridge.increment(self.sig[i], self.sig[i + 1])
         return lambda i: K.iid_noise(seed, i)
 
@@ -207,6 +214,11 @@ class _Run:
                         f"{self.sig[i]:g} -> {self.sig[i + 1]:g}); the model output (denoised) or the step "
                         "diverged there")
         return x
+
+
+def _as_sigma(value, sigmas):
+    """A host sigma as the CPU scalar tensor of the schedule's dtype ComfyUI's noise samplers are called with."""
+    return torch.tensor(float(value), dtype=sigmas.dtype)
 
 
 def _callback(callback, x, i, sigma, sigma_hat, denoised):
@@ -315,7 +327,7 @@ def _offset_first_sigma(run, sigmas, model_sampling, flow, percent_offset=1e-4):
     return sigmas
 
 
-def _sde_setup(name, model, x, sigmas, extra_args, noise_mode, noise_sampler, s_noise, cpu=True):
+def _sde_setup(name, model, x, sigmas, extra_args, noise_mode, noise_sampler, s_noise, cpu=True, between=False):
     """What the SDE samplers share: the run, flow or not, the schedule with ComfyUI's first-sigma offset,
     the Brownian noise source, and s_noise times the model's noise scale."""
     run = _Run(name, model, x, sigmas, extra_args, noise_mode)
@@ -323,7 +335,7 @@ def _sde_setup(name, model, x, sigmas, extra_args, noise_mode, noise_sampler, s_
     flow = is_flow(model_sampling)
     offset = _offset_first_sigma(run, sigmas, model_sampling, flow)
     # ComfyUI sizes its Brownian tree on the original schedule and queries it with the offset one.
-    noise = run.noise_source("brownian", offset, noise_sampler, original_sigmas=sigmas, cpu=cpu)
+    noise = run.noise_source("brownian", offset, noise_sampler, original_sigmas=sigmas, cpu=cpu, between=between)
     return run, flow, offset, noise, s_noise * _noise_scale(model_sampling)
 
 

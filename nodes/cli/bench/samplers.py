@@ -28,6 +28,8 @@ LATENTS = [
 NOISY = {"euler_ancestral", "dpmpp_2m_sde", "dpmpp_3m_sde", "lcm", "euler_ancestral_cfg_pp",
          "dpmpp_2s_ancestral_cfg_pp", "dpmpp_2m_sde_gpu", "res_multistep_ancestral", "dpmpp_2s_ancestral",
          "dpmpp_sde", "er_sde"}
+
+
 def _comfy_sampling():
     """ComfyUI's k-diffusion sampling module, or (None, why not)."""
     return import_comfy("comfy.k_diffusion.sampling")
