@@ -22,7 +22,7 @@ from .cases import (_cases_churn, _cases_dpmpp_2m, _cases_dpmpp_2m_cfg_pp, _case
                     _cases_dpmpp_2s_ancestral_cfg_pp, _cases_dpmpp_3m_sde, _cases_euler, _cases_euler_ancestral,
                     _cases_euler_cfg_pp, _cases_heun, _cases_lcm, _cases_noise, _cases_res_multistep,
                     _cases_res_multistep_cfg_pp, _cases_uni_pc, _cases_to_d, _cases_gradient_estimation,
-                    _cases_ipndm, _cases_dpmpp_sde)
+                    _cases_ipndm, _cases_dpmpp_sde, _cases_er_sde)
 from .launch import _LINCOMB_ENTRIES, _entry, device_noise_metal, device_noise_ref
 from .noise import (BrownianBridge, DeviceNoise, _hash32_int, _hash32_tensor, _index_hash, device_noise_reference,
                     iid_noise, node_keys)
@@ -34,7 +34,7 @@ from .steps import (churn_ref, churn_metal, euler_ref, euler_metal, euler_ancest
                     res_multistep_metal, euler_cfg_pp_ref, euler_cfg_pp_metal, dpmpp_2m_cfg_pp_ref,
                     dpmpp_2m_cfg_pp_metal, res_multistep_cfg_pp_ref, res_multistep_cfg_pp_metal,
                     dpmpp_2s_ancestral_cfg_pp_ref, dpmpp_2s_ancestral_cfg_pp_metal)
-from .steps_more import (dpmpp_sde_metal, dpmpp_sde_plan, dpmpp_sde_ref, gradient_estimation_metal,
+from .steps_more import (dpmpp_sde_metal, dpmpp_sde_plan, dpmpp_sde_ref, er_sde_metal, er_sde_plans, er_sde_ref, gradient_estimation_metal,
                          gradient_estimation_ref, ipndm_metal, ipndm_ref, to_d_metal, to_d_ref)
 from .unipc import (UniPCPlan, final_scale as unipc_final_scale, model_input_scale as unipc_model_input_scale,
                     uni_pc_metal, uni_pc_ref, unipc_plan)
@@ -48,7 +48,7 @@ __all__ = [
     "DeviceNoise", "BrownianBridge", "iid_noise", "device_noise_reference", "ancestral_step",
     "half_log_snr", "res_multistep_coefficients", "cfg_pp_alpha",
     "sampler_to_d_step", "sampler_gradient_estimation_step", "sampler_ipndm_step",
-    "sampler_dpmpp_sde_step", "dpmpp_sde_plan",
+    "sampler_dpmpp_sde_step", "dpmpp_sde_plan", "sampler_er_sde_step", "er_sde_plans",
     "sampler_uni_pc_step", "UniPCPlan", "unipc_plan", "unipc_final_scale", "unipc_model_input_scale",
 ]
 
@@ -93,3 +93,4 @@ sampler_gradient_estimation_step = _spec("sampler_gradient_estimation_step", gra
                                          gradient_estimation_metal, _cases_gradient_estimation)
 sampler_ipndm_step = _spec("sampler_ipndm_step", ipndm_ref, ipndm_metal, _cases_ipndm)
 sampler_dpmpp_sde_step = _spec("sampler_dpmpp_sde_step", dpmpp_sde_ref, dpmpp_sde_metal, _cases_dpmpp_sde)
+sampler_er_sde_step = _spec("sampler_er_sde_step", er_sde_ref, er_sde_metal, _cases_er_sde)

@@ -221,3 +221,17 @@ def _cases_dpmpp_sde(device):
                 ((x, d, None, 0.9, 0.7, n), {"flow": True}), ((x, d, d2, 0.9, 0.7, iid_noise(2, 3)), {"flow": True}),
                 ((x, d, d2, 0.9, 0.7), {"eta": 0.0}), ((x, d, None, 0.4, 0.0), {})]
     return out
+
+
+def _cases_er_sde(device):
+    from .steps_more import er_sde_plans
+
+    eps = er_sde_plans([14.6, 9.7, 6.1, 3.9, 0.0])
+    flow = er_sde_plans([0.9999, 0.8, 0.6, 0.4], flow=True)
+    out = []
+    for i, (shape, dtype) in enumerate(_SHAPES):
+        x, d, o, o2, n = _tensors(device, shape, dtype, 5, 190 + i)
+        out += [((x, d, None, None, n), {"plan": eps[0]}), ((x, d, o, None, iid_noise(4, 1)), {"plan": eps[1]}),
+                ((x, d, o, o2, n), {"plan": eps[2], "s_noise": 0.8}), ((x, d, o, o2, None), {"plan": eps[3]}),
+                ((x, d, o, o2, n), {"plan": flow[2]}), ((x, d, o, None, None), {"plan": flow[1], "s_noise": 0.0})]
+    return out

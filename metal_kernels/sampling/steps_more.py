@@ -193,3 +193,86 @@ def dpmpp_sde_metal(lib, x, denoised, denoised_2=None, sigma=1.0, sigma_next=0.0
         terms, cn = [(x, cx2), (denoised, cd2a), (denoised_2, cd2b)], cn2
     cn = cn * s_noise if (eta > 0 and s_noise > 0) else 0.0
     return _launch_lincomb(lib, _merged(terms), noise, cn, flags, step, dtype=x.dtype)
+
+
+def _er_sde_noise_scaler(v):   # ComfyUI's default_er_sde_noise_scaler
+    return v * ((v ** 0.3).exp() + 10.0)
+
+
+def er_sde_plans(sigmas, flow=False, max_stage=3, num_integration_points=200.0):
+    """Per step of ComfyUI's sample_er_sde (default noise scaler) on the schedule `sigmas` (host floats, the first
+    already offset as ComfyUI's offset_first_sigma_for_snr does): None where sigma_next is 0, else (stage,
+    c_x, c_den, c_d (times den_d), d1 (its divisor), c_u (times den_u), d2, du (divisors), c_noise without
+    s_noise). Computed as ComfyUI computes them (float32 CPU tensors, its operations in its order; host maths,
+    read back once with tolist)."""
+    sig = torch.tensor([float(s) for s in sigmas], dtype=torch.float32)
+    half_log_snrs = sig.logit().neg() if flow else sig.log().neg()
+    er_lambdas = half_log_snrs.neg().exp()
+    point_indice = torch.arange(0, num_integration_points, dtype=torch.float32)
+    rows = []
+    for i in range(len(sigmas) - 1):
+        stage = min(max_stage, i + 1)
+        zero = torch.zeros((), dtype=torch.float32)
+        er_lambda_s, er_lambda_t = er_lambdas[i], er_lambdas[i + 1]
+        alpha_s = sig[i] / er_lambda_s
+        alpha_t = sig[i + 1] / er_lambda_t
+        r_alpha = alpha_t / alpha_s
+        r = _er_sde_noise_scaler(er_lambda_t) / _er_sde_noise_scaler(er_lambda_s)
+        c_d = d1 = c_u = d2 = du = zero
+        if stage >= 2:
+            dt = er_lambda_t - er_lambda_s
+            lambda_step_size = -dt / num_integration_points
+            lambda_pos = er_lambda_t + point_indice * lambda_step_size
+            scaled_pos = _er_sde_noise_scaler(lambda_pos)
+            s = torch.sum(1 / scaled_pos) * lambda_step_size
+            c_d = alpha_t * (dt + s * _er_sde_noise_scaler(er_lambda_t))
+            d1 = er_lambda_s - er_lambdas[i - 1]
+            if stage >= 3:
+                s_u = torch.sum((lambda_pos - er_lambda_s) / scaled_pos) * lambda_step_size
+                c_u = alpha_t * ((dt ** 2) / 2 + s_u * _er_sde_noise_scaler(er_lambda_t))
+                d2 = er_lambdas[i - 1] - er_lambdas[i - 2]
+                du = (er_lambda_s - er_lambdas[i - 2]) / 2
+        c_noise = alpha_t * (er_lambda_t ** 2 - er_lambda_s ** 2 * r ** 2).sqrt().nan_to_num(nan=0.0)
+        rows.append(torch.stack([r_alpha * r, alpha_t * (1 - r), c_d, d1, c_u, d2, du, c_noise]))
+    values = torch.stack(rows).tolist() if rows else []
+    return [None if float(sigmas[i + 1]) == 0 else (min(max_stage, i + 1), *v) for i, v in enumerate(values)]
+
+
+def er_sde_ref(x, denoised, old_denoised=None, old_denoised_2=None, noise=None, *, plan, s_noise=1.0, flags=None,
+               step=-1):
+    """One step of ComfyUI's er_sde with its er_sde_plans row `plan` (None: sigma_next 0, denoised):
+    old_denoised / old_denoised_2 the previous steps' outputs (stage 2 / 3). s_noise already includes the
+    model's noise_scale; noise is added when s_noise > 0."""
+    _check_same("sampler_er_sde_step", x, denoised=denoised, old_denoised=old_denoised, old_denoised_2=old_denoised_2)
+    xf, den = _f32(x), _f32(denoised)
+    if plan is None:
+        return _finish(den.clone(), x, flags, step)
+    stage, cx, cden, c_d, d1, c_u, d2, du, cn = plan
+    out = cx * xf + cden * den
+    if stage >= 2:
+        old = _f32(old_denoised)
+        den_d = (den - old) / d1
+        out = out + c_d * den_d
+        if stage >= 3:
+            den_u = (den_d - (old - _f32(old_denoised_2)) / d2) / du
+            out = out + c_u * den_u
+    if s_noise > 0:
+        out = out + _noise_ref(noise, x, "sampler_er_sde_step") * (cn * s_noise)
+    return _finish(out, x, flags, step)
+
+
+def er_sde_metal(lib, x, denoised, old_denoised=None, old_denoised_2=None, noise=None, *, plan, s_noise=1.0,
+                 flags=None, step=-1):
+    _check_same("sampler_er_sde_step", x, denoised=denoised, old_denoised=old_denoised, old_denoised_2=old_denoised_2)
+    if plan is None:
+        return _launch_lincomb(lib, [(denoised, 1.0)], flags=flags, step=step, dtype=x.dtype)
+    stage, cx, cden, c_d, d1, c_u, d2, du, cn = plan
+    terms = [(x, cx), (denoised, cden)]
+    if stage >= 2:
+        a = c_d / d1
+        terms += [(denoised, a), (old_denoised, -a)]
+        if stage >= 3:
+            u, b = c_u / du, 1.0 / d2
+            terms += [(denoised, u / d1), (old_denoised, -u / d1 - u * b), (old_denoised_2, u * b)]
+    return _launch_lincomb(lib, _merged(terms), noise, cn * s_noise if s_noise > 0 else 0.0, flags, step,
+                           dtype=x.dtype)

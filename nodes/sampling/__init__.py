@@ -9,6 +9,7 @@ from .cfg_pp import (sample_dpmpp_2m_cfg_pp_metal, sample_dpmpp_2s_ancestral_cfg
                      sample_euler_ancestral_cfg_pp_metal, sample_euler_cfg_pp_metal, sample_res_multistep_cfg_pp_metal)
 from .functions import SAMPLER_FUNCTIONS, SAMPLER_KERNELS, comfy_function, get_sampler_function, sampler_options
 from .more import (sample_ddim_metal, sample_dpmpp_2m_sde_gpu_metal, sample_dpmpp_2s_ancestral_metal, sample_dpmpp_sde_metal,
+                   sample_er_sde_metal,
                    sample_gradient_estimation_cfg_pp_metal, sample_gradient_estimation_metal, sample_ipndm_metal,
                    sample_res_multistep_ancestral_metal)
 from .unipc import sample_uni_pc_bh2_metal, sample_uni_pc_metal
@@ -25,6 +26,6 @@ __all__ = ["comfy_function", "SAMPLER_FUNCTIONS", "SAMPLER_KERNELS", "get_sample
            "sample_dpmpp_2m_metal", "sample_dpmpp_2m_sde_metal", "sample_dpmpp_3m_sde_metal",
            "sample_euler_ancestral_metal", "sample_euler_metal", "sample_heun_metal", "sample_lcm_metal",
            "sample_res_multistep_metal", "sample_ddim_metal", "sample_dpmpp_2m_sde_gpu_metal",
-           "sample_dpmpp_2s_ancestral_metal", "sample_dpmpp_sde_metal", "sample_gradient_estimation_cfg_pp_metal",
+           "sample_dpmpp_2s_ancestral_metal", "sample_dpmpp_sde_metal", "sample_er_sde_metal", "sample_gradient_estimation_cfg_pp_metal",
            "sample_gradient_estimation_metal", "sample_ipndm_metal", "sample_res_multistep_ancestral_metal",
            "sample_uni_pc_bh2_metal", "sample_uni_pc_metal"]

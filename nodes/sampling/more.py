@@ -1,6 +1,6 @@
 """More of ComfyUI's samplers as `_metal`: ddim, dpmpp_2m_sde_gpu, res_multistep_ancestral (the samplers of
-samplers.py under ComfyUI's other names and options), dpmpp_2s_ancestral, dpmpp_sde, gradient_estimation(_cfg_pp)
-and ipndm. Each step is one fused kernel (ipndm: one more launch keeps the step's derivative as history, as
+samplers.py under ComfyUI's other names and options), dpmpp_2s_ancestral, dpmpp_sde, er_sde,
+gradient_estimation(_cfg_pp) and ipndm. Each step is one fused kernel (ipndm: one more launch keeps the step's derivative as history, as
 ComfyUI keeps it), no host sync inside the loop.
 """
 from __future__ import annotations
@@ -12,7 +12,8 @@ import torch
 from ...metal_kernels import sampling as K
 
 from .cfg_pp import _UncondCapture
-from .samplers import (_Run, _callback, _inner_model_sampling, _noise_scale, _patcher_model_sampling, _sde_setup,
+from .samplers import (_Run, _callback, _inner_model_sampling, _noise_scale, _offset_first_sigma,
+                       _patcher_model_sampling, _sde_setup,
                        _trange, is_flow,
                        sample_dpmpp_2m_sde_metal, sample_euler_metal, sample_res_multistep_metal)
 
@@ -173,4 +174,37 @@ def sample_dpmpp_sde_metal(model, x, sigmas, extra_args=None, callback=None, dis
         n = noise(sig[i], sig[i + 1]) if noisy else None
         x = K.sampler_dpmpp_sde_step(x, denoised, denoised_2, sig[i], sig[i + 1], n, eta=eta, s_noise=s_noise, r=r,
                                      flow=flow, flags=run.flags, step=i)
+    return run.finish(x)
+
+
+@torch.no_grad()
+def sample_er_sde_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, s_noise=1.0,
+                        noise_sampler=None, noise_scaler=None, max_stage=3, noise_mode=None):
+    """ComfyUI's er_sde (ER-SDE-Solver-3) with its default noise scaler; the per-step integrals are computed on
+    the host before the loop."""
+    if noise_scaler is not None:
+        raise ValueError("er_sde_metal: a custom noise_scaler is not supported (its integrals are precomputed); "
+                         "use ComfyUI's er_sde")
+    if not 1 <= int(max_stage) <= 3:
+        raise ValueError(f"er_sde_metal: max_stage must be 1 to 3, got {max_stage}")
+    run = _Run("er_sde", model, x, sigmas, extra_args, noise_mode)
+    sig, extra_args = run.sig, run.extra_args
+    model_sampling = _patcher_model_sampling(model)
+    flow = is_flow(model_sampling)
+    sigmas = _offset_first_sigma(run, sigmas, model_sampling, flow)
+    sig = run.sig
+    s_noise = s_noise * _noise_scale(model_sampling)
+    noise = run.noise_source("iid", sigmas, noise_sampler) if run.steps else None
+    plans = K.er_sde_plans(sig, flow, int(max_stage))
+    s_in = x.new_ones([x.shape[0]])
+    old, old_2 = None, None
+    for i in _trange(run.steps, disable):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        _callback(callback, x, i, sigmas[i], sigmas[i], denoised)
+        plan = plans[i]
+        n = noise(i) if (plan is not None and s_noise > 0) else None
+        x = K.sampler_er_sde_step(x, denoised, old if plan and plan[0] >= 2 else None,
+                                  old_2 if plan and plan[0] >= 3 else None, n, plan=plan, s_noise=s_noise,
+                                  flags=run.flags, step=i)
+        old, old_2 = denoised, old
     return run.finish(x)

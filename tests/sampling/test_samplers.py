@@ -179,6 +179,8 @@ def test_kernels_odd_shapes_and_nan_record_in_emulator(emulator_backend, monkeyp
     calls["sampler_gradient_estimation_step"] = lambda **f: K.sampler_gradient_estimation_step(
         x, d, o, o2, 6.1, 3.9, 9.7, n, x, cfg_pp=True, **f)
     calls["sampler_dpmpp_sde_step"] = lambda **f: K.sampler_dpmpp_sde_step(x, d, o, 6.1, 3.9, bridge, eta=0.7, **f)
+    er_plan = K.er_sde_plans([9.7, 6.1, 3.9, 2.0])[2]
+    calls["sampler_er_sde_step"] = lambda **f: K.sampler_er_sde_step(x, d, o, o2, n, plan=er_plan, **f)
     calls["sampler_ipndm_step"] = lambda **f: K.sampler_ipndm_step(x, d, o, o2, n, 6.1, 3.9, **f)
     assert set(calls) == set(SAMPLER_SPECS) - {"sampler_churn_step", "sampler_device_noise"}
     tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
@@ -468,6 +470,7 @@ COMFY_CASES = [
     ("gradient_estimation", {}), ("gradient_estimation", {"ge_gamma": 3.0}),
     ("ipndm", {}), ("ipndm", {"max_order": 2}),
     ("dpmpp_sde", {}), ("dpmpp_sde", {"eta": 0.6, "s_noise": 1.1, "r": 0.4}),
+    ("er_sde", {}), ("er_sde", {"s_noise": 0.7, "max_stage": 2}),
 ]
 
 

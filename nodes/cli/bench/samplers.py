@@ -30,6 +30,8 @@ NOISY = {"euler_ancestral", "dpmpp_2m_sde", "dpmpp_3m_sde", "lcm", "euler_ancest
          "dpmpp_sde", "er_sde"}
 
 
+
+
 def _comfy_sampling():
     """ComfyUI's k-diffusion sampling module, or (None, why not)."""
     return import_comfy("comfy.k_diffusion.sampling")
