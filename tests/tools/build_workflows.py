@@ -165,18 +165,18 @@ def fp8_wan22_t2v() -> tuple[dict, list[str], dict]:
                          "attention": "auto"}},
         "3": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["1", 0], "shift": 8.0}},
         "4": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["2", 0], "shift": 8.0}},
-        "5": {"class_type": "CLIPLoader", "inputs": {"clip_name": UMT5[1], "type": "wan", "device": "default"}},
+        "5": {"class_type": "MetalFP8TextEncoderLoader", "inputs": {"clip_name": UMT5[1], "type": "wan", "device": "gpu"}},
         "6": {"class_type": "CLIPTextEncode", "inputs": {"text": WAN_PROMPT, "clip": ["5", 0]}},
         "7": {"class_type": "CLIPTextEncode", "inputs": {"text": WAN_NEGATIVE, "clip": ["5", 0]}},
         "8": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 640, "height": 640, "length": 81, "batch_size": 1}},
         "9": {"class_type": "KSamplerAdvanced",
               "inputs": {"model": ["3", 0], "add_noise": "enable", "noise_seed": 42, "steps": 20, "cfg": 3.5,
-                         "sampler_name": "euler_metal", "scheduler": "simple", "positive": ["6", 0],
+                         "sampler_name": "uni_pc_metal", "scheduler": "simple", "positive": ["6", 0],
                          "negative": ["7", 0], "latent_image": ["8", 0], "start_at_step": 0, "end_at_step": 10,
                          "return_with_leftover_noise": "enable"}},
         "10": {"class_type": "KSamplerAdvanced",
                "inputs": {"model": ["4", 0], "add_noise": "disable", "noise_seed": 42, "steps": 20, "cfg": 3.5,
-                          "sampler_name": "euler_metal", "scheduler": "simple", "positive": ["6", 0],
+                          "sampler_name": "uni_pc_metal", "scheduler": "simple", "positive": ["6", 0],
                           "negative": ["7", 0], "latent_image": ["9", 0], "start_at_step": 10,
                           "end_at_step": 10000, "return_with_leftover_noise": "disable"}},
         "11": {"class_type": "VAELoader", "inputs": {"vae_name": WAN_VAE[1]}},
@@ -191,12 +191,15 @@ def fp8_wan22_t2v() -> tuple[dict, list[str], dict]:
         "the high-noise expert samples steps 0-10, the low-noise expert steps 10-20 (ModelSamplingSD3 shift 8).\n\n"
         "- Both experts load through Load Diffusion Model (FP8, Metal): FP8 weights stay 1 byte each; "
         "attention auto: Metal flash attention (memory linear in the 32k tokens) where measured faster.\n"
-        "- KSamplerAdvanced with euler_metal: fused Metal sampler steps.\n"
+        "- Load Text Encoder (FP8, Metal) keeps UMT5-XXL's FP8 weights at 1 byte each and runs it on the GPU.\n"
+        "- KSamplerAdvanced with uni_pc_metal (UniPC, the sampler of Wan's own examples): ComfyUI's uni_pc with "
+        "its predictor and corrector each one fused Metal kernel, no host sync in the loop.\n"
         "- VAE Decode (Low Memory, Metal) decodes the video in spatial tiles within a 2 GiB working budget, "
         "each tile causally frame chunk by frame chunk, so memory stays flat in the number of frames. "
         "81 frames at 640x640 = 5 s at 16 fps.",
     ]
     titles = {"1": "High-noise expert (FP8, Metal)", "2": "Low-noise expert (FP8, Metal)",
+              "5": "Load Text Encoder (FP8, Metal)",
               "12": "VAE Decode (Low Memory, Metal)"}
     return p, notes, titles
 

@@ -246,7 +246,7 @@ def test_fp8_wan22_t2v_executes(comfyui, models, tiny_text_encoders, dispatch):
     assert tuple(first(result, "12").shape) == (5, 32, 32, 3)
     assert type(first(result, "1")).__name__ == "MetalFP8ModelPatcher"
     assert type(first(result, "2")).__name__ == "MetalFP8ModelPatcher"
-    ran(dispatch, "fp8_decode", "sampler_euler_step", "vae_blend_accumulate")
+    ran(dispatch, "fp8_decode", "sampler_uni_pc_step", "vae_blend_accumulate")
 
 
 def test_moe_t2i_prompt_enhancer_executes(comfyui, models, tiny_text_encoders, dispatch):
