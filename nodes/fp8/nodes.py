@@ -113,6 +113,59 @@ class MetalFP8TextEncoderLoader:
         return (clip,)
 
 
+def _dual_clip_types() -> list[str]:
+    """The `type` list of ComfyUI's DualCLIPLoader, read from ComfyUI at run time (new types appear by themselves)."""
+    import sys
+
+    try:
+        return list(sys.modules["nodes"].DualCLIPLoader.INPUT_TYPES()["required"]["type"][0])
+    except Exception:
+        return ["sdxl", "sd3", "flux", "hunyuan_video", "hidream"]
+
+
+def _multi_text_encoder_loader(n: int, core: str, sets: str):
+    """Load 2 / 3 / 4 Text Encoders (FP8, Metal): the inputs of ComfyUI's `core` loader, through the single
+    FP8 text encoder loader (load_text_encoder with a list of files)."""
+
+    class Loader:
+        @classmethod
+        def INPUT_TYPES(cls):
+            import folder_paths
+
+            from ...metal_kernels.probe import mps_available
+
+            files = folder_paths.get_filename_list("text_encoders")
+            inputs = {f"clip_name{i}": (files,) for i in range(1, n + 1)}
+            if n == 2:
+                inputs["type"] = (_dual_clip_types(),)
+            inputs["device"] = (["gpu", "cpu"], {"default": "gpu" if mps_available() else "cpu"})
+            return {"required": inputs}
+
+        RETURN_TYPES = ("CLIP",)
+        FUNCTION = "load"
+        CATEGORY = "Comfy Metal/loaders"
+        DESCRIPTION = (f"Loads {n} text encoders as one CLIP, like ComfyUI's {core} ({sets}), keeping FP8 weights "
+                       "at 1 byte each (FP8 and bf16 files can be mixed); on Macs it runs on the GPU by default.")
+
+        def load(self, device="gpu", type="stable_diffusion", **clip_names):
+            import folder_paths
+
+            names = [clip_names[f"clip_name{i}"] for i in range(1, n + 1)]
+            paths = [folder_paths.get_full_path_or_raise("text_encoders", name) for name in names]
+            clip = load_text_encoder(paths, type, device)
+            _record(Loader.__name__, [])
+            return (clip,)
+
+    Loader.__name__ = Loader.__qualname__ = f"MetalFP8{('Dual', 'Triple', 'Quadruple')[n - 2]}TextEncoderLoader"
+    return Loader
+
+
+MetalFP8DualTextEncoderLoader = _multi_text_encoder_loader(2, "DualCLIPLoader", "CLIP-L + T5 for Flux, ...")
+MetalFP8TripleTextEncoderLoader = _multi_text_encoder_loader(3, "TripleCLIPLoader", "CLIP-L + CLIP-G + T5 for SD3")
+MetalFP8QuadrupleTextEncoderLoader = _multi_text_encoder_loader(4, "QuadrupleCLIPLoader",
+                                                                "CLIP-L + CLIP-G + T5 + Llama for HiDream")
+
+
 class MetalFP8SaveModel:
     @classmethod
     def INPUT_TYPES(cls):
@@ -146,10 +199,16 @@ class MetalFP8SaveModel:
 NODE_CLASS_MAPPINGS = {
     "MetalFP8ModelLoader": MetalFP8ModelLoader,
     "MetalFP8TextEncoderLoader": MetalFP8TextEncoderLoader,
+    "MetalFP8DualTextEncoderLoader": MetalFP8DualTextEncoderLoader,
+    "MetalFP8TripleTextEncoderLoader": MetalFP8TripleTextEncoderLoader,
+    "MetalFP8QuadrupleTextEncoderLoader": MetalFP8QuadrupleTextEncoderLoader,
     "MetalFP8SaveModel": MetalFP8SaveModel,
 }
 NODE_DISPLAY_NAME_MAPPINGS = {
     "MetalFP8ModelLoader": "Load Diffusion Model (FP8, Metal)",
     "MetalFP8TextEncoderLoader": "Load Text Encoder (FP8, Metal)",
+    "MetalFP8DualTextEncoderLoader": "Load 2 Text Encoders (FP8, Metal)",
+    "MetalFP8TripleTextEncoderLoader": "Load 3 Text Encoders (FP8, Metal)",
+    "MetalFP8QuadrupleTextEncoderLoader": "Load 4 Text Encoders (FP8, Metal)",
     "MetalFP8SaveModel": "Save Model (FP8 comfy_quant, Metal)",
 }
