@@ -86,8 +86,8 @@ def fp8_flux_t2i() -> tuple[dict, list[str], dict]:
         "1": {"class_type": "MetalFP8ModelLoader",
               "inputs": {"unet_name": FLUX_MODEL[1], "weight_mode": "auto", "compute_dtype": "auto",
                          "attention": "auto"}},
-        "2": {"class_type": "DualCLIPLoader",
-              "inputs": {"clip_name1": CLIP_L[1], "clip_name2": T5XXL_FP8[1], "type": "flux", "device": "default"}},
+        "2": {"class_type": "MetalFP8DualTextEncoderLoader",
+              "inputs": {"clip_name1": CLIP_L[1], "clip_name2": T5XXL_FP8[1], "type": "flux", "device": "gpu"}},
         "3": {"class_type": "VAELoader", "inputs": {"vae_name": FLUX_VAE[1]}},
         "4": {"class_type": "CLIPTextEncode", "inputs": {"text": FLUX_PROMPT, "clip": ["2", 0]}},
         "5": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["4", 0], "guidance": 3.5}},
@@ -109,13 +109,16 @@ def fp8_flux_t2i() -> tuple[dict, list[str], dict]:
         "the Metal FP8 kernels (about half the memory of bf16). Its attention option (auto) runs the "
         "model's attention through the Metal flash-attention kernel wherever it is measured faster than "
         "ComfyUI's.\n"
+        "- Load 2 Text Encoders (FP8, Metal) loads CLIP-L with the FP8 T5-XXL (kept at 1 byte a weight) and "
+        "runs them on the GPU (ComfyUI's DualCLIPLoader would run them on the CPU on a Mac).\n"
         "- KSampler with euler_metal: ComfyUI's euler with one fused Metal kernel per step and no host "
         "sync in the loop (any <sampler>_metal entry works).\n"
         "- Flux.1-dev is guidance-distilled: cfg 1.0 with FluxGuidance 3.5, negative zeroed out.\n"
         "- VAE Decode (Low Memory, Metal) decodes in tiles with whole-image statistics, so a 1024x1024 "
         "(or larger) decode fits in little memory.",
     ]
-    titles = {"1": "Load Diffusion Model (FP8, Metal)", "9": "VAE Decode (Low Memory, Metal)"}
+    titles = {"1": "Load Diffusion Model (FP8, Metal)", "2": "Load 2 Text Encoders (FP8, Metal)",
+              "9": "VAE Decode (Low Memory, Metal)"}
     return p, notes, titles
 
 

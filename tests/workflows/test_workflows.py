@@ -223,6 +223,10 @@ def test_fp8_flux_t2i_executes(comfyui, models, tiny_text_encoders, dispatch):
     (png,) = _output_files(comfyui, result, "10")
     _check_image(png)
     assert type(first(result, "1")).__name__ == "MetalFP8ModelPatcher"
+    import importlib
+
+    ops = importlib.import_module(comfyui.pack_module.__name__ + ".nodes.fp8.ops")
+    assert sum(1 for _ in ops.fp8_modules(first(result, "2").cond_stage_model)) > 0   # the FP8 T5 stays FP8
     ran(dispatch, "fp8_decode", "sampler_euler_step", "vae_blend_accumulate")
 
 
