@@ -34,7 +34,8 @@ from .steps import (churn_ref, churn_metal, euler_ref, euler_metal, euler_ancest
                     res_multistep_metal, euler_cfg_pp_ref, euler_cfg_pp_metal, dpmpp_2m_cfg_pp_ref,
                     dpmpp_2m_cfg_pp_metal, res_multistep_cfg_pp_ref, res_multistep_cfg_pp_metal,
                     dpmpp_2s_ancestral_cfg_pp_ref, dpmpp_2s_ancestral_cfg_pp_metal)
-from .steps_more import (dpmpp_sde_metal, dpmpp_sde_plan, dpmpp_sde_ref, er_sde_metal, er_sde_plans, er_sde_ref, gradient_estimation_metal,
+from .steps_more import (dpmpp_sde_metal, dpmpp_sde_plan, dpmpp_sde_ref, er_sde_metal, er_sde_plans, er_sde_ref,
+                         gradient_estimation_metal,
                          gradient_estimation_ref, ipndm_metal, ipndm_ref, to_d_metal, to_d_ref)
 from .unipc import (UniPCPlan, final_scale as unipc_final_scale, model_input_scale as unipc_model_input_scale,
                     uni_pc_metal, uni_pc_ref, unipc_plan)

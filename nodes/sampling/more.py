@@ -1,7 +1,7 @@
 """More of ComfyUI's samplers as `_metal`: ddim, dpmpp_2m_sde_gpu, res_multistep_ancestral (the samplers of
 samplers.py under ComfyUI's other names and options), dpmpp_2s_ancestral, dpmpp_sde, er_sde,
-gradient_estimation(_cfg_pp) and ipndm. Each step is one fused kernel (ipndm: one more launch keeps the step's derivative as history, as
-ComfyUI keeps it), no host sync inside the loop.
+gradient_estimation(_cfg_pp) and ipndm. Each step is one fused kernel (ipndm: one more launch keeps the
+step's derivative as history, as ComfyUI keeps it), no host sync inside the loop.
 """
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ def flux_pair(comfyui, loader_mod, monkeypatch):
 
     wm.shrink_text_encoders(monkeypatch, comfy.sd)
     folder = comfyui.models_dir("text_encoders")
-    names = ("fp8multi_clip_l_bf16.safetensors", "fp8multi_t5xxl_fp8.safetensors", "fp8multi_t5xxl_deq_fp32.safetensors")
+    names = ("fp8multi_clip_l_bf16.safetensors", "fp8multi_t5xxl_fp8.safetensors",
+             "fp8multi_t5xxl_deq_fp32.safetensors")
     clip_sd = {k: v.to(torch.bfloat16).contiguous() for k, v in wm.clip_l_state_dict().items()}
     save_file(clip_sd, str(folder / names[0]))
     wm.write_scaled_fp8(folder / names[1], wm.t5_state_dict("t5_config_xxl.json", wm.T5XXL))

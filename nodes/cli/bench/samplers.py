@@ -145,8 +145,8 @@ def bench(quick: bool = False) -> list[Table]:
             for name in S.SAMPLER_NAMES:
                 ours = S.SAMPLER_FUNCTIONS[name]
                 model = _Denoiser()
-                run = lambda mode: ours(model, x.clone(), sigmas.clone(), extra_args={"seed": 1}, disable=True,  # noqa: E731
-                                        noise_mode=mode)
+                run = lambda mode: ours(model, x.clone(), sigmas.clone(),  # noqa: E731
+                                        extra_args={"seed": 1}, disable=True, noise_mode=mode)
                 for _ in range(1 if big else 2):
                     run("fast")  # warm-up: kernel self-check / compile, allocator, thread pool
                 fast = _time_per_step(lambda: run("fast"), steps, device, repeats)
@@ -154,8 +154,9 @@ def bench(quick: bool = False) -> list[Table]:
                     (fast if name not in NOISY else float("nan"))
                 if kds is not None:
                     theirs_fn = S.comfy_function(name)
-                    theirs = _time_per_step(lambda: theirs_fn(model, x.clone(), sigmas.clone(), extra_args={"seed": 1},
-                                                              disable=True), steps, device, repeats)
+                    theirs = _time_per_step(lambda: theirs_fn(model, x.clone(), sigmas.clone(),
+                                                              extra_args={"seed": 1}, disable=True),
+                                            steps, device, repeats)
                     ratio = f"{theirs / fast:.2f}x"
                 else:
                     theirs, ratio = why_not, "n/a"
