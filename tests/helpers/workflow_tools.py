@@ -288,6 +288,13 @@ def ui_from_api(prompt: dict, object_info: dict, notes: list[str] = (), titles: 
 
     for k in prompt:
         depth_of(k)
+    # A node without inputs (a loader, a noise or latent source) sits in the column just before its
+    # first consumer, not all in the first column: a shorter graph that fits the view at a larger scale.
+    for k in prompt:
+        if not deps(k):
+            consumers = [depth[c] for c in prompt if k in deps(c)]
+            if consumers:
+                depth[k] = max(0, min(consumers) - 1)
     order = sorted(prompt, key=lambda k: (depth[k], ids[k]))
     y_in_col: dict[int, int] = {}
     ui_nodes, links = [], []

@@ -335,9 +335,11 @@ def used_object_info(object_info: dict) -> dict:
 
 
 # The view a workflow opens with (its `extra.ds`): every node, Notes included, inside the part of a
-# 1280x720 window the frontend's canvas shows unhidden (below the menu bar and workflow tabs, right of
-# the sidebar's icon strip, above the bottom-right canvas controls), scaled down to fit, never up.
-VIEW_WINDOW = (1280, 720)
+# 1400x800 page (a browser window on a 1440x900 Mac screen) the frontend's canvas shows unhidden (below
+# the workflow tabs and the menu, right of the sidebar's icon strip, above the bottom-right canvas
+# controls), scaled down to fit, never up. On a Retina screen the frontend draws node text from a scale
+# of about 0.4 (LiteGraph's min_font_size_for_lod 8 / (14 px * sqrt(2))); every workflow here fits above it.
+VIEW_WINDOW = (1400, 800)
 VIEW_MARGINS = {"left": 64, "top": 100, "right": 24, "bottom": 72}
 TITLE_HEIGHT = 30      # LiteGraph.NODE_TITLE_HEIGHT: a node's title bar is drawn above its pos
 MAX_SCALE = 1.0
