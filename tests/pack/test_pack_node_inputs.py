@@ -60,9 +60,9 @@ def test_empty_model_lists_say_where_to_put_a_model_the_same_way():
                 opts = wt.combo_options(spec)
                 if len(opts) == 1 and models.is_placeholder(opts[0]):
                     entries[f"{node}.{name}"] = opts[0]
-    # the FP8 loaders and the MoE loader at least (GGUF loaders too once they are in the pack)
     assert {"MetalFP8ModelLoader.unet_name", "MetalFP8TextEncoderLoader.clip_name",
-            "MetalMoETextEncoderLoader.model"} <= set(entries), entries
+            "MetalMoETextEncoderLoader.model", "MetalGGUFModelLoader.unet_name", "MetalGGUFTextEncoderLoader.clip_name",
+            "MetalGGUFDualTextEncoderLoader.clip_name2"} <= set(entries), entries
     for key, entry in entries.items():
         assert entry.startswith("(put ") and "ComfyUI/models/" in entry and "press R" in entry, (key, entry)
     assert entries["MetalFP8ModelLoader.unet_name"] == models.empty_list_entry("diffusion_models")
