@@ -46,7 +46,7 @@ def test_inputs_were_found_for_every_node():
 
 def test_categories_use_one_casing_scheme():
     bad = {n: cls.CATEGORY for n, cls in NODE_CLASS_MAPPINGS.items()
-           if not cls.CATEGORY.startswith("Comfy Metal")
+           if cls.CATEGORY not in CATEGORIES
            or any(part[:1] != part[:1].upper() for part in cls.CATEGORY.split("/"))}
     assert not bad, f"categories must be 'Comfy Metal/<Capitalised>': {bad}"
 
