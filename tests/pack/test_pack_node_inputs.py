@@ -6,6 +6,9 @@ Iterates the pack's NODE_CLASS_MAPPINGS (nodes added later are covered without a
 lists come from a stand-in folder_paths with no files (workflow_tools.pack_object_info)."""
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 
 import workflow_tools as wt
@@ -51,7 +54,12 @@ def test_categories_use_one_casing_scheme():
     assert not bad, f"categories must be 'Comfy Metal/<Capitalised>': {bad}"
 
 
-def test_empty_model_lists_say_where_to_put_a_model_the_same_way():
+def test_empty_model_lists_say_where_to_put_a_model_the_same_way(monkeypatch):
+    # a folder_paths with no files, even where an earlier test imported ComfyUI's and placed models
+    empty = types.ModuleType("folder_paths")
+    empty.get_filename_list = lambda kind: []
+    empty.get_folder_paths = lambda kind: []
+    monkeypatch.setitem(sys.modules, "folder_paths", empty)
     info = wt.pack_object_info()
     entries = {}
     for node, node_info in info.items():
