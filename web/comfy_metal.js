@@ -5,19 +5,23 @@
 //    capability probe, each kernel's backend and why, the last node runs, and device memory in use
 //    against the recommended maximum (polled while a prompt runs);
 //  * the setting "Comfy Metal: force reference kernels" (POST /comfy_metal/settings, this server
-//    process only).
+//    process only), also as a switch in the tab;
+//  * the Comfy Metal Status node shows its report (its UI output) in a read-only text box.
 // Data: GET /comfy_metal/status, GET /comfy_metal/memory, websocket event "comfy_metal.backend".
 // ComfyUI's `app` and `api`: the frontend's documented globals (window.comfyAPI), else the legacy
 // /scripts/ modules (older frontends; newer ones serve them as shims of the same globals).
 import {
   BACKEND_EVENT, ROUTES, TextBadge, applyBackendRecord, applyStatusNodes, badgeFor,
   createBackendState, createPoller, isPackNode, memoryBarHTML, packNodeSet, recordForNode, renderStatusHTML,
+  reportText,
 } from "./lib/status_model.js";
 
 const { app } = globalThis.comfyAPI?.app ?? (await import("../../scripts/app.js"));
 const { api } = globalThis.comfyAPI?.api ?? (await import("../../scripts/api.js"));
 
 const SETTING_ID = "ComfyMetal.ForceReference";
+const STATUS_NODE = "MetalStatus";
+const STATUS_NODE_SIZE = [560, 380];   // wide enough for its title and the report's tables
 const state = createBackendState();
 let lastStatus = null;
 let lastMemory = null;
@@ -105,6 +109,13 @@ function injectStyle() {
     .comfy-metal-panel h4 { margin: 10px 0 4px; font-size: 12px; }
     .comfy-metal-table { border-collapse: collapse; width: 100%; table-layout: fixed; overflow-wrap: anywhere; }
     .comfy-metal-table td:last-child, .comfy-metal-table th:last-child { width: 38%; }
+    .comfy-metal-summary { font-weight: 600; margin: 4px 0 6px; }
+    .comfy-metal-switch { display: flex; gap: 6px; align-items: center; cursor: pointer; margin: 4px 0; }
+    .comfy-metal-group { margin: 4px 0 6px; }
+    .comfy-metal-group-head { display: flex; gap: 6px; align-items: baseline; flex-wrap: wrap; }
+    .comfy-metal-names { list-style: none; margin: 2px 0 0; padding: 0 0 0 8px; }
+    .comfy-metal-names li { margin: 1px 0; }
+    .comfy-metal-name { font-family: ui-monospace, Menlo, monospace; font-size: 11px; }
     .comfy-metal-small { font-size: 11px; }
     .comfy-metal-table td, .comfy-metal-table th { border-bottom: 1px solid rgba(127,127,127,.25); padding: 2px 4px; text-align: left; vertical-align: top; }
     .comfy-metal-chip { border-radius: 4px; padding: 0 5px; white-space: nowrap; }
@@ -129,6 +140,10 @@ function buildPanel(container) {
       <strong style="flex:1">Comfy Metal</strong><button class="comfy-metal-refresh">Refresh</button></div>
     <div class="comfy-metal-body"></div>`;
   el.querySelector(".comfy-metal-refresh").addEventListener("click", () => refreshStatus());
+  // the force-reference switch (re-rendered with the body): the same setting as in Settings
+  el.addEventListener("change", (event) => {
+    if (event.target?.classList?.contains("comfy-metal-force")) setForceReference(!!event.target.checked);
+  });
   container.appendChild(el);
   panels.add(el);
   renderPanels();
@@ -172,6 +187,55 @@ function attachBadge(node) {
   };
 }
 
+// From the tab's switch: through ComfyUI's setting (its onChange posts it, and Settings shows it), or
+// straight to the route on frontends without the settings API.
+async function setForceReference(value) {
+  const settings = app.extensionManager?.setting;
+  if (typeof settings?.set === "function" && typeof settings?.get === "function") {
+    if (settings.get(SETTING_ID) !== value) {
+      await settings.set(SETTING_ID, value);
+      return;
+    }
+  }
+  await postForceReference(value);
+}
+
+// The status node: a read-only text box that shows the report of its last run.
+function reportWidget(node) {
+  let widget = node.widgets?.find((w) => w.name === "report");
+  if (widget) return widget;
+  const ComfyWidgets = globalThis.comfyAPI?.widgets?.ComfyWidgets;
+  if (typeof ComfyWidgets?.STRING !== "function") return null;
+  widget = ComfyWidgets.STRING(node, "report", ["STRING", { multiline: true }], app).widget;
+  const el = widget.inputEl ?? widget.element;
+  if (el) {
+    el.readOnly = true;
+    el.placeholder = "Queue this node to see which kernels run on Metal here, and why.";
+    Object.assign(el.style, { fontFamily: "ui-monospace, Menlo, monospace", fontSize: "10px", whiteSpace: "pre" });
+  }
+  widget.serialize = false;                       // not saved in the workflow,
+  if (widget.options) widget.options.serialize = false;   // nor sent as an input of the prompt
+  return widget;
+}
+
+function setupStatusNode(nodeType) {
+  const onNodeCreated = nodeType.prototype.onNodeCreated;
+  nodeType.prototype.onNodeCreated = function (...args) {
+    const r = onNodeCreated?.apply(this, args);
+    reportWidget(this);
+    this.setSize?.([Math.max(this.size?.[0] ?? 0, STATUS_NODE_SIZE[0]), Math.max(this.size?.[1] ?? 0, STATUS_NODE_SIZE[1])]);
+    return r;
+  };
+  const onExecuted = nodeType.prototype.onExecuted;
+  nodeType.prototype.onExecuted = function (output, ...rest) {
+    const r = onExecuted?.apply(this, [output, ...rest]);
+    const widget = reportWidget(this);
+    if (widget) widget.value = reportText(output);
+    redrawCanvas();
+    return r;
+  };
+}
+
 async function postForceReference(value) {
   try {
     const body = await getJSON(ROUTES.settings, {
@@ -205,6 +269,10 @@ app.registerExtension({
       },
     },
   ],
+
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (nodeData?.name === STATUS_NODE) setupStatusNode(nodeType);
+  },
 
   async setup() {
     api.addEventListener(BACKEND_EVENT, (event) => {

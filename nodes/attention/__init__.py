@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 class MetalAttention:
-    CATEGORY = "Comfy Metal/attention"
+    CATEGORY = "Comfy Metal/Attention"
     FUNCTION = "patch"
     RETURN_TYPES = ("MODEL",)
     DESCRIPTION = ("Runs the model's attention through Comfy Metal's fused flash-attention kernel on Apple GPUs: "

@@ -2,6 +2,7 @@
 
 comfyui.py  finding a ComfyUI outside ComfyUI (run, benches, the test harness) and the pack's own folder
 memory.py   peak process memory (VmHWM, or an RSS sampler)
+models.py   the loaders' model lists and what an empty one says (one wording for every loader)
 quality.py  PSNR
 report.py   the plain-text tables of doctor and bench
 syncs.py    counting host syncs (benches and tests)

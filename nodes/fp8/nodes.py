@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 
+from ..common.models import filename_list, model_choices, require_model
 from .loader import COMPUTE_DTYPES, WEIGHT_MODES, _clip_types, load_diffusion_model, load_text_encoder, save_model
 
 log = logging.getLogger("comfy_metal")
@@ -52,14 +53,18 @@ def with_attention(model, option: str = "auto"):
 class MetalFP8ModelLoader:
     @classmethod
     def INPUT_TYPES(cls):
-        import folder_paths
-
         return {"required": {
-            "unet_name": (folder_paths.get_filename_list("diffusion_models"),),
+            "unet_name": (model_choices("diffusion_models", filename_list("diffusion_models")), {"tooltip":
+                          "The diffusion model file (from ComfyUI/models/diffusion_models/): FP8 files keep their "
+                          "weights at 1 byte each; bf16/fp16/fp32 files load as they are unless weight_mode "
+                          "quantizes them."}),
             "weight_mode": (WEIGHT_MODES, {"default": "auto", "tooltip":
                             "auto: FP8 weights stay FP8, others as in the file. e4m3fn tensorwise/rowwise: also "
                             "quantize bf16/fp16/fp32 Linear weights (norms, embeddings, first/last layers stay)."}),
-            "compute_dtype": (list(COMPUTE_DTYPES), {"default": "auto"}),
+            "compute_dtype": (list(COMPUTE_DTYPES), {"default": "auto", "tooltip":
+                              "The dtype activations are computed in (FP8 weights are widened to it inside each "
+                              "layer). auto: the dtype ComfyUI picks for this model on this device (bf16 on Apple "
+                              "GPUs)."}),
         }, "optional": {
             "attention": (list(ATTENTION_OPTIONS), {"default": "auto", "tooltip":
                           "auto: on Apple GPUs the model's attention goes through the Metal Attention dispatch "
@@ -70,7 +75,7 @@ class MetalFP8ModelLoader:
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "load"
-    CATEGORY = "Comfy Metal/loaders"
+    CATEGORY = "Comfy Metal/Loaders"
     DESCRIPTION = "Loads a diffusion model keeping FP8 weights at 1 byte each (Metal FP8 kernels on Apple GPUs)."
 
     def load(self, unet_name, weight_mode="auto", compute_dtype="auto", attention="auto"):
@@ -78,7 +83,8 @@ class MetalFP8ModelLoader:
 
         if attention not in ATTENTION_OPTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_OPTIONS)}, got {attention!r}")
-        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        path = folder_paths.get_full_path_or_raise(
+            "diffusion_models", require_model("MetalFP8ModelLoader", "unet_name", unet_name))
         model = load_diffusion_model(path, weight_mode, compute_dtype)
         model = with_attention(model, attention)
         # Quantizing on load encodes (and decodes, for the error summary); an FP8 file loads as is.
@@ -89,25 +95,29 @@ class MetalFP8ModelLoader:
 class MetalFP8TextEncoderLoader:
     @classmethod
     def INPUT_TYPES(cls):
-        import folder_paths
-
         from ...metal_kernels.probe import mps_available
 
         return {"required": {
-            "clip_name": (folder_paths.get_filename_list("text_encoders"),),
-            "type": (_clip_types(),),
-            "device": (["gpu", "cpu"], {"default": "gpu" if mps_available() else "cpu"}),
+            "clip_name": (model_choices("text_encoders", filename_list("text_encoders")), {"tooltip":
+                          "The text encoder file (from ComfyUI/models/text_encoders/); FP8 weights stay 1 byte "
+                          "each."}),
+            "type": (_clip_types(), {"tooltip": "Which model family the text encoder is for (as in ComfyUI's "
+                                                "Load CLIP: flux, wan, sd3, ...); sets its tokenizer and layout."}),
+            "device": (["gpu", "cpu"], {"default": "gpu" if mps_available() else "cpu", "tooltip":
+                       "gpu: run the text encoder on ComfyUI's GPU (the Apple GPU on a Mac; the default there). "
+                       "cpu: keep it on the CPU (ComfyUI's own choice for text encoders on Macs)."}),
         }}
 
     RETURN_TYPES = ("CLIP",)
     FUNCTION = "load"
-    CATEGORY = "Comfy Metal/loaders"
+    CATEGORY = "Comfy Metal/Loaders"
     DESCRIPTION = "Loads a text encoder keeping FP8 weights at 1 byte each; on Macs it runs on the GPU by default."
 
     def load(self, clip_name, type="stable_diffusion", device="gpu"):
         import folder_paths
 
-        path = folder_paths.get_full_path_or_raise("text_encoders", clip_name)
+        path = folder_paths.get_full_path_or_raise(
+            "text_encoders", require_model("MetalFP8TextEncoderLoader", "clip_name", clip_name))
         clip = load_text_encoder(path, type, device)
         _record("MetalFP8TextEncoderLoader", [])
         return (clip,)
@@ -130,27 +140,33 @@ def _multi_text_encoder_loader(n: int, core: str, sets: str):
     class Loader:
         @classmethod
         def INPUT_TYPES(cls):
-            import folder_paths
-
             from ...metal_kernels.probe import mps_available
 
-            files = folder_paths.get_filename_list("text_encoders")
-            inputs = {f"clip_name{i}": (files,) for i in range(1, n + 1)}
+            files = model_choices("text_encoders", filename_list("text_encoders"))
+            inputs = {f"clip_name{i}": (files, {"tooltip": f"Text encoder file {i} of {n} (from ComfyUI/models/"
+                                                         "text_encoders/), FP8 or bf16/fp16; FP8 weights stay "
+                                                         "1 byte each."})
+                      for i in range(1, n + 1)}
             if n == 2:
-                inputs["type"] = (_dual_clip_types(),)
-            inputs["device"] = (["gpu", "cpu"], {"default": "gpu" if mps_available() else "cpu"})
+                inputs["type"] = (_dual_clip_types(), {"tooltip": "Which model family the pair is for (as in "
+                                                                  "ComfyUI's DualCLIPLoader: flux, sdxl, sd3, "
+                                                                  "hunyuan_video, ...)."})
+            inputs["device"] = (["gpu", "cpu"], {"default": "gpu" if mps_available() else "cpu", "tooltip":
+                                "gpu: run the text encoders on ComfyUI's GPU (the Apple GPU on a Mac; the default "
+                                "there). cpu: keep them on the CPU (ComfyUI's own choice on Macs)."})
             return {"required": inputs}
 
         RETURN_TYPES = ("CLIP",)
         FUNCTION = "load"
-        CATEGORY = "Comfy Metal/loaders"
+        CATEGORY = "Comfy Metal/Loaders"
         DESCRIPTION = (f"Loads {n} text encoders as one CLIP, like ComfyUI's {core} ({sets}), keeping FP8 weights "
                        "at 1 byte each (FP8 and bf16 files can be mixed); on Macs it runs on the GPU by default.")
 
         def load(self, device="gpu", type="stable_diffusion", **clip_names):
             import folder_paths
 
-            names = [clip_names[f"clip_name{i}"] for i in range(1, n + 1)]
+            names = [require_model(Loader.__name__, f"clip_name{i}", clip_names[f"clip_name{i}"])
+                     for i in range(1, n + 1)]
             paths = [folder_paths.get_full_path_or_raise("text_encoders", name) for name in names]
             clip = load_text_encoder(paths, type, device)
             _record(Loader.__name__, [])
@@ -170,17 +186,21 @@ class MetalFP8SaveModel:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": ("MODEL",),
-            "filename": ("STRING", {"default": "model_fp8_e4m3fn"}),
+            "model": ("MODEL", {"tooltip": "The model to save; its FP8 layers are written as they are."}),
+            "filename": ("STRING", {"default": "model_fp8_e4m3fn", "tooltip":
+                         "File name inside ComfyUI/models/diffusion_models/ (.safetensors is added); no folders "
+                         "outside it."}),
             "quantize_mode": (WEIGHT_MODES[1:], {"default": "e4m3fn tensorwise", "tooltip":
-                              "for models without FP8 layers: how to quantize their Linear weights"}),
-            "overwrite": ("BOOLEAN", {"default": False}),
+                              "For models without FP8 layers: how to quantize their Linear weights (tensorwise: "
+                              "one scale per weight; rowwise: one scale per output row, more accurate)."}),
+            "overwrite": ("BOOLEAN", {"default": False, "tooltip":
+                          "Off: refuse to replace an existing file of that name. On: replace it (atomic write)."}),
         }}
 
     RETURN_TYPES = ()
     FUNCTION = "save"
     OUTPUT_NODE = True
-    CATEGORY = "Comfy Metal/loaders"
+    CATEGORY = "Comfy Metal/Loaders"
     DESCRIPTION = "Saves a MODEL with FP8 weights to diffusion_models in ComfyUI's comfy_quant format (atomic write)."
 
     def save(self, model, filename, quantize_mode="e4m3fn tensorwise", overwrite=False):

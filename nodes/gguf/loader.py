@@ -16,6 +16,7 @@ import torch
 
 from ..fp8.loader import (COMPUTE_DTYPES, FP8LoadError, _call_with_supported, _clip_types, _resolve_compute_dtype,
                           _wrap_errors)
+from ..common.models import model_choices, require_model
 from ..fp8.nodes import _record
 from ..fp8.ops import wrap_patcher
 from .ops import RUN_KERNELS, GGUFTensor, gguf_modules, make_gguf_ops, weight_bytes
@@ -49,7 +50,7 @@ def _gguf_path(kind: str, name: str) -> str:
     import folder_paths
 
     register_gguf_folders()
-    return folder_paths.get_full_path_or_raise(kind, name)
+    return folder_paths.get_full_path_or_raise(kind, require_model("GGUF loader", kind.replace("_gguf", ""), name))
 
 
 def _log_loaded(name, patcher_model, t0):
@@ -178,8 +179,9 @@ def _text_encoder_files() -> list[str]:
     import folder_paths
 
     register_gguf_folders()
-    return sorted(set(folder_paths.get_filename_list("text_encoders_gguf"))
-                  | set(folder_paths.get_filename_list("text_encoders")))
+    return model_choices("text_encoders", sorted(set(folder_paths.get_filename_list("text_encoders_gguf"))
+                                                 | set(folder_paths.get_filename_list("text_encoders"))),
+                         "a .gguf (or .safetensors) text encoder")
 
 
 def _dual_clip_types() -> list[str]:
@@ -204,7 +206,8 @@ def _te_path(name: str) -> str:
 
     if name.lower().endswith(".gguf"):
         return _gguf_path("text_encoders_gguf", name)
-    return folder_paths.get_full_path_or_raise("text_encoders", name)
+    return folder_paths.get_full_path_or_raise("text_encoders", require_model("GGUF text encoder loader",
+                                                                              "clip_name", name))
 
 
 class MetalGGUFModelLoader:
@@ -214,7 +217,8 @@ class MetalGGUFModelLoader:
 
         register_gguf_folders()
         return {"required": {
-            "unet_name": (folder_paths.get_filename_list("diffusion_models_gguf"), {"tooltip":
+            "unet_name": (model_choices("diffusion_models", folder_paths.get_filename_list("diffusion_models_gguf"),
+                                        "a .gguf diffusion model"), {"tooltip":
                           ".gguf diffusion model in models/diffusion_models or models/unet (the files ComfyUI-GGUF "
                           "loads: Flux, SD3.5, Wan, HunyuanVideo, Qwen-Image, LTX ...)"}),
             "compute_dtype": (list(COMPUTE_DTYPES), {"default": "auto", "tooltip": _DTYPE_TIP}),
@@ -222,7 +226,7 @@ class MetalGGUFModelLoader:
 
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "load"
-    CATEGORY = "Comfy Metal/loaders"
+    CATEGORY = "Comfy Metal/Loaders"
     DESCRIPTION = ("Loads a GGUF diffusion model keeping its weights quantised (Q8_0 ... Q2_K) in memory; Metal "
                    "kernels dequantise each layer at forward time on Apple GPUs.")
 
@@ -245,7 +249,7 @@ class MetalGGUFTextEncoderLoader:
 
     RETURN_TYPES = ("CLIP",)
     FUNCTION = "load"
-    CATEGORY = "Comfy Metal/loaders"
+    CATEGORY = "Comfy Metal/Loaders"
     DESCRIPTION = "Loads a GGUF text encoder keeping its weights quantised; on Macs it runs on the GPU by default."
 
     def load(self, clip_name, type="stable_diffusion", device="gpu"):
@@ -267,7 +271,7 @@ class MetalGGUFDualTextEncoderLoader:
 
     RETURN_TYPES = ("CLIP",)
     FUNCTION = "load"
-    CATEGORY = "Comfy Metal/loaders"
+    CATEGORY = "Comfy Metal/Loaders"
     DESCRIPTION = "Loads two text encoders (GGUF or not) as one CLIP, GGUF weights kept quantised."
 
     def load(self, clip_name1, clip_name2, type="flux", device="gpu"):
@@ -291,7 +295,7 @@ def _multi_loader(n: int, label: str):
 
         RETURN_TYPES = ("CLIP",)
         FUNCTION = "load"
-        CATEGORY = "Comfy Metal/loaders"
+        CATEGORY = "Comfy Metal/Loaders"
         DESCRIPTION = (f"Loads {n} text encoders (GGUF or not) as one CLIP ({label}), GGUF weights kept "
                        f"quantised; ComfyUI detects the family from the files.")
 

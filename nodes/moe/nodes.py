@@ -3,15 +3,19 @@
 The CLIP the loader returns is built in encoder.py; the experts patch is experts_patch.py."""
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import pathlib
 import re
+import threading
+import weakref
 
 import torch
 
 from . import qwen3 as qwen3_moe
 
+from ..common.models import is_placeholder, model_choices
 from .encoder import layer_capture, make_clip, recording_kernels, resolve_device, resolve_dtype, underlying_moe
 
 log = logging.getLogger("comfy_metal")
@@ -51,6 +55,53 @@ def _resolve_model_path(name: str) -> str:
     return p
 
 
+MODEL_WHAT = "a model folder (config.json + tokenizer.json) or a .safetensors file"
+
+
+# ------------------------------------------------------------------------- enhanced-text cache
+
+def enhance_key(prompt, system_prompt, max_new_tokens, temperature, top_p, seed) -> tuple:
+    """What the enhancer's text depends on besides the model. Greedy (temperature 0) ignores top_p and
+    the seed, so they are not part of the key then: a new seed does not regenerate."""
+    if temperature <= 0:
+        return (prompt, system_prompt, int(max_new_tokens), 0.0, None, None)
+    return (prompt, system_prompt, int(max_new_tokens), float(temperature), float(top_p), int(seed))
+
+
+class EnhancedTextCache:
+    """A small LRU of enhanced texts keyed on (model object, enhance_key). ComfyUI's own cache already
+    skips the node when no input changed; this one also covers what ComfyUI cannot know (a new seed at
+    temperature 0, or the same prompt again after other prompts). A model that is freed drops its
+    entries (a new model object never matches an old one's)."""
+
+    def __init__(self, size: int = 16):
+        self.size = size
+        self._items: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, model, key):
+        with self._lock:
+            hit = self._items.get((id(model), key))
+            if hit is None or hit[0]() is not model:
+                return None
+            self._items.move_to_end((id(model), key))
+            return hit[1]
+
+    def put(self, model, key, text: str) -> None:
+        with self._lock:
+            self._items[(id(model), key)] = (weakref.ref(model), text)
+            self._items.move_to_end((id(model), key))
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+ENHANCED = EnhancedTextCache()
+
+
 class MetalMoETextEncoderLoader:
     CATEGORY = "Comfy Metal/MoE"
     FUNCTION = "load"
@@ -63,9 +114,16 @@ class MetalMoETextEncoderLoader:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "model": (_model_choices() or ["(put a model folder or .safetensors in models/text_encoders)"],),
-                "device": (["gpu", "cpu"], {"default": "gpu"}),
-                "dtype": (["auto", "bf16", "fp16", "fp32"], {"default": "auto"}),
+                "model": (model_choices("text_encoders", _model_choices(), MODEL_WHAT), {"tooltip":
+                          "A Qwen3-MoE / Qwen2-MoE model in ComfyUI/models/text_encoders/: a Hugging Face folder "
+                          "(config.json + tokenizer.json + safetensors, listed with a trailing /) or one "
+                          ".safetensors file."}),
+                "device": (["gpu", "cpu"], {"default": "gpu", "tooltip":
+                           "gpu: ComfyUI's GPU (the Apple GPU on a Mac), where the experts run without host "
+                           "syncs. cpu: the CPU (slow; for machines without a GPU)."}),
+                "dtype": (["auto", "bf16", "fp16", "fp32"], {"default": "auto", "tooltip":
+                          "The dtype of the non-FP8 weights and the activations. auto: bf16 on a GPU, fp32 on the "
+                          "CPU. FP8 weights stay FP8 either way."}),
                 "layer": ("INT", {"default": -1, "min": -256, "max": 255,
                                   "tooltip": "-1: final normed hidden state; -2: output of the second-to-last layer; "
                                              ">= 0: output of that layer"}),
@@ -73,12 +131,16 @@ class MetalMoETextEncoderLoader:
                                                "tooltip": "chat: wrap the prompt in the model's chat template"}),
             },
             "optional": {
-                "system_prompt": ("STRING", {"default": "", "multiline": True}),
-                "path": ("STRING", {"default": "", "tooltip": "absolute path overriding `model`"}),
+                "system_prompt": ("STRING", {"default": "", "multiline": True, "tooltip":
+                                  "template chat only: the system message put before every prompt (empty: none)."}),
+                "path": ("STRING", {"default": "", "tooltip": "An absolute path (folder or .safetensors) that "
+                                    "overrides `model`; empty: use `model`."}),
             },
         }
 
     def load(self, model, device="gpu", dtype="auto", layer=-1, template="raw", system_prompt="", path=""):
+        if not path.strip() and is_placeholder(model):
+            raise ValueError(f"MetalMoETextEncoderLoader: no model chosen: {model[1:-1]}")
         where = path.strip() or _resolve_model_path(model)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
@@ -101,19 +163,42 @@ class MetalPromptEnhancer:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "clip": ("CLIP",),
-                "prompt": ("STRING", {"multiline": True, "default": ""}),
+                "clip": ("CLIP", {"tooltip": "The CLIP of a Load MoE Text Encoder (Metal) node: its language "
+                                             "model writes the text."}),
+                "prompt": ("STRING", {"multiline": True, "default": "", "tooltip":
+                           "The short prompt to enhance (the user message)."}),
                 "system_prompt": ("STRING", {"multiline": True, "default":
-                    "Rewrite the user's image prompt into one detailed, vivid description. Reply with the prompt only."}),
-                "max_new_tokens": ("INT", {"default": 128, "min": 1, "max": 4096}),
-                "temperature": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 4.0, "step": 0.05}),
-                "top_p": ("FLOAT", {"default": 0.9, "min": 0.01, "max": 1.0, "step": 0.01}),
-                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF}),
+                    "Rewrite the user's image prompt into one detailed, vivid description. Reply with the prompt only.",
+                    "tooltip": "The instruction the model follows (the system message)."}),
+                "max_new_tokens": ("INT", {"default": 128, "min": 1, "max": 4096, "tooltip":
+                                   "At most this many tokens are generated (about 3/4 of a word each); it stops "
+                                   "earlier at the model's end of text."}),
+                "temperature": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 4.0, "step": 0.05, "tooltip":
+                                "0 = greedy: always the most likely token, the same text every run (seed unused). "
+                                "> 0: sample, higher = more varied."}),
+                "top_p": ("FLOAT", {"default": 0.9, "min": 0.01, "max": 1.0, "step": 0.01, "tooltip":
+                          "temperature > 0 only: sample from the smallest set of tokens whose probabilities add "
+                          "up to top_p (1 = all tokens). Unused at temperature 0."}),
+                "seed": ("INT", {"default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF,
+                                 "control_after_generate": "fixed", "tooltip":
+                                 "temperature > 0 only: the sampling seed (same seed, same text). Unused at "
+                                 "temperature 0 (greedy)."}),
             }
         }
 
     def enhance(self, clip, prompt, system_prompt="", max_new_tokens=128, temperature=0.0, top_p=0.9, seed=0):
         lm, tok = underlying_moe(clip)
+        key = enhance_key(prompt, system_prompt, max_new_tokens, temperature, top_p, seed)
+        cached = ENHANCED.get(lm, key)
+        if cached is not None:
+            log.info("comfy_metal: MetalPromptEnhancer: same model, prompt and settings as a recent run: "
+                     "its text reused (no generation)")
+            return (cached,)
+        text = self._generate(clip, lm, tok, prompt, system_prompt, max_new_tokens, temperature, top_p, seed)
+        ENHANCED.put(lm, key, text)
+        return (text,)
+
+    def _generate(self, clip, lm, tok, prompt, system_prompt, max_new_tokens, temperature, top_p, seed):
         if hasattr(clip, "load_model"):
             clip.load_model()                          # ComfyUI: put the model on its load device
         text = tok.tokenizer.apply_chat_template(prompt, system_prompt or None)
@@ -135,7 +220,7 @@ class MetalPromptEnhancer:
                               on_token=(lambda i, t: progress.update(1)) if progress is not None else None)
         text = tok.tokenizer.decode(out, skip_special_tokens=True)
         text = re.sub(r"<think>.*?(</think>|$)", "", text, flags=re.S)   # Qwen3 reasoning blocks, if any
-        return (text.strip(),)
+        return text.strip()
 
 
 class MetalMoEExpertsPatch:
@@ -147,8 +232,9 @@ class MetalMoEExpertsPatch:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"clip": ("CLIP",),
-                             "device": (["keep", "gpu"], {"default": "keep", "tooltip":
+        return {"required": {"clip": ("CLIP", {"tooltip": "A CLIP from ComfyUI's own loaders with an MoE text "
+                                                         "encoder (GPT-OSS / Lens); other CLIPs pass through."}),
+                             "device": (["keep", "gpu"], {"default": "keep", "tooltip": "keep: where ComfyUI put it; "
                                         "gpu: run this text encoder on the GPU (ComfyUI keeps text encoders "
                                         "on the CPU on Macs)"})}}
 

@@ -55,19 +55,23 @@ class MetalSamplerSelect:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "sampler_name": (list(SAMPLER_NAMES), {"tooltip": "ComfyUI's sampler of the same name, fused kernels"}),
+            "sampler_name": (list(SAMPLER_NAMES), {"tooltip": "ComfyUI's sampler of the same name, each step one fused Metal "
+                             "kernel (same maths; the KSampler list has them as <name>_metal too)"}),
             "noise_mode": (list(NOISE_CHOICES), {"default": "auto", "tooltip":
                            "auto: fast on Apple GPUs (MPS), exact on CPU/CUDA (faster there); fast: device-side "
                            "Brownian/i.i.d. noise, no host syncs; exact: ComfyUI's own noise sampler (results "
                            "identical to ComfyUI's sampler)"}),
             "eta": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.01,
-                              "tooltip": "ancestral / SDE noise amount (samplers that take eta)"}),
-            "s_noise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.01}),
+                              "tooltip": "Ancestral / SDE samplers: how much fresh noise each step adds (1 = "
+                                         "the sampler's standard amount, 0 = none: deterministic). Others ignore it."}),
+            "s_noise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 100.0, "step": 0.01,
+                                  "tooltip": "Scale of the added noise (multiplies the noise eta asks for; 1 = "
+                                             "unscaled, 0 = no noise). Samplers that add no noise ignore it."}),
         }}
 
     RETURN_TYPES = ("SAMPLER",)
     FUNCTION = "get_sampler"
-    CATEGORY = "Comfy Metal/sampling"
+    CATEGORY = "Comfy Metal/Sampling"
     DESCRIPTION = "ComfyUI's samplers with one fused Metal kernel per step and no host sync in the loop."
 
     def get_sampler(self, sampler_name, noise_mode="auto", eta=1.0, s_noise=1.0):

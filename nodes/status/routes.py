@@ -112,7 +112,9 @@ def status_payload() -> dict:
         "capabilities": status["capabilities"],
         "backend_setting": status["backend_setting"],
         "force_reference": force_reference_enabled(),
-        "kernels": {name: {"backend": k["backend"], "reason": k["reason"], "device": k["device"]}
+        # `source` (the .metal file) groups the kernels by capability in the Metal tab
+        "kernels": {name: {"backend": k["backend"], "reason": k["reason"], "device": k["device"],
+                           "source": k.get("source")}
                     for name, k in status["kernels"].items()},
         "last_backend": dict(dispatch.last_backend),
         "measured": dispatch.measured_records(),

@@ -101,7 +101,10 @@ VAE_KERNELS = tuple(name for name in REGISTRY if name.startswith("vae_"))
 class MetalVAEDecodeTiled:
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"samples": ("LATENT",), "vae": ("VAE",), **_common_inputs()}}
+        return {"required": {
+            "samples": ("LATENT", {"tooltip": "The latent to decode (image or video)."}),
+            "vae": ("VAE", {"tooltip": "The VAE from a VAE loader; its own decoder runs tile by tile."}),
+            **_common_inputs()}}
 
     RETURN_TYPES = ("IMAGE",)
     FUNCTION = "decode"
@@ -163,7 +166,10 @@ class MetalVAEDecodeTiled:
 class MetalVAEEncodeTiled:
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"pixels": ("IMAGE",), "vae": ("VAE",), **_common_inputs()}}
+        return {"required": {
+            "pixels": ("IMAGE", {"tooltip": "The image (or video frames) to encode."}),
+            "vae": ("VAE", {"tooltip": "The VAE from a VAE loader; its own encoder runs tile by tile."}),
+            **_common_inputs()}}
 
     RETURN_TYPES = ("LATENT",)
     FUNCTION = "encode"

@@ -545,8 +545,8 @@ def test_quantize_file_carries_metadata(tmp_path):
 
 
 def test_fp8_nodes_category():
-    """The FP8 nodes sit with the pack's other nodes in the node library, under Comfy Metal/loaders."""
+    """The FP8 nodes sit with the pack's other nodes in the node library, under Comfy Metal/Loaders."""
     assert set(fp8_nodes.NODE_CLASS_MAPPINGS) == {"MetalFP8ModelLoader", "MetalFP8TextEncoderLoader",
                                                    "MetalFP8DualTextEncoderLoader", "MetalFP8TripleTextEncoderLoader",
                                                    "MetalFP8QuadrupleTextEncoderLoader", "MetalFP8SaveModel"}
-    assert {cls.CATEGORY for cls in fp8_nodes.NODE_CLASS_MAPPINGS.values()} == {"Comfy Metal/loaders"}
+    assert {cls.CATEGORY for cls in fp8_nodes.NODE_CLASS_MAPPINGS.values()} == {"Comfy Metal/Loaders"}

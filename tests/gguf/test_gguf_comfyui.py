@@ -418,7 +418,7 @@ def test_every_gguf_node_has_tooltips_and_the_loaders_category(comfyui):
                                "MetalGGUFTripleTextEncoderLoader", "MetalGGUFQuadrupleTextEncoderLoader"}
     info = comfyui.object_info()
     for name, cls in gguf_nodes.items():
-        assert cls.CATEGORY == "Comfy Metal/loaders" and name in info
+        assert cls.CATEGORY == "Comfy Metal/Loaders" and name in info
         for spec in cls.INPUT_TYPES()["required"].values():
             assert spec[1].get("tooltip"), (name, spec)
 

@@ -89,9 +89,13 @@ def widget_inputs(info: dict) -> list[tuple[str, tuple, bool]]:
     return [(n, s, r) for n, s, r in ordered_inputs(info) if input_kind(s) in WIDGET_TYPES]
 
 
-def has_control_after_generate(spec) -> bool:
+def has_control_after_generate(spec, name: str | None = None) -> bool:
+    """The frontend adds a "control after generate" widget (its value follows in widgets_values) when the
+    spec asks for one (True or the default mode, e.g. "fixed"), and to every INT named seed / noise_seed."""
     opts = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
-    return bool(opts.get("control_after_generate"))
+    if "control_after_generate" in opts:
+        return bool(opts["control_after_generate"])
+    return input_kind(spec) == "INT" and name in ("seed", "noise_seed")
 
 
 def check_value(node: str, name: str, spec, value, allow_missing_files: bool) -> list[str]:
@@ -152,7 +156,7 @@ def validate_ui(workflow: dict, object_info: dict, allow_missing_files: bool = T
                 break
             problems += check_value(f"{n['id']} ({t})", name, spec, values[i], allow_missing_files)
             i += 1
-            if has_control_after_generate(spec):
+            if has_control_after_generate(spec, name):
                 if i < len(values) and values[i] in ("fixed", "increment", "decrement", "randomize"):
                     i += 1
         if i < len(values):
@@ -256,7 +260,7 @@ def api_from_ui(workflow: dict, object_info: dict) -> dict:
             if i < len(values):
                 inputs[name] = values[i]
             i += 1
-            if has_control_after_generate(spec) and i < len(values) and values[i] in ("fixed", "increment", "decrement", "randomize"):
+            if has_control_after_generate(spec, name) and i < len(values) and values[i] in ("fixed", "increment", "decrement", "randomize"):
                 i += 1
         for inp in n.get("inputs", []):
             if inp.get("link") is not None:
@@ -284,6 +288,13 @@ def ui_from_api(prompt: dict, object_info: dict, notes: list[str] = (), titles: 
 
     for k in prompt:
         depth_of(k)
+    # A node without inputs (a loader, a noise or latent source) sits in the column just before its
+    # first consumer, not all in the first column: a shorter graph that fits the view at a larger scale.
+    for k in prompt:
+        if not deps(k):
+            consumers = [depth[c] for c in prompt if k in deps(c)]
+            if consumers:
+                depth[k] = max(0, min(consumers) - 1)
     order = sorted(prompt, key=lambda k: (depth[k], ids[k]))
     y_in_col: dict[int, int] = {}
     ui_nodes, links = [], []
@@ -316,7 +327,7 @@ def ui_from_api(prompt: dict, object_info: dict, notes: list[str] = (), titles: 
                 elif default is None:  # the frontend keeps a value of the widget's type for a linked widget
                     default = {"INT": 0, "FLOAT": 0.0, "STRING": "", "BOOLEAN": False}.get(kind)
                 n["widgets_values"].append(default if linked or value is None else value)
-                if has_control_after_generate(spec):
+                if has_control_after_generate(spec, name):
                     n["widgets_values"].append("fixed")
             elif name in node["inputs"] or _required(info, name):
                 n["inputs"].append({"name": name, "type": kind, "link": None})
@@ -338,13 +349,15 @@ def ui_from_api(prompt: dict, object_info: dict, notes: list[str] = (), titles: 
                 links.append([link_id, src["id"], value[1], n["id"], slot, ltype])
     next_id = max(by_id) + 1 if by_id else 1
     for i, text in enumerate(notes):
-        ui_nodes.append({"id": next_id + i, "type": "Note", "pos": [80, -260 - 240 * i], "size": [700, 220],
+        # side by side in a row above the graph (graphs are wider than tall: the fitted view stays larger)
+        ui_nodes.append({"id": next_id + i, "type": "Note", "pos": [80 + 740 * i, -260], "size": [700, 220],
                          "flags": {}, "order": len(ui_nodes), "mode": 0, "inputs": [], "outputs": [],
                          "properties": {}, "widgets_values": [text], "color": "#432", "bgcolor": "#653"})
     return {"last_node_id": max(n["id"] for n in ui_nodes) if ui_nodes else 0, "last_link_id": link_id,
             "nodes": ui_nodes, "links": links, "groups": [], "config": {},
-            # the initial view shows the Note nodes (stacked above the graph) and the first rows of nodes
-            "extra": {"ds": {"scale": 0.8, "offset": [0, 330 + 240 * max(len(notes) - 1, 0)]}},
+            # the initial view shows the Note nodes (in a row above the graph) and the first rows of nodes;
+            # tests/tools/build_workflows.py replaces it with a view fitted to all nodes
+            "extra": {"ds": {"scale": 0.8, "offset": [0, 330]}},
             "version": 0.4}
 
 

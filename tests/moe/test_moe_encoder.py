@@ -68,8 +68,36 @@ def test_chat_template_and_prompt_enhancer_match_transformers_greedy(tiny):
     assert text == tok.decode(want, skip_special_tokens=True).strip()
     assert text
     (sampled,) = moe_encoder.MetalPromptEnhancer().enhance(clip, "a cat", "", 12, 1.0, 0.9, 5)
+    moe_encoder.ENHANCED.clear()                      # the same seed samples the same text, not a cache hit
     (again,) = moe_encoder.MetalPromptEnhancer().enhance(clip, "a cat", "", 12, 1.0, 0.9, 5)
     assert sampled == again
+
+
+def test_prompt_enhancer_reuses_text_for_same_model_prompt_and_settings(tiny, monkeypatch):
+    """Greedy: a new seed (or top_p) gives the cached text without generating; a new prompt, token budget,
+    temperature > 0 with a new seed, or another model object generates. The seed widget defaults to
+    "fixed" (ComfyUI's control_after_generate), so ComfyUI's own cache is not defeated either."""
+    folder, _ = tiny
+    (clip,) = moe_encoder.MetalMoETextEncoderLoader().load("", device="cpu", dtype="fp32", path=str(folder))
+    lm, _ = moe_clip.underlying_moe(clip)
+    calls = []
+    real = type(lm).generate
+    monkeypatch.setattr(type(lm), "generate", lambda self, *a, **k: calls.append(k.get("seed")) or real(self, *a, **k))
+    moe_encoder.ENHANCED.clear()
+    node = moe_encoder.MetalPromptEnhancer()
+    (first,) = node.enhance(clip, "a dog", "", 6, 0.0, 0.9, 1)
+    assert node.enhance(clip, "a dog", "", 6, 0.0, 0.5, 12345) == (first,) and len(calls) == 1
+    node.enhance(clip, "a dog", "", 7, 0.0, 0.9, 1)               # another budget
+    node.enhance(clip, "a dog!", "", 6, 0.0, 0.9, 1)              # another prompt
+    assert len(calls) == 3
+    node.enhance(clip, "a dog", "", 6, 1.0, 0.9, 1)
+    node.enhance(clip, "a dog", "", 6, 1.0, 0.9, 1)               # sampled, same seed: cached
+    node.enhance(clip, "a dog", "", 6, 1.0, 0.9, 2)               # sampled, new seed: generated
+    assert calls[3:] == [1, 2]
+    (clip2,) = moe_encoder.MetalMoETextEncoderLoader().load("", device="cpu", dtype="fp32", path=str(folder))
+    assert node.enhance(clip2, "a dog", "", 6, 0.0, 0.9, 1) == (first,) and len(calls) == 6   # a new model runs
+    seed_spec = moe_encoder.MetalPromptEnhancer.INPUT_TYPES()["required"]["seed"][1]
+    assert seed_spec["control_after_generate"] == "fixed"
 
 
 def test_encode_and_enhancer_record_their_kernel_backends(tiny):

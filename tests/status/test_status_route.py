@@ -56,7 +56,7 @@ def test_status_route_reports_probe_kernels_nodes_and_memory():
     assert body["backend_setting"] == "auto"
     assert body["force_reference"] is False
     soft = body["kernels"]["softmax"]
-    assert soft == {"backend": "reference", "device": "cpu",
+    assert soft == {"backend": "reference", "device": "cpu", "source": "softmax.metal",
                     "reason": "Metal runs only on MPS tensors (this call is on cpu)"}
     assert body["last_backend"] == {"softmax": "reference"}
     assert body["node_backends"]["12"]["node_class"] == "MetalThing"

@@ -340,6 +340,40 @@ def used_object_info(object_info: dict) -> dict:
     return {t: normalize_object_info(object_info[t]) for t in types}
 
 
+# The view a workflow opens with (its `extra.ds`): every node, Notes included, inside the part of a
+# 1400x800 page (a browser window on a 1440x900 Mac screen) the frontend's canvas shows unhidden (below
+# the workflow tabs and the menu, right of the sidebar's icon strip, above the bottom-right canvas
+# controls), scaled down to fit, never up. On a Retina screen the frontend draws node text from a scale
+# of about 0.4 (LiteGraph's min_font_size_for_lod 8 / (14 px * sqrt(2))); every workflow here fits above it.
+VIEW_WINDOW = (1400, 800)
+VIEW_MARGINS = {"left": 64, "top": 100, "right": 24, "bottom": 72}
+TITLE_HEIGHT = 30      # LiteGraph.NODE_TITLE_HEIGHT: a node's title bar is drawn above its pos
+MAX_SCALE = 1.0
+
+
+def node_bounds(nodes: list[dict]) -> tuple[float, float, float, float]:
+    """(x0, y0, x1, y1) in graph coordinates around every node, title bars included."""
+    x0 = min(n["pos"][0] for n in nodes)
+    y0 = min(n["pos"][1] - TITLE_HEIGHT for n in nodes)
+    x1 = max(n["pos"][0] + n["size"][0] for n in nodes)
+    y1 = max(n["pos"][1] + n["size"][1] for n in nodes)
+    return x0, y0, x1, y1
+
+
+def fitted_view(nodes: list[dict], window=VIEW_WINDOW, margins=VIEW_MARGINS, pad: float = 20.0) -> dict:
+    """The `extra.ds` (LiteGraph's DragAndScale: screen = (graph + offset) * scale) that fits the nodes'
+    bounds, with `pad` graph units around them, centred in the window's unhidden area."""
+    x0, y0, x1, y1 = node_bounds(nodes)
+    x0, y0, x1, y1 = x0 - pad, y0 - pad, x1 + pad, y1 + pad
+    area_w = window[0] - margins["left"] - margins["right"]
+    area_h = window[1] - margins["top"] - margins["bottom"]
+    scale = min(area_w / (x1 - x0), area_h / (y1 - y0), MAX_SCALE)
+    scale = int(scale * 1000) / 1000          # rounded down: still fits, and a stable file
+    left = margins["left"] + (area_w - (x1 - x0) * scale) / 2
+    top = margins["top"] + (area_h - (y1 - y0) * scale) / 2
+    return {"scale": scale, "offset": [round(left / scale - x0, 1), round(top / scale - y0, 1)]}
+
+
 def dumps(obj) -> str:
     return json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
 
@@ -355,6 +389,7 @@ def render(object_info: dict) -> dict[pathlib.Path, str]:
         if problems:
             raise SystemExit(f"{name}: invalid prompt:\n" + "\n".join(problems))
         ui = wt.ui_from_api(prompt, object_info, notes=notes, titles=titles)
+        ui["extra"]["ds"] = fitted_view(ui["nodes"])
         if wt.api_from_ui(ui, object_info) != prompt:
             raise SystemExit(f"{name}: the UI layout does not round-trip to the prompt")
         files[WORKFLOWS_DIR / f"{name}.api.json"] = dumps(prompt)

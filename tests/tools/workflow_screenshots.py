@@ -9,7 +9,8 @@ frontend finds every model and shows no "errors found" toast or red outlines. He
 loads each UI workflow (a fresh page each), switches to the frontend's focus mode (canvas only),
 fits the view to the bounds of all nodes with full-detail rendering at any zoom, renders at 2x
 (SHOT_SCALE) and downscales to 1400x800 (smoother small text), and saves
-workflows/screenshots/<name>.png as an optimized 256-colour palette PNG (<= 150 KB each).
+workflows/screenshots/<name>.png as an optimized 256-colour palette PNG (<= 150 KB each). Without NAME
+arguments it also saves metal_tab.png: the Metal sidebar tab beside a Comfy Metal Status node that ran.
 
 Fails (exit 1) if a workflow's model file is missing from the server's lists, if the frontend
 shows an error toast ("N errors found", checked before focus mode hides it) or marks a node with
@@ -41,6 +42,7 @@ import comfyui_env  # noqa: E402
 import headless_chromium  # noqa: E402
 
 OUT_DIR = ROOT / "workflows" / "screenshots"
+TAB_SHOT = "metal_tab"         # the Metal tab and a Comfy Metal Status node after a run
 WIDTH, HEIGHT = 1400, 800
 MAX_BYTES = 150 * 1024
 TOTAL_TIMEOUT = 600          # seconds for the whole browser session
@@ -135,7 +137,30 @@ PAGE_STATE_JS = r"""
 """
 
 
-async def _browser(url: str, chromium: str, workflows: dict, out: pathlib.Path) -> dict:
+# The Metal tab next to a Comfy Metal Status node that has run (its report on the node).
+TAB_JS = r"""
+(async () => {
+  const app = window.comfyAPI.app.app, api = window.comfyAPI.api.api;
+  app.graph.clear();
+  const node = LiteGraph.createNode("MetalStatus");
+  node.pos = [400, 130];          // right of the open tab
+  app.graph.add(node);
+  node.setSize([960, 620]);       // wider than its default, for the whole report
+  app.canvas.ds.scale = 1; app.canvas.ds.offset = [0, 0];
+  const prompt = { [String(node.id)]: { class_type: "MetalStatus", inputs: {} } };
+  await api.fetchApi("/prompt", { method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ prompt, client_id: api.clientId }) });
+  window.__shotNode = node;
+  await app.extensionManager.sidebarTab.toggleSidebarTab("comfy-metal");
+  return node.id;
+})()
+"""
+TAB_READY_JS = ("(() => { const w = window.__shotNode?.widgets?.find((x) => x.name === 'report');"
+                " const body = document.querySelector('.comfy-metal-panel .comfy-metal-body');"
+                " return !!(w && String(w.value).includes('Kernels') && body && body.textContent.includes('softmax')); })()")
+
+
+async def _browser(url: str, chromium: str, workflows: dict, out: pathlib.Path, tab: bool = True) -> dict:
     report = {}
     async with headless_chromium.open_page(chromium, WIDTH, HEIGHT, extra_flags=("--hide-scrollbars",),
                                            profile_prefix="comfy-metal-shots-chromium-") as cdp:
@@ -171,6 +196,17 @@ async def _browser(url: str, chromium: str, workflows: dict, out: pathlib.Path) 
             shot = await cdp.call("Page.captureScreenshot", format="png")
             raw = base64.b64decode(shot["data"])
             report[name] = {"state": state, "scale": scale, "raw_bytes": len(raw), **save_png(raw, out / f"{name}.png")}
+        if tab:
+            await cdp.call("Page.navigate", url=url)
+            await wait_for("!!(window.comfyAPI?.app?.app?.graph && window.comfyMetal)", "the frontend did not come up")
+            await asyncio.sleep(2)
+            await cdp.evaluate(TAB_JS)
+            await wait_for(TAB_READY_JS, "the status node's report or the Metal tab did not show", timeout=120)
+            await asyncio.sleep(1.5)
+            shot = await cdp.call("Page.captureScreenshot", format="png")
+            raw = base64.b64decode(shot["data"])
+            report[TAB_SHOT] = {"state": {"toasts": [], "errorNodes": [], "nodes": 1}, "scale": 1.0,
+                                "raw_bytes": len(raw), **save_png(raw, out / f"{TAB_SHOT}.png")}
     return report
 
 
@@ -231,8 +267,8 @@ def main(argv=None) -> int:
             if problems:
                 print("\n".join(problems), file=sys.stderr)
                 return 1
-            report = asyncio.run(asyncio.wait_for(_browser(server.url, chromium, workflows, args.out),
-                                                  TOTAL_TIMEOUT))
+            report = asyncio.run(asyncio.wait_for(_browser(server.url, chromium, workflows, args.out,
+                                                           tab=not args.names), TOTAL_TIMEOUT))
     finally:
         if args.keep:
             print(f"kept {work}")

@@ -147,7 +147,54 @@ test("extension takes app/api from window.comfyAPI, and badges nodes created bef
     assert.ok(api.requests.some((r) => r.route === "/comfy_metal/status"));
     assert.equal(early.badges.length, 1);
     assert.equal(core.badges.length, 0);
+
+    // The status node: a read-only report box (not saved, not sent), filled from its UI output, and a
+    // default size that fits its title.
+    const made = [];
+    globalThis.comfyAPI.widgets = { ComfyWidgets: { STRING(node, name, spec) {
+      const widget = { name, value: "", options: {}, inputEl: { style: {} }, spec };
+      node.widgets = [...(node.widgets ?? []), widget];
+      made.push(widget);
+      return { widget };
+    } } };
+    class StatusNode {
+      constructor() { this.size = [200, 60]; }
+      setSize(size) { this.size = size; }
+    }
+    await ext.beforeRegisterNodeDef(StatusNode, { name: "MetalStatus" });
+    class OtherNode {}
+    await ext.beforeRegisterNodeDef(OtherNode, { name: "KSampler" });
+    assert.equal(OtherNode.prototype.onExecuted, undefined);
+    const node = new StatusNode();
+    node.onNodeCreated();
+    assert.equal(made.length, 1);
+    assert.equal(made[0].inputEl.readOnly, true);
+    assert.equal(made[0].serialize, false);
+    assert.equal(made[0].options.serialize, false);
+    assert.ok(node.size[0] >= 500 && node.size[1] >= 300, node.size);
+    node.onExecuted({ text: ["Kernels (COMFY_METAL_BACKEND=auto)", "softmax  reference"] });
+    assert.equal(made[0].value, "Kernels (COMFY_METAL_BACKEND=auto)\nsoftmax  reference");
+    assert.equal(made.length, 1);   // the same box on every run
+
+    // The tab's force-reference switch goes through ComfyUI's setting (Settings shows the same value).
+    const stored = new Map();
+    app.extensionManager.setting = { get: (id) => stored.get(id) ?? false,
+      set: async (id, v) => { stored.set(id, v); } };
+    const container = { children: [], appendChild(el) { this.children.push(el); } };
+    const listeners = {};
+    globalThis.document = {
+      getElementById: () => null, head: { appendChild() {} },
+      createElement: () => ({ style: {}, dataset: {}, isConnected: true,
+        set innerHTML(v) { this._html = v; }, get innerHTML() { return this._html; },
+        querySelector: (sel) => (sel === ".comfy-metal-body" ? { innerHTML: "" } : { addEventListener() {} }),
+        addEventListener: (type, fn) => { listeners[type] = fn; } }),
+    };
+    app.sidebarTabs[0].render(container);
+    listeners.change({ target: { classList: { contains: (c) => c === "comfy-metal-force" }, checked: true } });
+    await tick();
+    assert.equal(stored.get("ComfyMetal.ForceReference"), true);
   } finally {
+    delete globalThis.document;
     delete globalThis.comfyAPI;
   }
 });

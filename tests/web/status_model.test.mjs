@@ -5,7 +5,8 @@ import { test } from "node:test";
 import {
   BACKEND_STYLES, TextBadge, applyBackendRecord, applyStatusNodes, badgeFor, badgeForNode,
   capabilityRows, createBackendState, createPoller, escapeHtml, formatBytes, isPackNode, packNodeSet,
-  kernelRows, memoryBar, memoryBarHTML, recordForNode, renderStatusHTML, statusSummary,
+  kernelCapability, kernelGroups, kernelRows, measuredSpeedups, memoryBar, memoryBarHTML, recordForNode,
+  renderStatusHTML, reportText, summaryLine, wrapName,
 } from "../../web/lib/status_model.js";
 
 // Shaped like nodes/status's record_node_backend() output.
@@ -114,21 +115,75 @@ test("capability and kernel rows", () => {
   assert.equal(rows[0].reason, "");
 });
 
-test("status summary counts Metal kernels", () => {
-  assert.equal(statusSummary({ kernels: {} }), "No kernels registered");
-  assert.equal(statusSummary({ kernels: { a: { backend: "metal" }, b: { backend: "metal" } } }), "All 2 kernels on Metal");
-  assert.equal(statusSummary({ kernels: { a: { backend: "metal" }, b: { backend: "reference" } } }), "1 of 2 kernels on Metal");
-  assert.equal(statusSummary({ kernels: { a: { backend: "reference" } }, force_reference: true }),
-    "All 1 kernels on the reference (reference forced)");
-  assert.equal(statusSummary({ kernels: { a: { backend: "emulator" } } }), "All 1 kernels on Metal/emulator");
-  // MPS kernels the status route has not self-checked (it runs no GPU work next to a prompt)
-  assert.equal(statusSummary({ kernels: { a: { backend: "pending" }, b: { backend: "pending" } } }),
-    "2 kernels not self-checked yet (each checks at first use)");
-  assert.equal(statusSummary({ kernels: { a: { backend: "metal" }, b: { backend: "pending" } } }),
-    "1 of 2 kernels on Metal; 1 not self-checked yet");
-  assert.equal(statusSummary({ kernels: { a: { backend: "reference" }, b: { backend: "pending" } } }),
-    "0 of 2 kernels on Metal; 1 not self-checked yet");
-  assert.equal(kernelRows({ a: { backend: "pending" } })[0].label, "Pending");
+test("summary line: kernels on Metal, backends, measured speedups", () => {
+  assert.equal(summaryLine({ kernels: {} }), "0 of 0 kernels on Metal · measured speedups: none yet");
+  assert.equal(summaryLine({ kernels: { a: { backend: "metal" }, b: { backend: "metal" }, c: { backend: "reference" } } }),
+    "2 of 3 kernels on Metal · backends: Metal 2, Reference 1 · measured speedups: none yet");
+  assert.equal(summaryLine({ kernels: { a: { backend: "reference" } }, force_reference: true }),
+    "0 of 1 kernels on Metal · backends: Reference 1 · measured speedups: none yet · reference forced");
+  assert.match(summaryLine({ kernels: { a: { backend: "pending" }, b: { backend: "emulator" } } }),
+    /0 of 2 kernels on Metal · backends: Emulator 1, Pending 1/);
+  // dispatch.measured_records(): the choice against its fastest rival, per kernel and choice
+  const measured = [
+    { kernel: "attention", choice: "metal", times_ms: { metal: 1.0, sdpa: 2.0, math: 5.0 }, shape_class: [1, 64] },
+    { kernel: "attention", choice: "metal", times_ms: { metal: 2.0, sdpa: 3.0 }, shape_class: [1, 128] },
+    { kernel: "gemv", choice: "decode_matmul", times_ms: { decode_matmul: 1.0, gemv: 1.25 }, shape_class: [4] },
+    { kernel: "broken", choice: "x", times_ms: { x: 1.0 } },
+  ];
+  assert.deepEqual(measuredSpeedups(measured), [
+    "attention: metal 1.5-2.0x faster than sdpa (2 shapes)", "gemv: decode_matmul 1.3x faster than gemv (1 shape)"]);
+  assert.match(summaryLine({ kernels: { a: { backend: "metal" } }, measured }),
+    /1 of 1 kernels on Metal · backends: Metal 1 · measured: attention: metal 1\.5-2\.0x faster than sdpa \(2 shapes\); gemv/);
+  assert.deepEqual(measuredSpeedups(undefined), []);
+});
+
+test("kernels group by capability with a shared reason stated once", () => {
+  const cpu = "Metal runs only on MPS tensors (this call is on cpu)";
+  const kernels = {
+    fp8_decode: { backend: "reference", reason: cpu, device: "cpu", source: "fp8.metal" },
+    sampler_euler_step: { backend: "reference", reason: cpu, device: "cpu", source: "sampling.metal" },
+    sampler_heun_step: { backend: "reference", reason: cpu, device: "cpu", source: "sampling.metal" },
+    gemv: { backend: "reference", reason: cpu, device: "cpu", source: "linear.metal" },
+  };
+  const { common, groups } = kernelGroups(kernels);
+  assert.equal(common, cpu);
+  assert.deepEqual(groups.map((g) => [g.capability, g.rows.length, g.backend, g.reason]),
+    [["FP8", 1, "reference", null], ["FP8 Linear (GEMV)", 1, "reference", null], ["Sampling", 2, "reference", null]]);
+  const html = renderStatusHTML({ kernels, capabilities: {} });
+  assert.equal(html.split(cpu.replace("(", "").slice(0, 30)).length - 1, 1, "the shared reason appears once");
+  assert.match(html, /All kernels: Metal runs only on MPS/);
+  assert.ok(html.indexOf("Sampling") < html.indexOf("Capabilities"));
+  // on a Mac: a group with its own reason, and a kernel that differs from its group keeps its chip and reason
+  const mac = {
+    sampler_euler_step: { backend: "metal", reason: "passed its self-check", device: "mps", source: "sampling.metal" },
+    sampler_heun_step: { backend: "metal", reason: "passed its self-check", device: "mps", source: "sampling.metal" },
+    vae_pad: { backend: "reference", reason: "MPS pad is safe here: the platform op", device: "mps", source: "vae.metal" },
+    vae_blend_accumulate: { backend: "metal", reason: "passed its self-check", device: "mps", source: "vae.metal" },
+  };
+  const g = kernelGroups(mac);
+  assert.equal(g.common, null);
+  assert.deepEqual(g.groups.map((x) => [x.capability, x.backend, x.reason]),
+    [["Sampling", "metal", "passed its self-check"], ["VAE", null, null]]);
+  const macHtml = renderStatusHTML({ kernels: mac, capabilities: {} });
+  assert.match(macHtml, /vae_<wbr>pad<\/span> <span class="comfy-metal-chip"[^>]*>Reference<\/span>/);
+  assert.match(macHtml, /MPS pad is safe here/);
+  assert.equal(kernelCapability("attention_fwd", {}), "Attention");
+  assert.equal(kernelCapability("x", { source: "metal_kernels/gguf.metal" }), "GGUF");
+  assert.equal(kernelCapability("newcap_k", {}), "Newcap");
+});
+
+test("names wrap after underscores; the force switch reflects the setting", () => {
+  assert.equal(wrapName("sampler_dpmpp_2m<b>"), "sampler_<wbr>dpmpp_<wbr>2m&lt;b&gt;");
+  assert.match(renderStatusHTML({ kernels: {}, force_reference: true }), /class="comfy-metal-force" checked/);
+  assert.doesNotMatch(renderStatusHTML({ kernels: {}, force_reference: false }), /comfy-metal-force" checked/);
+  const html = renderStatusHTML({ kernels: {} });
+  assert.ok(html.indexOf("comfy-metal-summary") < html.indexOf("comfy-metal-force"), "the summary line comes first");
+});
+
+test("the status node's report from its UI output", () => {
+  assert.equal(reportText({ text: ["Kernels", "softmax reference"] }), "Kernels\nsoftmax reference");
+  assert.equal(reportText({ text: "one" }), "one");
+  assert.equal(reportText(undefined), "");
 });
 
 test("panel HTML shows kernels, nodes, capabilities and escapes text", () => {
@@ -139,7 +194,7 @@ test("panel HTML shows kernels, nodes, capabilities and escapes text", () => {
     node_backends: { 7: refRecord },
     memory: { device: "cpu", in_use: 1024, recommended_max: 4096 },
   });
-  assert.match(html, /All 1 kernels on the reference/);
+  assert.match(html, /0 of 1 kernels on Metal/);
   assert.match(html, /softmax/);
   assert.match(html, /MetalKSampler/);
   assert.match(html, /\(&lt;cpu&gt;\)/);

@@ -3,7 +3,10 @@
 
 Drives Chromium through the DevTools protocol (aiohttp's websocket client): the page loads the
 extension without errors, the route answers, a badge attached to a node is drawn by litegraph with
-the backend from a `comfy_metal.backend` event, and the "Metal" sidebar tab renders the kernel table.
+the backend from a `comfy_metal.backend` event, the Comfy Metal Status node shows its report after a
+real run, the "Metal" sidebar tab renders its summary line and the kernels grouped by capability, its
+force-reference switch changes the server's setting and ComfyUI's, and each shipped workflow opens
+with every node (Notes included) inside the visible, uncovered part of the canvas.
 Server and browser listen on 127.0.0.1 only and are stopped at the end of the test.
 """
 from __future__ import annotations
@@ -70,11 +73,76 @@ QUEUE_JS = r"""
   return { status: res.status, id: node.id, hasBadge: !!node.__comfyMetalBadge };
 })()
 """
+STATUS_REPORT_JS = r"""
+(() => { const n = window.__metalStatusNode;
+  const w = n.widgets?.find((x) => x.name === "report");
+  const el = w?.inputEl ?? w?.element;
+  return w && String(w.value).includes("Kernels") ? { value: w.value, readOnly: !!el?.readOnly,
+    size: Array.from(n.size), titleWidth: app_title_width(n) } : null;
+  function app_title_width(node) {
+    const ctx = document.createElement("canvas").getContext("2d");
+    ctx.font = `${LiteGraph.NODE_TEXT_SIZE ?? 14}px ${LiteGraph.NODE_FONT ?? "Arial"}`;
+    return ctx.measureText(node.title).width;
+  }
+})()
+"""
+# The Metal tab after the status route answered: its first line, groups, the shared reason, the switch.
+TAB_JS = r"""
+(() => { const body = document.querySelector('.comfy-metal-panel .comfy-metal-body');
+  if (!body || !body.textContent.includes('softmax')) return null;
+  const first = body.firstElementChild;
+  return { first: first?.className, summary: first?.textContent,
+    groups: [...body.querySelectorAll('.comfy-metal-group')].map((g) => g.dataset.capability),
+    common: body.querySelector('.comfy-metal-common')?.textContent ?? null,
+    // in the kernel list (the common line and the groups; the last node runs have their own reasons)
+    reasonCount: ['.comfy-metal-common', '.comfy-metal-groups'].map((sel) =>
+      (body.querySelector(sel)?.textContent ?? '').split('Metal runs only on MPS tensors').length - 1).reduce((a, b) => a + b),
+    wbr: body.innerHTML.includes('sampler_<wbr>'),
+    hasSwitch: !!body.querySelector('input.comfy-metal-force'),
+    checked: body.querySelector('input.comfy-metal-force')?.checked,
+    text: body.innerText };
+})()
+"""
+CLICK_SWITCH_JS = r"""
+(() => { const box = document.querySelector('.comfy-metal-panel input.comfy-metal-force'); box.click(); return box.checked; })()
+"""
+# Loads a UI workflow as a user's drag-and-drop does, then reports every node's box on the screen and
+# what the page shows at its corners (the canvas, or a node's own text box; not the menu or a panel).
+LOAD_WORKFLOW_JS = r"""
+(async (workflow) => {
+  const app = window.comfyAPI.app.app;
+  await app.loadGraphData(workflow);
+  await new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)));
+  app.canvas.draw(true, true);
+  await new Promise((r) => setTimeout(r, 300));
+  const canvas = app.canvas.canvas, title = LiteGraph.NODE_TITLE_HEIGHT;
+  const ds = app.canvas.ds, rect = canvas.getBoundingClientRect();
+  const covered = (x, y) => {
+    const el = document.elementFromPoint(x, y);
+    if (!el) return "nothing";
+    if (el === canvas || el.closest('.dom-widget, .dom-widgets, .comfy-multiline-input') || el.tagName === 'TEXTAREA') return null;
+    return `${el.tagName}.${String(el.className).slice(0, 80)}: ${el.textContent.slice(0, 120)}`;
+  };
+  const nodes = app.graph._nodes.map((n) => {
+    const [x0, y0] = ds.convertOffsetToCanvas([n.pos[0], n.pos[1] - title]);
+    const [x1, y1] = ds.convertOffsetToCanvas([n.pos[0] + n.size[0], n.pos[1] + n.size[1]]);
+    const box = [x0 + rect.left, y0 + rect.top, x1 + rect.left, y1 + rect.top];
+    const inset = 3;
+    const corners = [[box[0] + inset, box[1] + inset], [box[2] - inset, box[1] + inset],
+                     [box[0] + inset, box[3] - inset], [box[2] - inset, box[3] - inset]];
+    return { id: n.id, type: n.type, box, covers: corners.map(([x, y]) => covered(x, y)).filter(Boolean) };
+  });
+  return { scale: ds.scale, width: window.innerWidth, height: window.innerHeight, nodes };
+})
+"""
 BADGE_TEXT_JS = r"""
 (() => { const n = window.__metalStatusNode;
   const b = n.badges.map((x) => (typeof x === "function" ? x() : x)).find((x) => x.tooltip !== undefined);
   return b && b.visible ? { text: b.text, tooltip: b.tooltip } : null; })()
 """
+
+
+WORKFLOWS = pathlib.Path(__file__).resolve().parents[2] / "workflows"
 
 
 async def _drive(url: str, chromium: str, shots: pathlib.Path):
@@ -101,15 +169,36 @@ async def _drive(url: str, chromium: str, shots: pathlib.Path):
         results["tabs"] = tabs
         await cdp.evaluate(
             "window.comfyAPI.app.app.extensionManager.sidebarTab.toggleSidebarTab('comfy-metal')")
-        results["panel"] = await cdp.wait_for(
-            "(() => { const el = document.querySelector('.comfy-metal-panel .comfy-metal-body');"
-            " return el && el.textContent.includes('softmax') ? el.innerText : null; })()", timeout=60)
+        results["report"] = await cdp.wait_for(STATUS_REPORT_JS, timeout=120)
+        results["tab"] = await cdp.wait_for(TAB_JS, timeout=60)
         await asyncio.sleep(1)
-        shot = await cdp.call("Page.captureScreenshot", format="png")
         import base64
 
         shots.mkdir(parents=True, exist_ok=True)
+        shot = await cdp.call("Page.captureScreenshot", format="png")
         (shots / "comfy_metal_sidebar.png").write_bytes(base64.b64decode(shot["data"]))
+        # the switch in the tab: the server's setting and ComfyUI's setting follow it, both ways
+        results["switch_on"] = await cdp.evaluate(CLICK_SWITCH_JS)
+        results["forced"] = await cdp.wait_for(
+            "window.comfyAPI.api.api.fetchApi('/comfy_metal/status').then((r) => r.json())"
+            ".then((s) => s.force_reference ? [s.force_reference, window.comfyAPI.app.app.extensionManager"
+            ".setting.get('ComfyMetal.ForceReference')] : null)", timeout=30)
+        await cdp.wait_for("document.querySelector('.comfy-metal-panel input.comfy-metal-force')?.checked || null")
+        results["switch_off"] = await cdp.evaluate(CLICK_SWITCH_JS)
+        results["unforced"] = await cdp.wait_for(
+            "window.comfyAPI.api.api.fetchApi('/comfy_metal/status').then((r) => r.json())"
+            ".then((s) => s.force_reference === false ? [s.force_reference, window.comfyAPI.app.app.extensionManager"
+            ".setting.get('ComfyMetal.ForceReference')] : null)", timeout=30)
+        # close the tab (a user loading a workflow sees the whole canvas), then each shipped workflow
+        await cdp.evaluate(
+            "window.comfyAPI.app.app.extensionManager.sidebarTab.toggleSidebarTab('comfy-metal')")
+        results["workflows"] = {}
+        for path in sorted(WORKFLOWS.glob("*.json")):
+            if path.name.endswith(".api.json"):
+                continue
+            results["workflows"][path.stem] = await cdp.evaluate(f"({LOAD_WORKFLOW_JS})({path.read_text()})")
+            shot = await cdp.call("Page.captureScreenshot", format="png")
+            (shots / f"workflow_{path.stem}.png").write_bytes(base64.b64decode(shot["data"]))
         await asyncio.sleep(1)  # let late console messages arrive
         await cdp.evaluate("1")
         results["problems"] = cdp.problems()
@@ -125,9 +214,30 @@ def _post_setting(url: str, setting_id: str, value) -> None:
         assert r.status == 200
 
 
+def _name_workflow_models(base: pathlib.Path) -> None:
+    """Empty files (and the MoE folder's config.json) under the names the workflows use, so the model
+    lists hold them and the frontend loads each workflow without a missing-models notice over the canvas
+    (nothing here runs a model)."""
+    import sys
+
+    sys.path.insert(0, str(WORKFLOWS.parent / "tests" / "tools"))
+    import build_workflows as bw
+
+    for name in bw.WORKFLOWS:
+        for folder, file in bw.model_files(name):
+            target = base / "models" / folder / file
+            if file.endswith("/"):
+                target.mkdir(parents=True, exist_ok=True)
+                (target / "config.json").write_text("{}")
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.touch()
+
+
 def test_extension_in_headless_chromium(comfyui_path, tmp_path):
     pytest.importorskip("aiohttp", reason="aiohttp (a ComfyUI requirement) is not installed")
     chromium = _chromium()
+    _name_workflow_models(tmp_path / "server" / "base")   # comfyui_server's base directory
     with comfyui_env.comfyui_server(comfyui_path, tmp_path / "server") as server:
         # the route answers on the server's origin, with and without ComfyUI's /api prefix
         status = server.get_json("/comfy_metal/status")
@@ -153,7 +263,28 @@ def test_extension_in_headless_chromium(comfyui_path, tmp_path):
     live = results["live_badge"]  # real node, real execution, real websocket event
     assert live["text"] == "Reference", live
     assert "Metal runs only on MPS tensors" in live["tooltip"]
+    report = results["report"]       # the status node's text after its real run
+    assert "softmax" in report["value"] and "Capabilities" in report["value"] and report["readOnly"], report
+    assert report["size"][0] >= report["titleWidth"] + 60, report   # its title is not cut
     assert "comfy-metal" in results["tabs"]
-    assert "Kernels" in results["panel"] and "softmax" in results["panel"] and "Capabilities" in results["panel"]
+    tab = results["tab"]
+    assert tab["first"] == "comfy-metal-summary", tab
+    assert tab["summary"].startswith("0 of ") and "kernels on Metal" in tab["summary"] and "Reference" in tab["summary"]
+    assert {"FP8", "Sampling", "VAE", "MoE", "Softmax"} <= set(tab["groups"]), tab["groups"]
+    assert tab["common"] and "Metal runs only on MPS tensors" in tab["common"]
+    assert tab["reasonCount"] == 1, tab["text"]   # on CPU every kernel has the same reason: said once
+    assert tab["wbr"] and tab["hasSwitch"] and tab["checked"] is False
+    assert "Capabilities" in tab["text"] and "softmax" in tab["text"]
+    assert results["switch_on"] is True and results["forced"] == [True, True]
+    assert results["switch_off"] is False and results["unforced"] == [False, False]
+    import build_workflows as bw   # on sys.path since _name_workflow_models
+
+    assert set(results["workflows"]) == set(bw.WORKFLOWS)
+    for name, view in results["workflows"].items():
+        assert any(n["type"] == "Note" for n in view["nodes"]), name
+        for n in view["nodes"]:
+            x0, y0, x1, y1 = n["box"]
+            assert 0 <= x0 and 0 <= y0 and x1 <= view["width"] and y1 <= view["height"], (name, n)
+            assert n["covers"] == [], (name, n)    # nothing (menu bar, tabs, panels) over its corners
     assert "Traceback" not in log or "comfy_metal" not in log, log[-4000:]
     print(f"screenshot: {tmp_path / 'shots' / 'comfy_metal_sidebar.png'}")

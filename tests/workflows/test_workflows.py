@@ -53,6 +53,44 @@ def test_workflow_files_are_exactly_the_generated_set():
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_workflow_opens_fitted_with_every_node_and_note_in_view(name):
+    """extra.ds puts every node (title bar included) inside the unhidden part of a 1400x800 page, at a scale
+    where the frontend still draws node text on a Retina screen (>= 0.41)."""
+    ui, _ = load(name)
+    ds = ui["extra"]["ds"]
+    scale, (ox, oy) = ds["scale"], ds["offset"]
+    m, (w, h) = bw.VIEW_MARGINS, bw.VIEW_WINDOW
+    assert 0.41 <= scale <= 1.0
+    assert any(n["type"] == "Note" for n in ui["nodes"])
+    for n in ui["nodes"]:
+        left, top = (n["pos"][0] + ox) * scale, (n["pos"][1] - bw.TITLE_HEIGHT + oy) * scale
+        right, bottom = (n["pos"][0] + n["size"][0] + ox) * scale, (n["pos"][1] + n["size"][1] + oy) * scale
+        assert left >= m["left"] and top >= m["top"] and right <= w - m["right"] and bottom <= h - m["bottom"], \
+            (name, n["id"], n["type"], (left, top, right, bottom))
+    # fitted, not merely inside: the bounds fill the area in one direction
+    x0, y0, x1, y1 = bw.node_bounds(ui["nodes"])
+    area = (w - m["left"] - m["right"], h - m["top"] - m["bottom"])
+    assert scale == 1.0 or max((x1 - x0) * scale / area[0], (y1 - y0) * scale / area[1]) > 0.9
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_seeds_are_fixed_after_generate(name):
+    """Every seed widget's "control after generate" is saved as fixed (a randomized seed re-runs the graph)."""
+    ui, _ = load(name)
+    for n in ui["nodes"]:
+        info = SNAPSHOT.get(n["type"])
+        if info is None:
+            continue
+        values = list(n["widgets_values"])
+        i = 0
+        for input_name, spec, _ in wt.widget_inputs(info):
+            i += 1
+            if wt.has_control_after_generate(spec, input_name):
+                assert values[i] == "fixed", (name, n["id"], input_name, values)
+                i += 1
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_ui_and_api_twins_agree_and_pass_the_checker(name):
     ui, api = load(name)
     assert wt.api_from_ui(ui, SNAPSHOT) == api

@@ -136,19 +136,6 @@ export function kernelRows(kernels) {
       label: styleFor(k.backend).label }));
 }
 
-export function statusSummary(status) {
-  const rows = kernelRows(status?.kernels);
-  if (rows.length === 0) return "No kernels registered";
-  const fast = rows.filter((r) => r.backend === "metal" || r.backend === "emulator").length;
-  const pending = rows.filter((r) => r.backend === "pending").length;
-  const setting = status?.force_reference ? " (reference forced)" : "";
-  if (pending === rows.length) return `${rows.length} kernels not self-checked yet (each checks at first use)${setting}`;
-  const waiting = pending ? `; ${pending} not self-checked yet` : "";
-  if (pending === 0 && fast === rows.length) return `All ${rows.length} kernels on ${rows.every((r) => r.backend === "metal") ? "Metal" : "Metal/emulator"}${setting}`;
-  if (fast === 0 && pending === 0) return `All ${rows.length} kernels on the reference${setting}`;
-  return `${fast} of ${rows.length} kernels on Metal${waiting}${setting}`;
-}
-
 export function escapeHtml(s) {
   return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
 }
@@ -167,31 +154,139 @@ export function memoryBarHTML(memory) {
     `<div class="comfy-metal-memory-label">${escapeHtml(bar.label)}</div></div>`;
 }
 
+// A kernel name that may wrap after each "_" (long names wrap at word boundaries, not mid-word).
+export function wrapName(name) {
+  return escapeHtml(name).replace(/_/g, "_<wbr>");
+}
+
+// The capability a kernel belongs to, from its .metal source file (the status route's `source`), else
+// from its name's first word.
+export const CAPABILITY_LABELS = Object.freeze({
+  fp8: "FP8", linear: "FP8 Linear (GEMV)", sampling: "Sampling", vae: "VAE", moe: "MoE", softmax: "Softmax",
+  attention: "Attention", gguf: "GGUF",
+});
+
+export function kernelCapability(name, kernel) {
+  const source = typeof kernel?.source === "string" ? kernel.source : "";
+  const stem = source ? source.replace(/^.*\//, "").replace(/\.metal$/, "") : String(name).split("_")[0];
+  return CAPABILITY_LABELS[stem] ?? (stem ? stem[0].toUpperCase() + stem.slice(1) : "Other");
+}
+
+// The kernels grouped by capability (groups and names sorted): {capability, rows, reason, backend}, where
+// `reason` / `backend` are set when every kernel of the group shares them (stated once for the group),
+// and `common` is the reason every kernel shares (stated once above all groups; groups then omit it).
+export function kernelGroups(kernels) {
+  const rows = kernelRows(kernels).map((r) => ({ ...r, capability: kernelCapability(r.name, kernels[r.name]) }));
+  const byCap = new Map();
+  for (const r of rows) {
+    if (!byCap.has(r.capability)) byCap.set(r.capability, []);
+    byCap.get(r.capability).push(r);
+  }
+  const shared = (list, key) => (list.length && list.every((r) => r[key] === list[0][key]) ? list[0][key] : null);
+  const common = rows.length > 1 ? shared(rows, "reason") : null;
+  const groups = [...byCap.entries()].sort(([a], [b]) => a.localeCompare(b)).map(([capability, list]) => ({
+    capability, rows: list, backend: shared(list, "backend"),
+    reason: common === null ? shared(list, "reason") : null,
+  }));
+  return { common: common || null, groups };
+}
+
+// "kernel: choice 1.8x faster than sdpa (3 shapes)" per measured kernel and choice, from the status
+// route's `measured` (dispatch.measured_records(): {kernel, choice, times_ms, shape_class, device}).
+export function measuredSpeedups(measured) {
+  if (!Array.isArray(measured) || measured.length === 0) return [];
+  const by = new Map();
+  for (const m of measured) {
+    const times = m?.times_ms ?? {};
+    const chosen = Number(times[m?.choice]);
+    const others = Object.entries(times).filter(([n, t]) => n !== m.choice && Number.isFinite(Number(t)));
+    if (!m?.kernel || !Number.isFinite(chosen) || chosen <= 0 || others.length === 0) continue;
+    const [runnerUp, t] = others.sort((a, b) => a[1] - b[1])[0];
+    const key = `${m.kernel}\u0000${m.choice}\u0000${runnerUp}`;
+    if (!by.has(key)) by.set(key, { kernel: m.kernel, choice: m.choice, versus: runnerUp, ratios: [] });
+    by.get(key).ratios.push(Number(t) / chosen);
+  }
+  return [...by.values()].sort((a, b) => a.kernel.localeCompare(b.kernel) || a.choice.localeCompare(b.choice))
+    .map(({ kernel, choice, versus, ratios }) => {
+      const lo = Math.min(...ratios), hi = Math.max(...ratios);
+      const x = lo.toFixed(1) === hi.toFixed(1) ? `${lo.toFixed(1)}x` : `${lo.toFixed(1)}-${hi.toFixed(1)}x`;
+      const shapes = ratios.length === 1 ? "1 shape" : `${ratios.length} shapes`;
+      return `${kernel}: ${choice} ${x} faster than ${versus} (${shapes})`;
+    });
+}
+
+// The first line of the tab: backends in use, kernels on Metal, measured speedups (once dispatch has
+// measured a choice on this machine).
+export function summaryLine(status) {
+  const rows = kernelRows(status?.kernels);
+  const counts = new Map();
+  for (const r of rows) counts.set(r.label, (counts.get(r.label) ?? 0) + 1);
+  const backends = [...counts.entries()].sort((a, b) => b[1] - a[1] || a[0].localeCompare(b[0]))
+    .map(([label, n]) => `${label} ${n}`).join(", ");
+  const onMetal = rows.filter((r) => r.backend === "metal").length;
+  const parts = [`${onMetal} of ${rows.length} kernels on Metal`];
+  if (backends) parts.push(`backends: ${backends}`);
+  const speedups = measuredSpeedups(status?.measured);
+  parts.push(speedups.length ? `measured: ${speedups.join("; ")}` : "measured speedups: none yet");
+  if (status?.force_reference) parts.push("reference forced");
+  return parts.join(" · ");
+}
+
+// The force-reference switch (the same setting as Settings > Comfy Metal).
+export function forceSwitchHTML(status) {
+  const on = status?.force_reference ? " checked" : "";
+  return `<label class="comfy-metal-switch" title="Run every Comfy Metal kernel with its pure-PyTorch reference ` +
+    `in this ComfyUI server (COMFY_METAL_BACKEND=reference); the same switch as Settings &gt; Comfy Metal">` +
+    `<input type="checkbox" class="comfy-metal-force"${on}> Force reference kernels</label>`;
+}
+
 // The panel's body for a status payload (all text escaped).
 export function renderStatusHTML(status) {
   if (!status) return `<p class="comfy-metal-muted">Loading…</p>`;
   if (status.error) return `<p class="comfy-metal-error">Status unavailable: ${escapeHtml(status.error)}</p>`;
   const chipFor = (b) => (b ? `<span class="comfy-metal-chip" style="background:${b.bgColor};color:${b.fgColor}">${escapeHtml(b.text)}</span>` : "");
+  const chipOf = (backend) => {
+    const s = styleFor(backend);
+    return chipFor({ text: s.label, bgColor: s.bgColor, fgColor: s.fgColor });
+  };
   const detail = (text) => (text ? `<div class="comfy-metal-muted comfy-metal-small">${escapeHtml(text)}</div>` : "");
-  // Two columns (the sidebar is narrow): the device and reason go under the name.
-  const kernels = kernelRows(status.kernels).map((r) => {
-    const s = styleFor(r.backend);
-    return [escapeHtml(r.name) + detail([r.device, r.reason].filter(Boolean).join(" · ")),
-      chipFor({ text: r.label, bgColor: s.bgColor, fgColor: s.fgColor })];
-  });
+  // Kernels by capability: a group's shared backend and reason once in its header, the names in a
+  // wrapping list; a kernel that differs from its group keeps its own chip and reason.
+  const { common, groups } = kernelGroups(status.kernels ?? {});
+  const kernelHTML = groups.map((g) => {
+    const names = g.rows.map((r) => {
+      const own = g.backend === null ? ` ${chipOf(r.backend)}` : "";
+      const why = g.reason === null && common === null && r.reason ? detail([r.device, r.reason].filter(Boolean).join(" · ")) : "";
+      return `<li><span class="comfy-metal-name">${wrapName(r.name)}</span>${own}${why}</li>`;
+    }).join("");
+    const head = `<div class="comfy-metal-group-head"><strong>${escapeHtml(g.capability)}</strong> ` +
+      `<span class="comfy-metal-muted">(${g.rows.length})</span> ${g.backend !== null ? chipOf(g.backend) : ""}</div>`;
+    return `<div class="comfy-metal-group" data-capability="${escapeHtml(g.capability)}">${head}` +
+      `${g.reason ? detail(g.reason) : ""}<ul class="comfy-metal-names">${names}</ul></div>`;
+  }).join("");
   const nodes = Object.values(status.node_backends ?? {})
     .sort((a, b) => (b.time ?? 0) - (a.time ?? 0))
-    .map((r) => [`#${escapeHtml(r.node_id ?? "—")} ${escapeHtml(r.node_class ?? "")}` + detail(r.reason),
+    .map((r) => [`#${escapeHtml(r.node_id ?? "—")} ${wrapName(r.node_class ?? "")}` + detail(r.reason),
       chipFor(badgeFor(r))]);
-  const caps = capabilityRows(status.capabilities).map(([k, v]) => [escapeHtml(k), escapeHtml(v)]);
+  const caps = capabilityRows(status.capabilities).map(([k, v]) => [wrapName(k), escapeHtml(v)]);
   return [
-    `<p class="comfy-metal-summary">${escapeHtml(statusSummary(status))}</p>`,
+    `<p class="comfy-metal-summary">${escapeHtml(summaryLine(status))}</p>`,
+    forceSwitchHTML(status),
     `<p class="comfy-metal-muted">COMFY_METAL_BACKEND=${escapeHtml(status.backend_setting ?? "auto")}</p>`,
     `<h4>Memory</h4>`, memoryBarHTML(status.memory),
-    `<h4>Kernels</h4>`, table(["kernel", "backend"], kernels),
+    `<h4>Kernels</h4>`, common ? `<p class="comfy-metal-muted comfy-metal-common">All kernels: ${escapeHtml(common)}</p>` : "",
+    `<div class="comfy-metal-groups">${kernelHTML}</div>`,
     nodes.length ? `<h4>Last node runs</h4>` + table(["node", "backend"], nodes) : "",
     `<h4>Capabilities</h4>`, table(["probe", "value"], caps),
   ].join("\n");
+}
+
+// The Comfy Metal Status node's report from its UI output ({"ui": {"text": [...]}} arrives in the
+// frontend's `executed` message as {text: [...]}).
+export function reportText(output) {
+  const text = output?.text;
+  if (Array.isArray(text)) return text.map(String).join("\n");
+  return typeof text === "string" ? text : "";
 }
 
 // A node badge with LGraphBadge's drawing interface (visible, height, getWidth(ctx), draw(ctx, x, y)),
