@@ -62,6 +62,10 @@ def import_comfy(module: str):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
     if STUBS_DIR.is_dir() and str(STUBS_DIR) not in sys.path:
+        try:  # transformers notes once, at import, whether torchvision exists: let it see the truth first
+            import transformers.utils.import_utils  # noqa: F401
+        except ImportError:
+            pass
         sys.path.append(str(STUBS_DIR))   # last: a really installed torchvision/torchaudio wins
     try:
         import torch

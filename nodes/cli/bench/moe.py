@@ -100,8 +100,8 @@ def _model_tables(quick: bool, device) -> list[Table]:
 
     try:
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    except ImportError:
-        return [Table("Qwen3-MoE model vs transformers", ["note"], [["transformers is not installed"]])]
+    except ImportError as e:
+        return [Table("Qwen3-MoE model vs transformers", ["note"], [[f"transformers is not importable: {e}"]])]
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     kw = dict(vocab_size=2048, hidden_size=256 if quick else 512, intermediate_size=512,
               moe_intermediate_size=128 if quick else 256, num_hidden_layers=2 if quick else 4,
