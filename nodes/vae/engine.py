@@ -74,6 +74,8 @@ class TilingOptions:
     output_device: torch.device | str | None = None       # None = compute device if it fits the budget, else CPU
     calibrate: bool = True
     cpu_fallback: bool = True
+    untiled_head: bool = True      # decode: run the codec's latent-resolution head (conv_in + mid block) once
+                                   # over the whole latent when it fits the budget
 
 
 @dataclasses.dataclass
@@ -92,6 +94,8 @@ class RunInfo:
     groupnorm_calls: int = 0
     blocks_computed: int = 0        # shared statistics: block forwards run (cache hits and skips excluded)
     stats_cache_peak: int = 0       # shared statistics: peak bytes of the block cache
+    untiled_head: bool = False      # decode: conv_in + mid block ran once over the whole latent
+    head_peak: int = 0              # its predicted peak bytes (0 when it did not run untiled)
 
 
 def default_overlap(tile: int) -> int:
@@ -185,6 +189,12 @@ class TiledVAE:
         else:
             h, w = x.shape[-2:]
         budget = self.opt.budget_bytes or auto_budget(c.device)
+        if not encode and c.decode_head is not None and c.decode_tail is not None and self.opt.untiled_head \
+                and not c.video:
+            feats = self._untiled_head(x, budget)
+            if feats is not None:
+                x, fn = feats, c.decode_tail
+                budget = max(budget - feats.numel() * feats.element_size(), 1)
         # Shared statistics cache finished blocks per tile: by default that cache gets a quarter of the
         # budget and the tiles are planned within the rest, so tiles + cache stay within the budget.
         if self.opt.stats_cache_bytes is not None:          # the caller chose the cache size
@@ -226,6 +236,54 @@ class TiledVAE:
                 _empty_cache(c.device)
         self.info.seconds = time.perf_counter() - t_start
         return out
+
+    def _head_peak(self, x: torch.Tensor) -> int:
+        """Predicted peak of the head over the whole latent: peak = b * A + c * A^2 (A = latent area; the
+        A^2 term is the mid attention's score matrix when the attention materialises it), fitted to the
+        measured peaks of two crops of at most 8x8 and 16x16 latent pixels."""
+        c = self.codec
+        h, w = x.shape[-2:]
+        pts = []
+        for s in (8, 16):
+            th, tw = min(s, h), min(s, w)
+            if pts and pts[-1][0] == th * tw:
+                break
+            z = x[..., :th, :tw].to(device=c.device, dtype=c.dtype)
+            pts.append((th * tw, self._measure_tile(c.decode_head, z)))
+        if len(pts) == 1:
+            b, q = pts[0][1] / pts[0][0], 0.0
+        else:
+            (a1, m1), (a2, m2) = pts
+            q = max(0.0, (m2 / a2 - m1 / a1) / (a2 - a1))
+            b = max(m1 / a1 - q * a1, 0.0)
+        area = h * w
+        peak = b * area + q * area * area
+        if c.device.type == "cpu":
+            peak *= CPU_WORKSPACE_FACTOR
+        return int(peak)
+
+    def _untiled_head(self, x: torch.Tensor, budget: int) -> torch.Tensor | None:
+        """The codec's head (conv_in + mid block, attention included) over the whole latent, when its
+        predicted peak fits the budget; None otherwise (each tile then runs the whole decoder)."""
+        c = self.codec
+        peak = self._head_peak(x) if self.opt.calibrate else 0
+        if peak > budget * 0.85:
+            log.info(f"comfy_metal: the VAE's mid block over the whole {tuple(x.shape[-2:])} latent needs "
+                     f"~{peak / 2**30:.2f} GiB, over the budget; each tile runs the whole decoder")
+            return None
+        try:
+            with torch.no_grad(), pad_mode_for(c.device, self.opt.route_pads):
+                feats = c.decode_head(x.to(device=c.device, dtype=c.dtype))
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            e = None
+            _empty_cache(c.device)
+            log.warning("comfy_metal: the VAE's mid block over the whole latent ran out of memory; "
+                        "each tile runs the whole decoder")
+            return None
+        self.info.untiled_head, self.info.head_peak = True, peak
+        return feats
 
     def _pass_all(self, x, fn, tile, encode, device):
         c = self.codec
