@@ -165,6 +165,66 @@ class TiledVAE:
             side = max(side, int(area // w))
         return max(MIN_TILE, side)
 
+    def _tile_hw(self, tile, h, w):
+        th, tw = min(tile, h), min(tile, w)
+        if self.opt.tile is None and h < tile:      # spend the unused area on the long axis
+            tw = min(w, max(tw, tile * tile // max(h, 1)))
+        elif self.opt.tile is None and w < tile:
+            th = min(h, max(th, tile * tile // max(w, 1)))
+        return th, tw
+
+    def _cache_bytes_per_px(self, fn, x, encode) -> float:
+        """Shared statistics' block cache: bytes per latent pixel of a tile of the largest output of the
+        blocks it caches (stored in fp16/bf16), from one forward over a crop of at most 8x8 latent px."""
+        c = self.codec
+        f = c.scale
+        side = 8 * f if encode else 8
+        crop = x[..., :side, :side].to(device=c.device, dtype=c.dtype)
+        area = (crop.shape[-2] // (f if encode else 1)) * (crop.shape[-1] // (f if encode else 1))
+        most = [0]
+
+        def hook(m, args, out):
+            if isinstance(out, torch.Tensor):
+                most[0] = max(most[0], out.numel() * 2)
+
+        hooks = [b.register_forward_hook(hook) for b in SharedGroupNormStats._cacheable(c.module)]
+        try:
+            with torch.no_grad():
+                fn(crop)
+        finally:
+            for hk in hooks:
+                hk.remove()
+        return most[0] / max(1, area)
+
+    def _plan_shared(self, fn, x, budget, h, w, encode) -> int:
+        """Shared statistics: the tile size and the block cache planned together. With every tile's
+        latest block cached, a pass recomputes only the block holding its GroupNorm, so a decode costs
+        about 1.5 plain passes (a ResNet block's first conv runs twice: once to reach norm2, once more
+        after its statistics are final) whatever the number of GroupNorms; without the cache every pass
+        restarts from the input. So the largest tile whose peak (cost model) plus the cache of the whole
+        plan (largest cached activation x the tiles' total area, fp16) fits the budget; the cache gets
+        the rest of the budget."""
+        a, b = self.calibrate(fn, x, encode=encode)
+        bpp = self._cache_bytes_per_px(fn, x, encode)
+        usable = budget * 0.85
+        best = None
+        for side in range(max(h, w), MIN_TILE - 1, -1):
+            th, tw = self._tile_hw(side, h, w)
+            tiles, py, px = plan_tiles(h, w, th, tw, self.opt.overlap if self.opt.overlap is not None
+                                       else default_overlap(side))
+            tile_area = (py[0][1] - py[0][0]) * (px[0][1] - px[0][0])
+            cache = bpp * sum((t.y[1] - t.y[0]) * (t.x[1] - t.x[0]) for t in tiles) if len(tiles) > 1 else 0
+            if a + b * tile_area + cache * 1.1 <= usable:
+                best = side
+                self._stats_cache_limit = int(max(cache * 1.1, usable - a - b * tile_area))
+                break
+        if best is None:                 # not even the smallest tile with a full cache: cache what fits
+            best = self._tile_for_budget(fn, x, budget * 0.75, h, w, encode=encode)
+            self._stats_cache_limit = budget // STATS_CACHE_SHARE
+            log.warning(f"comfy_metal: shared statistics: the block cache of the whole image does not fit the "
+                        f"{budget / 2**30:.2f} GiB budget; later passes recompute blocks (slower)")
+        return best
+
     # ---- public
 
     def decode(self, latent: torch.Tensor) -> torch.Tensor:
@@ -195,17 +255,21 @@ class TiledVAE:
             if feats is not None:
                 x, fn = feats, c.decode_tail
                 budget = max(budget - feats.numel() * feats.element_size(), 1)
-        # Shared statistics cache finished blocks per tile: by default that cache gets a quarter of the
-        # budget and the tiles are planned within the rest, so tiles + cache stay within the budget.
+        # Shared statistics cache finished blocks per tile: the tile size and that cache are planned
+        # together (`_plan_shared`); with a fixed tile, the cache gets a quarter of the budget.
+        joint = self.opt.shared_stats and self.opt.stats_cache and self.opt.stats_cache_bytes is None \
+            and self.opt.tile is None and self.opt.calibrate and c.module is not None and not c.video
         if self.opt.stats_cache_bytes is not None:          # the caller chose the cache size
             self._stats_cache_limit, tile_budget = self.opt.stats_cache_bytes, budget
-        elif self.opt.shared_stats and self.opt.stats_cache:
+        elif self.opt.shared_stats and self.opt.stats_cache and not joint:
             self._stats_cache_limit = budget // STATS_CACHE_SHARE
             tile_budget = budget - self._stats_cache_limit
         else:
             self._stats_cache_limit, tile_budget = 0, budget
         tile = self.opt.tile
-        if tile is None:
+        if joint:
+            tile = self._plan_shared(fn, x, budget, h, w, encode)
+        elif tile is None:
             tile = self._tile_for_budget(fn, x, tile_budget, h, w, encode=encode) if self.opt.calibrate else 64
         tile = max(1, min(int(tile), max(h, w)))
         device = c.device
@@ -296,11 +360,7 @@ class TiledVAE:
         try:
             h, w = (x.shape[-2] // f, x.shape[-1] // f) if encode else x.shape[-2:]
             overlap = self.opt.overlap if self.opt.overlap is not None else default_overlap(tile)
-            th, tw = min(tile, h), min(tile, w)
-            if self.opt.tile is None and h < tile:      # spend the unused area on the long axis
-                tw = min(w, max(tw, tile * tile // max(h, 1)))
-            elif self.opt.tile is None and w < tile:
-                th = min(h, max(th, tile * tile // max(w, 1)))
+            th, tw = self._tile_hw(tile, h, w)
             tiles, py, px = plan_tiles(h, w, th, tw, overlap)
             self.info.tile, self.info.overlap, self.info.tiles = tile, overlap, len(tiles)
             self.info.tile_shape = (py[0][1] - py[0][0], px[0][1] - px[0][0])

@@ -161,11 +161,11 @@ class SharedGroupNormStats:
                 return torch.zeros(shape, dtype=dtype, device=device)
             hit = self.cache.get(key)
             if hit is not None:
-                out, n_gn, hw, dev = hit
+                out, n_gn, hw, dev, dtype = hit
                 self._gn_idx += n_gn
                 if hw is not None:
                     self._last_hw = hw
-                return out.to(dev, copy=True)     # a copy: the caller may work in place
+                return out.to(dev, dtype=dtype, copy=True)     # a copy: the caller may work in place
             start = self._gn_idx
             out = original(*args, **kwargs)        # may raise _StopAtGroupNorm: nothing cached then
             self.blocks_computed += 1
@@ -176,8 +176,19 @@ class SharedGroupNormStats:
             return out
         return forward
 
+    @staticmethod
+    def _cache_dtype(out: torch.Tensor) -> torch.dtype:
+        """The block cache holds fp32 activations in fp16 (half the bytes; ~2^-11 relative rounding, well
+        under the 45 dB floor) or in bf16 when a value is out of fp16's range (the SDXL VAE's
+        activations are); the statistics themselves stay fp32/fp64."""
+        if out.dtype != torch.float32:
+            return out.dtype
+        amax = out.abs().max().item() if out.numel() else 0.0
+        return torch.float16 if amax < 60000.0 else torch.bfloat16
+
     def _store(self, key, no, out, n_gn):
-        nbytes = out.numel() * out.element_size()
+        cdt = self._cache_dtype(out)
+        nbytes = out.numel() * torch.empty(0, dtype=cdt).element_size()
         previous = self.latest.get(self.tile_key) if self.sequential else None
         freed = 0
         if previous is not None:
@@ -187,7 +198,8 @@ class SharedGroupNormStats:
         if previous is not None:
             del self.cache[previous[1]]
             self.cache_bytes -= freed
-        self.cache[key] = (out.to(self.cache_device, copy=True), n_gn, self._last_hw, out.device)
+        self.cache[key] = (out.to(self.cache_device, dtype=cdt, copy=True), n_gn, self._last_hw, out.device,
+                           out.dtype)
         self.cache_bytes += nbytes
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache_bytes)
         if self.sequential:
