@@ -68,6 +68,7 @@ class TilingOptions:
     overlap: int | None = None     # latent pixels; None = auto (tile // 4, at least 4 latent px... capped)
     shared_stats: bool = False
     stats_cache: bool = True       # shared statistics: keep finished block outputs per tile (fewer recomputes)
+    stats_cache_half: bool = True  # shared statistics: the block cache in fp16/bf16 (statistics stay fp32/fp64)
     stats_cache_bytes: int | None = None   # cap on that cache (CPU memory); None = a quarter of the budget
     route_pads: bool | None = None  # None = auto (MPS, torch < 2.15)
     progress: Callable[[int, int], None] | None = None   # (done, total)
@@ -365,10 +366,12 @@ class TiledVAE:
             self.info.tile, self.info.overlap, self.info.tiles = tile, overlap, len(tiles)
             self.info.tile_shape = (py[0][1] - py[0][0], px[0][1] - px[0][0])
             shared = None
-            if self.opt.shared_stats and c.module is not None and not c.video:
+            if self.opt.shared_stats and len(tiles) == 1:
+                log.info("comfy_metal: one tile: its GroupNorm statistics are the whole image's already")
+            elif self.opt.shared_stats and c.module is not None and not c.video:
                 shared = SharedGroupNormStats(c.module, cache=self.opt.stats_cache,
                                               cache_limit_bytes=self._stats_cache_limit,
-                                              sequential=c.sequential_blocks)
+                                              sequential=c.sequential_blocks, half=self.opt.stats_cache_half)
                 if not shared:
                     log.info("comfy_metal: the VAE has no GroupNorm; shared statistics are not needed")
                     shared = None

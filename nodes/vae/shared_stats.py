@@ -36,7 +36,8 @@ class SharedGroupNormStats:
     under `root` gets an instance-level `forward`, removed on exit."""
 
     def __init__(self, root: torch.nn.Module, cache: bool = True, cache_device="cpu",
-                 cache_limit_bytes: int | None = None, sequential: bool = False):
+                 cache_limit_bytes: int | None = None, sequential: bool = False, half: bool = True):
+        self.half = half
         self.modules = [m for m in root.modules() if isinstance(m, torch.nn.GroupNorm)]
         self.blocks = self._cacheable(root) if cache else []
         self.cache_device = torch.device(cache_device)
@@ -176,12 +177,11 @@ class SharedGroupNormStats:
             return out
         return forward
 
-    @staticmethod
-    def _cache_dtype(out: torch.Tensor) -> torch.dtype:
+    def _cache_dtype(self, out: torch.Tensor) -> torch.dtype:
         """The block cache holds fp32 activations in fp16 (half the bytes; ~2^-11 relative rounding, well
         under the 45 dB floor) or in bf16 when a value is out of fp16's range (the SDXL VAE's
         activations are); the statistics themselves stay fp32/fp64."""
-        if out.dtype != torch.float32:
+        if out.dtype != torch.float32 or not self.half:
             return out.dtype
         amax = out.abs().max().item() if out.numel() else 0.0
         return torch.float16 if amax < 60000.0 else torch.bfloat16
