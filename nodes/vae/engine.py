@@ -195,7 +195,7 @@ class TiledVAE:
         finally:
             for hk in hooks:
                 hk.remove()
-        return most[0] / max(1, area)
+        return 2 * most[0] / max(1, area)      # a tile's latest block + the convolutions inside the next
 
     def _plan_shared(self, fn, x, budget, h, w, encode) -> int:
         """Shared statistics: the tile size and the block cache planned together. With every tile's

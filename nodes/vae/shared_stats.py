@@ -60,6 +60,9 @@ class SharedGroupNormStats:
         self._last_hw = None
         self._saved = []
         self.unmapped = 0                    # 3-D GroupNorm inputs whose layout was not recognised
+        self.inner: dict = {}                # (tile, block call number, id(leaf)) -> (output, dtype): see _inner_forward
+        self.inner_bytes = 0
+        self._cur_block = -1
 
     def __bool__(self):
         return bool(self.modules)
@@ -102,7 +105,48 @@ class SharedGroupNormStats:
             self._wrap(m, self._gn_forward)
         for b in self.blocks:
             self._wrap(b, self._block_forward)
+        if self.sequential:
+            for b in self.blocks:
+                for leaf in self._inner_leaves(b):
+                    self._wrap(leaf, self._inner_forward)
         return self
+
+    @staticmethod
+    def _inner_leaves(block):
+        """The parameterised GroupNorm-free leaves inside a block owning GroupNorms (a ResNet block's
+        convolutions): their outputs are cached within the block (`_inner_forward`)."""
+        if not any(isinstance(c, torch.nn.GroupNorm) for c in block.children()):
+            return []
+        return [m for m in block.modules() if m is not block and not any(True for _ in m.children())
+                and not isinstance(m, torch.nn.GroupNorm) and any(True for _ in m.parameters(recurse=False))]
+
+    def _inner_forward(self, m, original):
+        """Inside the block whose GroupNorm is being gathered, the layers before that GroupNorm are final
+        (earlier GroupNorms use final statistics) and are recomputed on the next pass only to reach it
+        again. So the output of each convolution inside the block is kept for the tile (one block's worth,
+        dropped once the block itself is cached): a ResNet block's conv1 then runs once, not twice, and a
+        shared-statistics decode does each convolution once, as one plain pass does; only the GroupNorms
+        and activations between them run again (elementwise, cheap)."""
+        def forward(*args, **kwargs):
+            key = (self.tile_key, self._cur_block, id(m))
+            hit = self.inner.get(key)
+            if hit is not None:
+                out, dtype = hit
+                return out.to(args[0].device if args and isinstance(args[0], torch.Tensor) else out.device,
+                              dtype=dtype, copy=True)
+            out = original(*args, **kwargs)
+            if self.target is not None and isinstance(out, torch.Tensor):
+                cdt = self._cache_dtype(out)
+                self.inner[key] = (out.to(self.cache_device, dtype=cdt, copy=True), out.dtype)
+                self.inner_bytes += out.numel() * torch.empty(0, dtype=cdt).element_size()
+                self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache_bytes + self.inner_bytes)
+            return out
+        return forward
+
+    def _drop_inner(self, tile_key):
+        for k in [k for k in self.inner if k[0] == tile_key]:
+            out, _ = self.inner.pop(k)
+            self.inner_bytes -= out.numel() * out.element_size()
 
     def _wrap(self, m, maker):
         had = "forward" in m.__dict__
@@ -117,6 +161,8 @@ class SharedGroupNormStats:
                 m.__dict__.pop("forward", None)
         self._saved.clear()
         self.cache.clear()
+        self.inner.clear()
+        self.inner_bytes = 0
         self.latest.clear()
         self.block_meta.clear()
         self.cache_bytes = 0
@@ -140,6 +186,7 @@ class SharedGroupNormStats:
         self.core = (tile.core_y, tile.core_x, (tile.y[1] - tile.y[0], tile.x[1] - tile.x[0]))
         self.tile_key = key
         self._block_no = 0
+        self._cur_block = -1
         self._gn_idx = 0
         self._occ.clear()
         self._last_hw = None
@@ -168,12 +215,16 @@ class SharedGroupNormStats:
                     self._last_hw = hw
                 return out.to(dev, dtype=dtype, copy=True)     # a copy: the caller may work in place
             start = self._gn_idx
+            self._cur_block = no
             out = original(*args, **kwargs)        # may raise _StopAtGroupNorm: nothing cached then
+            self._cur_block = -1
             self.blocks_computed += 1
             if self.target is not None and isinstance(out, torch.Tensor):
                 n_gn = self._gn_idx - start
                 self.block_meta[(self.tile_key, no)] = (out.shape, out.dtype, out.device, n_gn, self._last_hw)
                 self._store(key, no, out, n_gn)
+                if self.inner:
+                    self._drop_inner(self.tile_key)
             return out
         return forward
 

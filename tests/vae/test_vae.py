@@ -408,14 +408,14 @@ def test_shared_statistics_sequential_cache_keeps_one_block_per_tile(kl_vae, kl_
     z, _ = kl_case
     codec = vt.codec_from_diffusers(kl_vae)
     assert codec.sequential_blocks
-    opts = dict(tile=32, overlap=12, shared_stats=True)
+    opts = dict(tile=32, overlap=12, shared_stats=True, stats_cache_half=False)
     chain = vt.TiledVAE(codec, vt.TilingOptions(**opts, stats_cache_bytes=1 << 40))
     out = chain.decode(z)
     keep_all = vt.TiledVAE(dataclasses.replace(codec, sequential_blocks=False),
                            vt.TilingOptions(**opts, stats_cache_bytes=1 << 40))
     torch.testing.assert_close(keep_all.decode(z), out, atol=1e-5, rtol=0)
     print("cache peak: chain", chain.info.stats_cache_peak, "keep all", keep_all.info.stats_cache_peak)
-    assert chain.info.stats_cache_peak * 2 < keep_all.info.stats_cache_peak
+    assert chain.info.stats_cache_peak < keep_all.info.stats_cache_peak * 0.7   # latest block + one block's convs
     assert chain.info.blocks_computed == keep_all.info.blocks_computed     # nothing recomputed either way
     # a cache limit that holds one block per tile but not all of them
     limit = chain.info.stats_cache_peak
