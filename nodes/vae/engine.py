@@ -97,6 +97,19 @@ class RunInfo:
     stats_cache_peak: int = 0       # shared statistics: peak bytes of the block cache
     untiled_head: bool = False      # decode: conv_in + mid block ran once over the whole latent
     head_peak: int = 0              # its predicted peak bytes (0 when it did not run untiled)
+    expected_peak: int = 0          # the cost model's peak of the plan that ran (tiles + cache + head output)
+    over_budget: bool = False       # no plan fit the budget: the smallest ran (warned, with expected_peak)
+    nonfinite: int = 0              # NaN/inf values in the decoded tiles (warned once)
+
+    @property
+    def mode(self) -> str:
+        """What ran, as its expected quality against the untiled decode: "exact" (one tile, or shared
+        statistics on tiles cut from the whole-image mid output) or "feather, overlap N"."""
+        if self.shared_stats:
+            return "exact (shared statistics)" if self.untiled_head else "shared statistics (per-tile attention)"
+        if self.tiles <= 1:
+            return "exact (one tile)"
+        return f"feather, overlap {self.overlap}"
 
 
 def default_overlap(tile: int) -> int:
@@ -155,6 +168,7 @@ class TiledVAE:
 
     def _tile_for_budget(self, fn, sample, budget: int, h: int, w: int, encode=False) -> int:
         a, b = self.calibrate(fn, sample, encode=encode)
+        self._check_fits(a + b * min(MIN_TILE, h) * min(MIN_TILE, w), budget)
         area = max((budget * 0.85 - a) / max(b, 1e-9), MIN_TILE * MIN_TILE)
         side = int(math.sqrt(area))
         if side >= max(h, w):
@@ -165,6 +179,18 @@ class TiledVAE:
         elif w < side:
             side = max(side, int(area // w))
         return max(MIN_TILE, side)
+
+    def _check_fits(self, smallest_peak: float, budget: float):
+        """No plan fits: run the smallest one, with a warning naming its expected peak and the budget that
+        would hold it (never over the budget silently)."""
+        if smallest_peak <= budget:
+            return
+        need = smallest_peak + (self.opt.budget_bytes or budget) - budget    # plus what the budget already held
+        self.info.over_budget = True
+        self.info.expected_peak = int(need)
+        log.warning(f"comfy_metal: VAE: no tile plan fits the {(self.opt.budget_bytes or budget) / 2**30:.3f} GiB "
+                    f"budget; running the smallest ({MIN_TILE}px latent tiles), expected peak "
+                    f"{need / 2**30:.3f} GiB; a budget of {need / 0.85 / 2**30:.3f} GiB would hold it")
 
     def _tile_hw(self, tile, h, w):
         th, tw = min(tile, h), min(tile, w)
@@ -512,6 +538,13 @@ class TiledVAE:
                 shape += [full_h, full_w]
                 nbytes = math.prod(shape) * 4
                 acc = torch.zeros(shape, dtype=torch.float32, device=self._out_device(device, nbytes))
+            bad = int((~torch.isfinite(chunk)).sum())
+            if bad:
+                if not self.info.nonfinite:
+                    log.warning(f"comfy_metal: VAE {'encode' if encode else 'decode'}: the tile at latent rows "
+                                f"{y0}:{y1}, cols {x0}:{x1} produced {bad} NaN/inf values (the input has "
+                                f"{int((~torch.isfinite(src)).sum())}); they are in the output")
+                self.info.nonfinite += bad
             if chunk.shape[-2:] != (len(wy), len(wx)):
                 raise RuntimeError(f"the VAE returned a tile of {tuple(chunk.shape[-2:])} pixels for a "
                                    f"{(y1 - y0, x1 - x0)} latent tile; expected {(len(wy), len(wx))}")
