@@ -141,13 +141,22 @@ class TiledVAE:
             del out
         return int(m["peak"])
 
-    def calibrate(self, fn, sample: torch.Tensor, encode: bool = False) -> tuple[float, float]:
-        """(a, b) of peak = a + b * tile_area (latent pixels), from two small tiles on the device."""
+    def calibrate(self, fn, sample: torch.Tensor, encode: bool = False, budget: float | None = None) \
+            -> tuple[float, float]:
+        """(a, b) of peak = a + b * tile_area (latent pixels), from two small tiles on the device. The
+        second tile is 16x16, or smaller when its peak (extrapolated from the first, 8x8) would exceed
+        the budget: calibrating must not be what breaks it."""
         f = self.codec.scale if encode else 1
         h, w = sample.shape[-2] // f, sample.shape[-1] // f
         sides = [s for s in (8, 16) if s <= max(h, w) or s == 8]
         pts = []
         for s in sides:
+            if pts and budget is not None:
+                m1 = pts[0][1] * (CPU_WORKSPACE_FACTOR if self.codec.device.type == "cpu" else 1)
+                if m1 * (s * s) / max(1, pts[0][0]) > budget * 0.85:
+                    s = int(math.sqrt(budget * 0.85 / max(m1, 1) * pts[0][0]))
+                    if s * s <= pts[0][0] * 1.5:
+                        break
             th, tw = min(s, h), min(s, w)
             shape = list(sample.shape)
             shape[-2], shape[-1] = th * f, tw * f
@@ -167,7 +176,7 @@ class TiledVAE:
         return a, b
 
     def _tile_for_budget(self, fn, sample, budget: int, h: int, w: int, encode=False) -> int:
-        a, b = self.calibrate(fn, sample, encode=encode)
+        a, b = self.calibrate(fn, sample, encode=encode, budget=budget)
         self._check_fits(a + b * min(MIN_TILE, h) * min(MIN_TILE, w), budget)
         area = max((budget * 0.85 - a) / max(b, 1e-9), MIN_TILE * MIN_TILE)
         side = int(math.sqrt(area))
@@ -179,6 +188,19 @@ class TiledVAE:
         elif w < side:
             side = max(side, int(area // w))
         return max(MIN_TILE, side)
+
+    def _predicted_peak(self, x, encode) -> int:
+        """The cost model's peak of the planned run, in the budget's terms (the output accumulator comes
+        on top): the largest tile's forward (a + b * area) plus what stays resident across tiles (the
+        whole-image mid output when the head ran untiled, the shared-statistics block cache)."""
+        cal = self.info.calibration
+        if not cal:
+            return 0
+        th, tw = self.info.tile_shape
+        peak = cal["a"] + cal["b"] * th * tw
+        if not encode and self.info.untiled_head:
+            peak += x.numel() * x.element_size()            # x is the head's output here
+        return int(max(peak, self.info.head_peak))
 
     def _check_fits(self, smallest_peak: float, budget: float):
         """No plan fits: run the smallest one, with a warning naming its expected peak and the budget that
@@ -231,7 +253,7 @@ class TiledVAE:
         restarts from the input. So the largest tile whose peak (cost model) plus the cache of the whole
         plan (largest cached activation x the tiles' total area, fp16) fits the budget; the cache gets
         the rest of the budget."""
-        a, b = self.calibrate(fn, x, encode=encode)
+        a, b = self.calibrate(fn, x, encode=encode, budget=budget)
         bpp = self._cache_bytes_per_px(fn, x, encode)
         usable = budget * 0.85
         best = None
@@ -391,6 +413,8 @@ class TiledVAE:
             tiles, py, px = plan_tiles(h, w, th, tw, overlap)
             self.info.tile, self.info.overlap, self.info.tiles = tile, overlap, len(tiles)
             self.info.tile_shape = (py[0][1] - py[0][0], px[0][1] - px[0][0])
+            if not self.info.over_budget:
+                self.info.expected_peak = self._predicted_peak(x, encode)
             shared = None
             if self.opt.shared_stats and len(tiles) == 1:
                 log.info("comfy_metal: one tile: its GroupNorm statistics are the whole image's already")
