@@ -390,7 +390,8 @@ def test_bench_section_without_comfyui(monkeypatch):
     monkeypatch.setattr(bench_vae, "SDXL_WIDTHS", (32, 64, 128, 128))   # SD ratios (ComfyUI infers them)
     monkeypatch.setattr(bench_vae, "SDXL_SIDE", {True: 24, False: 24})
     monkeypatch.setattr(bench_vae, "_comfy", lambda: "ComfyUI not importable (test)")
-    sdxl, wan = bench_vae.bench(quick=True)
+    sdxl, *at_peak, wan = bench_vae.bench(quick=True)
+    assert len(at_peak) == 2 and all(not t.rows and "needs ComfyUI" in t.note for t in at_peak)
     labels = [r[0] for r in sdxl.rows]
     assert labels == ["untiled (diffusers decode)", "ours, feather, ComfyUI's overlap", "ours, feather",
                       "ours, shared GroupNorm stats"], sdxl.render()

@@ -160,8 +160,13 @@ def test_bench_section_against_comfyui_tiled(comfyui, monkeypatch):
 
     monkeypatch.setattr(bench_vae, "SDXL_WIDTHS", (32, 64, 128, 128))   # SD ratios (ComfyUI infers them)
     monkeypatch.setattr(bench_vae, "SDXL_SIDE", {True: 24, False: 24})
-    sdxl, wan = bench_vae.bench(quick=True)
-    for table in (sdxl, wan):
+    sdxl, *at_peak, wan = bench_vae.bench(quick=True)
+    assert len(at_peak) == 2
+    for table in at_peak:       # issue 17: feather and exact at ComfyUI's tiled peak, side by side
+        labels = [r[0] for r in table.rows]
+        assert any("peak, feather" in x for x in labels) and any("peak, exact" in x for x in labels), table.render()
+        assert "PSNR vs untiled: feather" in table.note, table.render()
+    for table in (sdxl, *at_peak, wan):
         rows = {r[0]: r for r in table.rows}
         assert rows["ComfyUI tiled"][5] == "1x", table.render()
         ours = [r for r in table.rows if r[0].startswith("ours")]
