@@ -137,8 +137,11 @@ class SharedGroupNormStats:
             out = original(*args, **kwargs)
             if self.target is not None and isinstance(out, torch.Tensor):
                 cdt = self._cache_dtype(out)
+                nbytes = out.numel() * torch.empty(0, dtype=cdt).element_size()
+                if self.cache_limit is not None and self.cache_bytes + self.inner_bytes + nbytes > self.cache_limit:
+                    return out                               # over the limit: the next pass recomputes it
                 self.inner[key] = (out.to(self.cache_device, dtype=cdt, copy=True), out.dtype)
-                self.inner_bytes += out.numel() * torch.empty(0, dtype=cdt).element_size()
+                self.inner_bytes += nbytes
                 self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache_bytes + self.inner_bytes)
             return out
         return forward
@@ -244,7 +247,7 @@ class SharedGroupNormStats:
         freed = 0
         if previous is not None:
             freed = self.cache[previous[1]][0].numel() * self.cache[previous[1]][0].element_size()
-        if self.cache_limit is not None and self.cache_bytes - freed + nbytes > self.cache_limit:
+        if self.cache_limit is not None and self.cache_bytes + self.inner_bytes - freed + nbytes > self.cache_limit:
             return                                   # over the limit: later passes recompute this block
         if previous is not None:
             del self.cache[previous[1]]
