@@ -37,6 +37,12 @@ class Codec:
     calibrate_all_frames: bool = False   # video: the decoder holds every latent frame at once (a mid block over
                                          # the whole clip), so its peak grows with the frame count: calibrate
                                          # the cost model on the real frame count, not on two frames
+    # Image KL decoders split at the mid block: decode(z) == decode_tail(decode_head(z)). The head
+    # (post_quant_conv, conv_in, mid block with its global attention) keeps the latent's grid, so the
+    # engine runs it once over the whole latent and tiles only the tail (the up path), cut from the
+    # whole-image mid output with a halo: the attention and the mid GroupNorms then see the whole image.
+    decode_head: Callable | None = None
+    decode_tail: Callable | None = None
 
     def frames_out(self, t_latent: int) -> int:
         return t_latent if not self.video else 1 + 4 * (t_latent - 1)
@@ -78,7 +84,21 @@ def codec_from_diffusers(vae) -> Codec:
                      out_channels=3, latent_channels=vae.config.z_dim)
     if cls in ("AutoencoderKL",):
         scale = 2 ** (len(vae.config.block_out_channels) - 1)
+        dec = vae.decoder
+
+        def head(z):
+            if vae.post_quant_conv is not None:
+                z = vae.post_quant_conv(z)
+            return dec.mid_block(dec.conv_in(z), None)
+
+        def tail(h):
+            for up_block in dec.up_blocks:
+                h = up_block(h, None)
+            return dec.conv_out(dec.conv_act(dec.conv_norm_out(h)))
+
+        split = type(dec).__name__ == "Decoder" and hasattr(dec, "mid_block") and hasattr(dec, "conv_norm_out")
         return Codec("diffusers-kl", scale, decode=lambda z: vae.decode(z).sample,
+                     decode_head=head if split else None, decode_tail=tail if split else None,
                      encode=lambda x: vae.encode(x).latent_dist.mode(), module=vae, device=device, dtype=dtype,
                      out_channels=vae.config.out_channels, latent_channels=vae.config.latent_channels,
                      sequential_blocks=True)
@@ -105,8 +125,9 @@ def codec_from_comfy(vae) -> Codec | None:
             and type(getattr(fsm, "decoder", None)).__name__ == "Decoder" \
             and type(fsm.decoder).__module__.endswith("diffusionmodules.model") \
             and getattr(fsm, "bn", None) is None and getattr(vae, "extra_1d_channel", None) is None:
+        head, tail = _comfy_kl_split(fsm)
         return Codec("comfy-kl", int(scale), decode=lambda z: fsm.decode(z), encode=lambda x: fsm.encode(x),
-                     module=fsm, device=device, dtype=dtype, out_channels=getattr(vae, "output_channels", 3),
+                     decode_head=head, decode_tail=tail, module=fsm, device=device, dtype=dtype, out_channels=getattr(vae, "output_channels", 3),
                      latent_channels=vae.latent_channels, sequential_blocks=True)
     if latent_dim == 3 and cls == "WanVAE" and mod.endswith("wan.vae"):
         def stream(z):
@@ -142,6 +163,37 @@ def codec_from_comfy(vae) -> Codec | None:
     if hunyuan is not None:
         return hunyuan
     return None
+
+
+def _comfy_kl_split(fsm):
+    """(head, tail) of ComfyUI's 2-D SD Decoder (SD 1.x/2.x, SDXL, SD3, Flux), the same modules in the
+    same order as `Decoder.forward`; (None, None) when its forward is not the plain chain (carried
+    causal convolutions, batch splitting)."""
+    dec = fsm.decoder
+    dm = sys.modules.get(type(dec).__module__)
+    nonlin = getattr(dm, "nonlinearity", None)
+    if nonlin is None or getattr(dec, "carried", False) or getattr(fsm, "max_batch_size", None) \
+            or not hasattr(dec, "mid") or not hasattr(fsm, "post_quant_conv"):
+        return None, None
+
+    def head(z):
+        h = dec.conv_in(fsm.post_quant_conv(z))
+        h = dec.mid.block_1(h, None)
+        h = dec.mid.attn_1(h)
+        return dec.mid.block_2(h, None)
+
+    def tail(h):
+        for level in reversed(range(dec.num_resolutions)):
+            for i, block in enumerate(dec.up[level].block):
+                h = block(h, None)
+                if len(dec.up[level].attn) > 0:
+                    h = dec.up[level].attn[i](h)
+            if level != 0:
+                h = dec.up[level].upsample(h)
+        h = dec.conv_out(nonlin(dec.norm_out(h)))
+        return torch.tanh(h) if getattr(dec, "tanh_out", False) else h
+
+    return head, tail
 
 
 def _comfy_hunyuan_video_codec(vae, fsm, latent_dim, scale, device, dtype) -> Codec | None:

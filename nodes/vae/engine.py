@@ -68,12 +68,15 @@ class TilingOptions:
     overlap: int | None = None     # latent pixels; None = auto (tile // 4, at least 4 latent px... capped)
     shared_stats: bool = False
     stats_cache: bool = True       # shared statistics: keep finished block outputs per tile (fewer recomputes)
+    stats_cache_half: bool = True  # shared statistics: the block cache in fp16/bf16 (statistics stay fp32/fp64)
     stats_cache_bytes: int | None = None   # cap on that cache (CPU memory); None = a quarter of the budget
     route_pads: bool | None = None  # None = auto (MPS, torch < 2.15)
     progress: Callable[[int, int], None] | None = None   # (done, total)
     output_device: torch.device | str | None = None       # None = compute device if it fits the budget, else CPU
     calibrate: bool = True
     cpu_fallback: bool = True
+    untiled_head: bool = True      # decode: run the codec's latent-resolution head (conv_in + mid block) once
+                                   # over the whole latent when it fits the budget
 
 
 @dataclasses.dataclass
@@ -92,6 +95,21 @@ class RunInfo:
     groupnorm_calls: int = 0
     blocks_computed: int = 0        # shared statistics: block forwards run (cache hits and skips excluded)
     stats_cache_peak: int = 0       # shared statistics: peak bytes of the block cache
+    untiled_head: bool = False      # decode: conv_in + mid block ran once over the whole latent
+    head_peak: int = 0              # its predicted peak bytes (0 when it did not run untiled)
+    expected_peak: int = 0          # the cost model's peak of the plan that ran (tiles + cache + head output)
+    over_budget: bool = False       # no plan fit the budget: the smallest ran (warned, with expected_peak)
+    nonfinite: int = 0              # NaN/inf values in the decoded tiles (warned once)
+
+    @property
+    def mode(self) -> str:
+        """What ran, as its expected quality against the untiled decode: "exact" (one tile, or shared
+        statistics on tiles cut from the whole-image mid output) or "feather, overlap N"."""
+        if self.shared_stats:
+            return "exact (shared statistics)" if self.untiled_head else "shared statistics (per-tile attention)"
+        if self.tiles <= 1:
+            return "exact (one tile)"
+        return f"feather, overlap {self.overlap}"
 
 
 def default_overlap(tile: int) -> int:
@@ -123,13 +141,22 @@ class TiledVAE:
             del out
         return int(m["peak"])
 
-    def calibrate(self, fn, sample: torch.Tensor, encode: bool = False) -> tuple[float, float]:
-        """(a, b) of peak = a + b * tile_area (latent pixels), from two small tiles on the device."""
+    def calibrate(self, fn, sample: torch.Tensor, encode: bool = False, budget: float | None = None) \
+            -> tuple[float, float]:
+        """(a, b) of peak = a + b * tile_area (latent pixels), from two small tiles on the device. The
+        second tile is 16x16, or smaller when its peak (extrapolated from the first, 8x8) would exceed
+        the budget: calibrating must not be what breaks it."""
         f = self.codec.scale if encode else 1
         h, w = sample.shape[-2] // f, sample.shape[-1] // f
         sides = [s for s in (8, 16) if s <= max(h, w) or s == 8]
         pts = []
         for s in sides:
+            if pts and budget is not None:
+                m1 = pts[0][1] * (CPU_WORKSPACE_FACTOR if self.codec.device.type == "cpu" else 1)
+                if m1 * (s * s) / max(1, pts[0][0]) > budget * 0.85:
+                    s = int(math.sqrt(budget * 0.85 / max(m1, 1) * pts[0][0]))
+                    if s * s <= pts[0][0] * 1.5:
+                        break
             th, tw = min(s, h), min(s, w)
             shape = list(sample.shape)
             shape[-2], shape[-1] = th * f, tw * f
@@ -149,7 +176,8 @@ class TiledVAE:
         return a, b
 
     def _tile_for_budget(self, fn, sample, budget: int, h: int, w: int, encode=False) -> int:
-        a, b = self.calibrate(fn, sample, encode=encode)
+        a, b = self.calibrate(fn, sample, encode=encode, budget=budget)
+        self._check_fits(a + b * min(MIN_TILE, h) * min(MIN_TILE, w), budget)
         area = max((budget * 0.85 - a) / max(b, 1e-9), MIN_TILE * MIN_TILE)
         side = int(math.sqrt(area))
         if side >= max(h, w):
@@ -160,6 +188,91 @@ class TiledVAE:
         elif w < side:
             side = max(side, int(area // w))
         return max(MIN_TILE, side)
+
+    def _predicted_peak(self, x, encode) -> int:
+        """The cost model's peak of the planned run, in the budget's terms (the output accumulator comes
+        on top): the largest tile's forward (a + b * area) plus what stays resident across tiles (the
+        whole-image mid output when the head ran untiled, the shared-statistics block cache)."""
+        cal = self.info.calibration
+        if not cal:
+            return 0
+        th, tw = self.info.tile_shape
+        peak = cal["a"] + cal["b"] * th * tw
+        if not encode and self.info.untiled_head:
+            peak += x.numel() * x.element_size()            # x is the head's output here
+        return int(max(peak, self.info.head_peak))
+
+    def _check_fits(self, smallest_peak: float, budget: float):
+        """No plan fits: run the smallest one, with a warning naming its expected peak and the budget that
+        would hold it (never over the budget silently)."""
+        if smallest_peak <= budget:
+            return
+        need = smallest_peak + (self.opt.budget_bytes or budget) - budget    # plus what the budget already held
+        self.info.over_budget = True
+        self.info.expected_peak = int(need)
+        log.warning(f"comfy_metal: VAE: no tile plan fits the {(self.opt.budget_bytes or budget) / 2**30:.3f} GiB "
+                    f"budget; running the smallest ({MIN_TILE}px latent tiles), expected peak "
+                    f"{need / 2**30:.3f} GiB; a budget of {need / 0.85 / 2**30:.3f} GiB would hold it")
+
+    def _tile_hw(self, tile, h, w):
+        th, tw = min(tile, h), min(tile, w)
+        if self.opt.tile is None and h < tile:      # spend the unused area on the long axis
+            tw = min(w, max(tw, tile * tile // max(h, 1)))
+        elif self.opt.tile is None and w < tile:
+            th = min(h, max(th, tile * tile // max(w, 1)))
+        return th, tw
+
+    def _cache_bytes_per_px(self, fn, x, encode) -> float:
+        """Shared statistics' block cache: bytes per latent pixel of a tile of the largest output of the
+        blocks it caches (stored in fp16/bf16), from one forward over a crop of at most 8x8 latent px."""
+        c = self.codec
+        f = c.scale
+        side = 8 * f if encode else 8
+        crop = x[..., :side, :side].to(device=c.device, dtype=c.dtype)
+        area = (crop.shape[-2] // (f if encode else 1)) * (crop.shape[-1] // (f if encode else 1))
+        most = [0]
+
+        def hook(m, args, out):
+            if isinstance(out, torch.Tensor):
+                most[0] = max(most[0], out.numel() * 2)
+
+        hooks = [b.register_forward_hook(hook) for b in SharedGroupNormStats._cacheable(c.module)]
+        try:
+            with torch.no_grad():
+                fn(crop)
+        finally:
+            for hk in hooks:
+                hk.remove()
+        return 2 * most[0] / max(1, area)      # a tile's latest block + the convolutions inside the next
+
+    def _plan_shared(self, fn, x, budget, h, w, encode) -> int:
+        """Shared statistics: the tile size and the block cache planned together. With every tile's
+        latest block cached, a pass recomputes only the block holding its GroupNorm, so a decode costs
+        about 1.5 plain passes (a ResNet block's first conv runs twice: once to reach norm2, once more
+        after its statistics are final) whatever the number of GroupNorms; without the cache every pass
+        restarts from the input. So the largest tile whose peak (cost model) plus the cache of the whole
+        plan (largest cached activation x the tiles' total area, fp16) fits the budget; the cache gets
+        the rest of the budget."""
+        a, b = self.calibrate(fn, x, encode=encode, budget=budget)
+        bpp = self._cache_bytes_per_px(fn, x, encode)
+        usable = budget * 0.85
+        best = None
+        for side in range(max(h, w), MIN_TILE - 1, -1):
+            th, tw = self._tile_hw(side, h, w)
+            tiles, py, px = plan_tiles(h, w, th, tw, self.opt.overlap if self.opt.overlap is not None
+                                       else default_overlap(side))
+            tile_area = (py[0][1] - py[0][0]) * (px[0][1] - px[0][0])
+            cache = bpp * sum((t.y[1] - t.y[0]) * (t.x[1] - t.x[0]) for t in tiles) if len(tiles) > 1 else 0
+            if a + b * tile_area + cache * 1.1 <= usable:
+                best = side
+                self._stats_cache_limit = int(max(cache * 1.1, usable - a - b * tile_area))
+                break
+        if best is None:                 # not even the smallest tile with a full cache: cache what fits
+            best = self._tile_for_budget(fn, x, budget * 0.75, h, w, encode=encode)
+            self._stats_cache_limit = budget // STATS_CACHE_SHARE
+            log.warning(f"comfy_metal: shared statistics: the block cache of the whole image does not fit the "
+                        f"{budget / 2**30:.2f} GiB budget; later passes recompute blocks (slower)")
+        return best
 
     # ---- public
 
@@ -185,17 +298,27 @@ class TiledVAE:
         else:
             h, w = x.shape[-2:]
         budget = self.opt.budget_bytes or auto_budget(c.device)
-        # Shared statistics cache finished blocks per tile: by default that cache gets a quarter of the
-        # budget and the tiles are planned within the rest, so tiles + cache stay within the budget.
+        if not encode and c.decode_head is not None and c.decode_tail is not None and self.opt.untiled_head \
+                and not c.video:
+            feats = self._untiled_head(x, budget)
+            if feats is not None:
+                x, fn = feats, c.decode_tail
+                budget = max(budget - feats.numel() * feats.element_size(), 1)
+        # Shared statistics cache finished blocks per tile: the tile size and that cache are planned
+        # together (`_plan_shared`); with a fixed tile, the cache gets a quarter of the budget.
+        joint = self.opt.shared_stats and self.opt.stats_cache and self.opt.stats_cache_bytes is None \
+            and self.opt.tile is None and self.opt.calibrate and c.module is not None and not c.video
         if self.opt.stats_cache_bytes is not None:          # the caller chose the cache size
             self._stats_cache_limit, tile_budget = self.opt.stats_cache_bytes, budget
-        elif self.opt.shared_stats and self.opt.stats_cache:
+        elif self.opt.shared_stats and self.opt.stats_cache and not joint:
             self._stats_cache_limit = budget // STATS_CACHE_SHARE
             tile_budget = budget - self._stats_cache_limit
         else:
             self._stats_cache_limit, tile_budget = 0, budget
         tile = self.opt.tile
-        if tile is None:
+        if joint:
+            tile = self._plan_shared(fn, x, budget, h, w, encode)
+        elif tile is None:
             tile = self._tile_for_budget(fn, x, tile_budget, h, w, encode=encode) if self.opt.calibrate else 64
         tile = max(1, min(int(tile), max(h, w)))
         device = c.device
@@ -227,6 +350,54 @@ class TiledVAE:
         self.info.seconds = time.perf_counter() - t_start
         return out
 
+    def _head_peak(self, x: torch.Tensor) -> int:
+        """Predicted peak of the head over the whole latent: peak = b * A + c * A^2 (A = latent area; the
+        A^2 term is the mid attention's score matrix when the attention materialises it), fitted to the
+        measured peaks of two crops of at most 8x8 and 16x16 latent pixels."""
+        c = self.codec
+        h, w = x.shape[-2:]
+        pts = []
+        for s in (8, 16):
+            th, tw = min(s, h), min(s, w)
+            if pts and pts[-1][0] == th * tw:
+                break
+            z = x[..., :th, :tw].to(device=c.device, dtype=c.dtype)
+            pts.append((th * tw, self._measure_tile(c.decode_head, z)))
+        if len(pts) == 1:
+            b, q = pts[0][1] / pts[0][0], 0.0
+        else:
+            (a1, m1), (a2, m2) = pts
+            q = max(0.0, (m2 / a2 - m1 / a1) / (a2 - a1))
+            b = max(m1 / a1 - q * a1, 0.0)
+        area = h * w
+        peak = b * area + q * area * area
+        if c.device.type == "cpu":
+            peak *= CPU_WORKSPACE_FACTOR
+        return int(peak)
+
+    def _untiled_head(self, x: torch.Tensor, budget: int) -> torch.Tensor | None:
+        """The codec's head (conv_in + mid block, attention included) over the whole latent, when its
+        predicted peak fits the budget; None otherwise (each tile then runs the whole decoder)."""
+        c = self.codec
+        peak = self._head_peak(x) if self.opt.calibrate else 0
+        if peak > budget * 0.85:
+            log.info(f"comfy_metal: the VAE's mid block over the whole {tuple(x.shape[-2:])} latent needs "
+                     f"~{peak / 2**30:.2f} GiB, over the budget; each tile runs the whole decoder")
+            return None
+        try:
+            with torch.no_grad(), pad_mode_for(c.device, self.opt.route_pads):
+                feats = c.decode_head(x.to(device=c.device, dtype=c.dtype))
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            e = None
+            _empty_cache(c.device)
+            log.warning("comfy_metal: the VAE's mid block over the whole latent ran out of memory; "
+                        "each tile runs the whole decoder")
+            return None
+        self.info.untiled_head, self.info.head_peak = True, peak
+        return feats
+
     def _pass_all(self, x, fn, tile, encode, device):
         c = self.codec
         f = c.scale
@@ -238,19 +409,19 @@ class TiledVAE:
         try:
             h, w = (x.shape[-2] // f, x.shape[-1] // f) if encode else x.shape[-2:]
             overlap = self.opt.overlap if self.opt.overlap is not None else default_overlap(tile)
-            th, tw = min(tile, h), min(tile, w)
-            if self.opt.tile is None and h < tile:      # spend the unused area on the long axis
-                tw = min(w, max(tw, tile * tile // max(h, 1)))
-            elif self.opt.tile is None and w < tile:
-                th = min(h, max(th, tile * tile // max(w, 1)))
+            th, tw = self._tile_hw(tile, h, w)
             tiles, py, px = plan_tiles(h, w, th, tw, overlap)
             self.info.tile, self.info.overlap, self.info.tiles = tile, overlap, len(tiles)
             self.info.tile_shape = (py[0][1] - py[0][0], px[0][1] - px[0][0])
+            if not self.info.over_budget:
+                self.info.expected_peak = self._predicted_peak(x, encode)
             shared = None
-            if self.opt.shared_stats and c.module is not None and not c.video:
+            if self.opt.shared_stats and len(tiles) == 1:
+                log.info("comfy_metal: one tile: its GroupNorm statistics are the whole image's already")
+            elif self.opt.shared_stats and c.module is not None and not c.video:
                 shared = SharedGroupNormStats(c.module, cache=self.opt.stats_cache,
                                               cache_limit_bytes=self._stats_cache_limit,
-                                              sequential=c.sequential_blocks)
+                                              sequential=c.sequential_blocks, half=self.opt.stats_cache_half)
                 if not shared:
                     log.info("comfy_metal: the VAE has no GroupNorm; shared statistics are not needed")
                     shared = None
@@ -391,6 +562,13 @@ class TiledVAE:
                 shape += [full_h, full_w]
                 nbytes = math.prod(shape) * 4
                 acc = torch.zeros(shape, dtype=torch.float32, device=self._out_device(device, nbytes))
+            bad = int((~torch.isfinite(chunk)).sum())
+            if bad:
+                if not self.info.nonfinite:
+                    log.warning(f"comfy_metal: VAE {'encode' if encode else 'decode'}: the tile at latent rows "
+                                f"{y0}:{y1}, cols {x0}:{x1} produced {bad} NaN/inf values (the input has "
+                                f"{int((~torch.isfinite(src)).sum())}); they are in the output")
+                self.info.nonfinite += bad
             if chunk.shape[-2:] != (len(wy), len(wx)):
                 raise RuntimeError(f"the VAE returned a tile of {tuple(chunk.shape[-2:])} pixels for a "
                                    f"{(y1 - y0, x1 - x0)} latent tile; expected {(len(wy), len(wx))}")

@@ -138,6 +138,9 @@ class MetalVAEDecodeTiled:
         log.info(f"comfy_metal: VAE decode {tuple(latent.shape)} -> {tuple(out.shape)} in {info.seconds:.1f}s: "
                  f"{info.tiles} tiles of {info.tile} latent px (overlap {info.overlap}), {info.passes} pass(es)"
                  + (", shared GroupNorm statistics" if info.shared_stats else "")
+                 + (", mid block untiled" if info.untiled_head else "")
+                 + f"; quality vs untiled: {info.mode}"
+                 + (f"; OVER BUDGET, expected peak {info.expected_peak / GIB:.3f} GiB" if info.over_budget else "")
                  + (f", {info.retries} OOM retries" if info.retries else "")
                  + (", CPU fallback" if info.cpu_fallback else ""))
         out = vae.process_output(out)
@@ -202,6 +205,8 @@ class MetalVAEEncodeTiled:
         info = engine.info
         log.info(f"comfy_metal: VAE encode {tuple(x.shape)} -> {tuple(out.shape)} in {info.seconds:.1f}s: "
                  f"{info.tiles} tiles of {info.tile} latent px (overlap {info.overlap})"
+                 + f"; quality vs untiled: {info.mode}"
+                 + (f"; OVER BUDGET, expected peak {info.expected_peak / GIB:.3f} GiB" if info.over_budget else "")
                  + (f", {info.retries} OOM retries" if info.retries else "")
                  + (", CPU fallback" if info.cpu_fallback else ""))
         out = out.to(device=getattr(vae, "output_device", out.device),

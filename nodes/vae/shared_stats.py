@@ -36,7 +36,8 @@ class SharedGroupNormStats:
     under `root` gets an instance-level `forward`, removed on exit."""
 
     def __init__(self, root: torch.nn.Module, cache: bool = True, cache_device="cpu",
-                 cache_limit_bytes: int | None = None, sequential: bool = False):
+                 cache_limit_bytes: int | None = None, sequential: bool = False, half: bool = True):
+        self.half = half
         self.modules = [m for m in root.modules() if isinstance(m, torch.nn.GroupNorm)]
         self.blocks = self._cacheable(root) if cache else []
         self.cache_device = torch.device(cache_device)
@@ -59,6 +60,9 @@ class SharedGroupNormStats:
         self._last_hw = None
         self._saved = []
         self.unmapped = 0                    # 3-D GroupNorm inputs whose layout was not recognised
+        self.inner: dict = {}                # (tile, block call number, id(leaf)) -> (output, dtype): see _inner_forward
+        self.inner_bytes = 0
+        self._cur_block = -1
 
     def __bool__(self):
         return bool(self.modules)
@@ -101,7 +105,51 @@ class SharedGroupNormStats:
             self._wrap(m, self._gn_forward)
         for b in self.blocks:
             self._wrap(b, self._block_forward)
+        if self.sequential:
+            for b in self.blocks:
+                for leaf in self._inner_leaves(b):
+                    self._wrap(leaf, self._inner_forward)
         return self
+
+    @staticmethod
+    def _inner_leaves(block):
+        """The parameterised GroupNorm-free leaves inside a block owning GroupNorms (a ResNet block's
+        convolutions): their outputs are cached within the block (`_inner_forward`)."""
+        if not any(isinstance(c, torch.nn.GroupNorm) for c in block.children()):
+            return []
+        return [m for m in block.modules() if m is not block and not any(True for _ in m.children())
+                and not isinstance(m, torch.nn.GroupNorm) and any(True for _ in m.parameters(recurse=False))]
+
+    def _inner_forward(self, m, original):
+        """Inside the block whose GroupNorm is being gathered, the layers before that GroupNorm are final
+        (earlier GroupNorms use final statistics) and are recomputed on the next pass only to reach it
+        again. So the output of each convolution inside the block is kept for the tile (one block's worth,
+        dropped once the block itself is cached): a ResNet block's conv1 then runs once, not twice, and a
+        shared-statistics decode does each convolution once, as one plain pass does; only the GroupNorms
+        and activations between them run again (elementwise, cheap)."""
+        def forward(*args, **kwargs):
+            key = (self.tile_key, self._cur_block, id(m))
+            hit = self.inner.get(key)
+            if hit is not None:
+                out, dtype = hit
+                return out.to(args[0].device if args and isinstance(args[0], torch.Tensor) else out.device,
+                              dtype=dtype, copy=True)
+            out = original(*args, **kwargs)
+            if self.target is not None and isinstance(out, torch.Tensor):
+                cdt = self._cache_dtype(out)
+                nbytes = out.numel() * torch.empty(0, dtype=cdt).element_size()
+                if self.cache_limit is not None and self.cache_bytes + self.inner_bytes + nbytes > self.cache_limit:
+                    return out                               # over the limit: the next pass recomputes it
+                self.inner[key] = (out.to(self.cache_device, dtype=cdt, copy=True), out.dtype)
+                self.inner_bytes += nbytes
+                self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache_bytes + self.inner_bytes)
+            return out
+        return forward
+
+    def _drop_inner(self, tile_key):
+        for k in [k for k in self.inner if k[0] == tile_key]:
+            out, _ = self.inner.pop(k)
+            self.inner_bytes -= out.numel() * out.element_size()
 
     def _wrap(self, m, maker):
         had = "forward" in m.__dict__
@@ -116,6 +164,8 @@ class SharedGroupNormStats:
                 m.__dict__.pop("forward", None)
         self._saved.clear()
         self.cache.clear()
+        self.inner.clear()
+        self.inner_bytes = 0
         self.latest.clear()
         self.block_meta.clear()
         self.cache_bytes = 0
@@ -139,6 +189,7 @@ class SharedGroupNormStats:
         self.core = (tile.core_y, tile.core_x, (tile.y[1] - tile.y[0], tile.x[1] - tile.x[0]))
         self.tile_key = key
         self._block_no = 0
+        self._cur_block = -1
         self._gn_idx = 0
         self._occ.clear()
         self._last_hw = None
@@ -161,33 +212,48 @@ class SharedGroupNormStats:
                 return torch.zeros(shape, dtype=dtype, device=device)
             hit = self.cache.get(key)
             if hit is not None:
-                out, n_gn, hw, dev = hit
+                out, n_gn, hw, dev, dtype = hit
                 self._gn_idx += n_gn
                 if hw is not None:
                     self._last_hw = hw
-                return out.to(dev, copy=True)     # a copy: the caller may work in place
+                return out.to(dev, dtype=dtype, copy=True)     # a copy: the caller may work in place
             start = self._gn_idx
+            self._cur_block = no
             out = original(*args, **kwargs)        # may raise _StopAtGroupNorm: nothing cached then
+            self._cur_block = -1
             self.blocks_computed += 1
             if self.target is not None and isinstance(out, torch.Tensor):
                 n_gn = self._gn_idx - start
                 self.block_meta[(self.tile_key, no)] = (out.shape, out.dtype, out.device, n_gn, self._last_hw)
                 self._store(key, no, out, n_gn)
+                if self.inner:
+                    self._drop_inner(self.tile_key)
             return out
         return forward
 
+    def _cache_dtype(self, out: torch.Tensor) -> torch.dtype:
+        """The block cache holds fp32 activations in fp16 (half the bytes; ~2^-11 relative rounding, well
+        under the 45 dB floor) or in bf16 when a value is out of fp16's range (the SDXL VAE's
+        activations are); the statistics themselves stay fp32/fp64."""
+        if out.dtype != torch.float32 or not self.half:
+            return out.dtype
+        amax = out.abs().max().item() if out.numel() else 0.0
+        return torch.float16 if amax < 60000.0 else torch.bfloat16
+
     def _store(self, key, no, out, n_gn):
-        nbytes = out.numel() * out.element_size()
+        cdt = self._cache_dtype(out)
+        nbytes = out.numel() * torch.empty(0, dtype=cdt).element_size()
         previous = self.latest.get(self.tile_key) if self.sequential else None
         freed = 0
         if previous is not None:
             freed = self.cache[previous[1]][0].numel() * self.cache[previous[1]][0].element_size()
-        if self.cache_limit is not None and self.cache_bytes - freed + nbytes > self.cache_limit:
+        if self.cache_limit is not None and self.cache_bytes + self.inner_bytes - freed + nbytes > self.cache_limit:
             return                                   # over the limit: later passes recompute this block
         if previous is not None:
             del self.cache[previous[1]]
             self.cache_bytes -= freed
-        self.cache[key] = (out.to(self.cache_device, copy=True), n_gn, self._last_hw, out.device)
+        self.cache[key] = (out.to(self.cache_device, dtype=cdt, copy=True), n_gn, self._last_hw, out.device,
+                           out.dtype)
         self.cache_bytes += nbytes
         self.peak_cache_bytes = max(self.peak_cache_bytes, self.cache_bytes)
         if self.sequential:

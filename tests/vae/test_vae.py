@@ -175,10 +175,11 @@ def test_kl_shared_statistics(kl_vae, kl_case):
     z, ref = kl_case
     codec = vt.codec_from_diffusers(kl_vae)
     n_gn = sum(isinstance(m, torch.nn.GroupNorm) for m in kl_vae.decoder.modules())
-    # one tile: the gathered statistics are the whole image's, so the result is the untiled one
+    n_mid = sum(isinstance(m, torch.nn.GroupNorm) for m in kl_vae.decoder.mid_block.modules())
+    # one tile: its statistics are the whole image's, so it decodes in one plain pass, untiled
     eng = vt.TiledVAE(codec, vt.TilingOptions(tile=48, shared_stats=True))
     out = eng.decode(z)
-    assert eng.info.shared_stats and eng.info.groupnorm_calls == n_gn and eng.info.passes == n_gn + 1
+    assert not eng.info.shared_stats and eng.info.passes == 1
     assert img_psnr(out, ref) >= 90
     # the GroupNorms and blocks are restored afterwards
     assert all("forward" not in m.__dict__ for m in kl_vae.modules())
@@ -186,13 +187,15 @@ def test_kl_shared_statistics(kl_vae, kl_case):
     feather = img_psnr(vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=12)).decode(z), ref)
     eng = vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=12, shared_stats=True))
     out = eng.decode(z)
-    assert eng.info.tiles == 4
+    assert eng.info.tiles == 4 and eng.info.untiled_head
+    assert eng.info.groupnorm_calls == n_gn - n_mid and eng.info.passes == n_gn - n_mid + 1
     p = img_psnr(out, ref)
     print("shared-statistics PSNR", p, "feather", feather)
     assert p >= 40.0 and p > feather + 3
-    # without the block cache (every pass restarts from the latent): the same result
+    # without the block cache (every pass restarts from the latent): the same result up to the cache's
+    # fp16 rounding
     eng = vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=12, shared_stats=True, stats_cache=False))
-    torch.testing.assert_close(eng.decode(z), out, atol=1e-4, rtol=0)
+    assert img_psnr(eng.decode(z), out) >= 60
     assert all("forward" not in m.__dict__ for m in kl_vae.modules())
 
 
@@ -211,13 +214,17 @@ def test_kl_shared_statistics_exact_without_attention():
     with torch.inference_mode():
         ref = vae.decode(z).sample
     codec = vt.codec_from_diffusers(vae)
-    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=24, shared_stats=True))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=24, shared_stats=True, stats_cache_half=False))
     out = eng.decode(z)
-    assert eng.info.tiles == 4
+    assert eng.info.tiles == 4 and eng.info.untiled_head
     p = img_psnr(out, ref)
+    # the default fp16 block cache: its rounding only
+    half = img_psnr(vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=24, shared_stats=True)).decode(z), ref)
+    print("fp16 cache PSNR", half)
+    assert half >= 60.0
     feather = img_psnr(vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=24)).decode(z), ref)
     print("exact shared-statistics PSNR", p, "feather", feather)
-    assert p >= 80.0 and feather < 45.0
+    assert p >= 80.0 and feather < p - 20
     # a smaller overlap (halo 8 latent px, under the receptive field): still >= 40 dB
     eng = vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=16, shared_stats=True))
     assert img_psnr(eng.decode(z), ref) >= 40.0
@@ -232,7 +239,7 @@ def test_shared_statistics_groupnorm_gather_is_core_weighted():
     with torch.no_grad():
         ref = model(z)
     codec = vt.codec_from_fn(model, 1, module=model)
-    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=8, overlap=4, shared_stats=True))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=8, overlap=4, shared_stats=True, stats_cache_half=False))
     out = eng.decode(z)
     assert eng.info.tiles > 4 and eng.info.groupnorm_calls == 1
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
@@ -383,7 +390,8 @@ def test_bench_section_without_comfyui(monkeypatch):
     monkeypatch.setattr(bench_vae, "SDXL_WIDTHS", (32, 64, 128, 128))   # SD ratios (ComfyUI infers them)
     monkeypatch.setattr(bench_vae, "SDXL_SIDE", {True: 24, False: 24})
     monkeypatch.setattr(bench_vae, "_comfy", lambda: "ComfyUI not importable (test)")
-    sdxl, wan = bench_vae.bench(quick=True)
+    sdxl, *at_peak, wan = bench_vae.bench(quick=True)
+    assert len(at_peak) == 2 and all(not t.rows and "needs ComfyUI" in t.note for t in at_peak)
     labels = [r[0] for r in sdxl.rows]
     assert labels == ["untiled (diffusers decode)", "ours, feather, ComfyUI's overlap", "ours, feather",
                       "ours, shared GroupNorm stats"], sdxl.render()
@@ -401,14 +409,14 @@ def test_shared_statistics_sequential_cache_keeps_one_block_per_tile(kl_vae, kl_
     z, _ = kl_case
     codec = vt.codec_from_diffusers(kl_vae)
     assert codec.sequential_blocks
-    opts = dict(tile=32, overlap=12, shared_stats=True)
+    opts = dict(tile=32, overlap=12, shared_stats=True, stats_cache_half=False)
     chain = vt.TiledVAE(codec, vt.TilingOptions(**opts, stats_cache_bytes=1 << 40))
     out = chain.decode(z)
     keep_all = vt.TiledVAE(dataclasses.replace(codec, sequential_blocks=False),
                            vt.TilingOptions(**opts, stats_cache_bytes=1 << 40))
     torch.testing.assert_close(keep_all.decode(z), out, atol=1e-5, rtol=0)
     print("cache peak: chain", chain.info.stats_cache_peak, "keep all", keep_all.info.stats_cache_peak)
-    assert chain.info.stats_cache_peak * 2 < keep_all.info.stats_cache_peak
+    assert chain.info.stats_cache_peak < keep_all.info.stats_cache_peak * 0.7   # latest block + one block's convs
     assert chain.info.blocks_computed == keep_all.info.blocks_computed     # nothing recomputed either way
     # a cache limit that holds one block per tile but not all of them
     limit = chain.info.stats_cache_peak
@@ -416,7 +424,7 @@ def test_shared_statistics_sequential_cache_keeps_one_block_per_tile(kl_vae, kl_
     keep_l = vt.TiledVAE(dataclasses.replace(codec, sequential_blocks=False),
                          vt.TilingOptions(**opts, stats_cache_bytes=limit))
     torch.testing.assert_close(chain_l.decode(z), out, atol=1e-5, rtol=0)
-    torch.testing.assert_close(keep_l.decode(z), out, atol=1e-5, rtol=0)
+    assert img_psnr(keep_l.decode(z), out) >= 60      # recomputed blocks are fp32, cached ones fp16
     print("blocks computed under the limit: chain", chain_l.info.blocks_computed, "keep all",
           keep_l.info.blocks_computed)
     assert chain_l.info.blocks_computed == chain.info.blocks_computed

@@ -92,8 +92,10 @@ def test_sd_vae_shared_statistics_vs_untiled(comfyui, sd_vae, caplog):
                       .movedim(1, -1), ref)
     eng = vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=16, shared_stats=True))
     out = eng.decode(z)
-    n_gn = sum(isinstance(m, torch.nn.GroupNorm) for m in sd_vae.first_stage_model.decoder.modules())
-    assert eng.info.tiles > 1 and eng.info.groupnorm_calls == n_gn
+    dec = sd_vae.first_stage_model.decoder
+    n_gn = sum(isinstance(m, torch.nn.GroupNorm) for m in dec.modules())
+    n_mid = sum(isinstance(m, torch.nn.GroupNorm) for m in dec.mid.modules())   # run once, untiled
+    assert eng.info.tiles > 1 and eng.info.untiled_head and eng.info.groupnorm_calls == n_gn - n_mid
     p = psnr(sd_vae.process_output(out).movedim(1, -1), ref)
     print("ComfyUI SD VAE shared-statistics PSNR", p, "feather", feather)
     assert p >= 40.0 and p > feather
@@ -158,8 +160,13 @@ def test_bench_section_against_comfyui_tiled(comfyui, monkeypatch):
 
     monkeypatch.setattr(bench_vae, "SDXL_WIDTHS", (32, 64, 128, 128))   # SD ratios (ComfyUI infers them)
     monkeypatch.setattr(bench_vae, "SDXL_SIDE", {True: 24, False: 24})
-    sdxl, wan = bench_vae.bench(quick=True)
-    for table in (sdxl, wan):
+    sdxl, *at_peak, wan = bench_vae.bench(quick=True)
+    assert len(at_peak) == 2
+    for table in at_peak:       # issue 17: feather and exact at ComfyUI's tiled peak, side by side
+        labels = [r[0] for r in table.rows]
+        assert any("peak, feather" in x for x in labels) and any("peak, exact" in x for x in labels), table.render()
+        assert "PSNR vs untiled: feather" in table.note, table.render()
+    for table in (sdxl, *at_peak, wan):
         rows = {r[0]: r for r in table.rows}
         assert rows["ComfyUI tiled"][5] == "1x", table.render()
         ours = [r for r in table.rows if r[0].startswith("ours")]
@@ -272,3 +279,36 @@ def test_hunyuan_video_decode_and_encode_tiled_vs_untiled(comfyui, hunyuan_vae, 
     p = psnr(lat["samples"], lat_ref, peak=float(lat_ref.abs().max()))
     print("ComfyUI HunyuanVideo encode PSNR", p)
     assert p >= 32.0
+
+
+def test_sd_vae_untiled_mid_block_raises_psnr(comfyui, sd_vae):
+    """Issue 17: conv_in and the mid block (its attention included) run once over the whole latent and
+    the tiles start from that mid output: closer to ComfyUI's untiled decode than tiles that each run the
+    whole decoder, in feather mode and with shared statistics (which is then exact up to the halo)."""
+    from comfy_metal.nodes import vae as vt
+
+    torch.manual_seed(0)
+    z = torch.randn(1, 4, 24, 40)
+    ref = sd_vae.decode(z)
+    codec = vt.codec_from_comfy(sd_vae)
+    assert codec.decode_head is not None
+    with torch.no_grad():
+        whole = codec.decode_tail(codec.decode_head(z))
+    assert torch.equal(whole, sd_vae.first_stage_model.decode(z))     # the split is the same chain
+
+    def run(**kw):
+        eng = vt.TiledVAE(codec, vt.TilingOptions(tile=24, overlap=16, **kw))
+        out = eng.decode(z)
+        assert eng.info.tiles > 1
+        return eng, psnr(sd_vae.process_output(out).movedim(1, -1), ref)
+
+    _, per_tile = run(untiled_head=False)
+    eng, head = run()
+    assert eng.info.untiled_head and not eng.info.shared_stats
+    _, per_tile_stats = run(untiled_head=False, shared_stats=True)
+    eng, head_stats = run(shared_stats=True)
+    print("feather", per_tile, "->", head, "; shared statistics", per_tile_stats, "->", head_stats)
+    assert head > per_tile
+    assert head_stats > per_tile_stats and head_stats >= 45.0
+    assert eng.info.untiled_head and eng.info.groupnorm_calls < sum(
+        isinstance(m, torch.nn.GroupNorm) for m in sd_vae.first_stage_model.decoder.modules())

@@ -98,3 +98,31 @@ def test_video_peak_is_flat_in_frames():
         peaks[frames] = m["peak"] - out.numel() * 4      # the accumulator is the output
     print(peaks)
     assert abs(peaks[21] - peaks[5]) <= 0.10 * peaks[5], peaks
+
+
+@pytest.mark.parametrize("widths", [(32, 64, 64, 64), (64, 128, 128, 128)])
+def test_cost_model_predicts_the_measured_peak(widths):
+    """Issue 17: the cost model's peak of the plan that ran (RunInfo.expected_peak: the largest tile's
+    forward, the whole-image mid output, the untiled mid block) is within +-15% of the measured peak of
+    the whole decode (live tensor bytes, calibration and mid block included, the output accumulator
+    excluded as the budget excludes it), at several budgets and two VAE widths; and it uses the budget:
+    the tile peak fills at least half of it."""
+    from comfy_metal.nodes import vae as vt
+    from comfy_metal.nodes.vae.engine import CPU_WORKSPACE_FACTOR
+
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4,
+                                  up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=widths,
+                                  layers_per_block=1, norm_num_groups=16).eval()
+    z = torch.randn(1, 4, 40, 56)
+    for budget in (16 << 20, 40 << 20):
+        eng = vt.TiledVAE(vt.codec_from_diffusers(vae), vt.TilingOptions(budget_bytes=budget))
+        with vt.measure_peak(torch.device("cpu")) as m, torch.no_grad():
+            out = eng.decode(z)
+        measured = m["peak"] - out.numel() * out.element_size()
+        predicted = eng.info.expected_peak / CPU_WORKSPACE_FACTOR     # the model in tracked bytes
+        print(widths, budget >> 20, "MiB:", eng.info.tiles, "tiles", eng.info.tile_shape, "predicted",
+              predicted / 2**20, "measured", measured / 2**20)
+        assert eng.info.tiles > 1 and not eng.info.over_budget
+        assert abs(measured / predicted - 1) <= 0.15, (measured, predicted)
+        assert eng.info.expected_peak >= budget * 0.5
