@@ -145,20 +145,11 @@ def load_diffusion_model(path, weight_mode="auto", compute_dtype="auto", model_o
     return patcher
 
 
-def load_text_encoder(path, clip_type="stable_diffusion", device="gpu", compute_dtype="auto", model_options=None):
-    """CLIP from a text encoder file, or from several (a list of paths: ComfyUI's Dual/Triple/QuadrupleCLIPLoader
-    sets such as CLIP-L + T5 for Flux), their FP8 weights kept FP8; FP8 and bf16/fp16 files can be mixed."""
+def text_encoder_options(model_options, device: str, compute_dtype: str):
+    """(model_options, compute dtype or None) for a text encoder on `device`: "gpu" is ComfyUI's torch device
+    (the Apple GPU on a Mac, where ComfyUI itself would pick the CPU), "cpu" keeps it on the CPU."""
     import comfy.model_management as mm
-    import comfy.sd
-    import folder_paths
 
-    paths = list(path) if isinstance(path, (list, tuple)) else [path]
-    cks = [open_checkpoint(p) for p in paths]
-    sds = []
-    for ck in cks:
-        log.info("comfy_metal: loading text encoder %s", ck.describe())
-        sds.append(build_state_dict(ck, "auto")[0])
-    path = paths[0] if len(paths) == 1 else ", ".join(os.path.basename(str(p)) for p in paths)
     opts = dict(model_options or {})
     if device == "cpu":
         opts["load_device"] = opts["offload_device"] = torch.device("cpu")
@@ -170,6 +161,23 @@ def load_text_encoder(path, clip_type="stable_diffusion", device="gpu", compute_
     dtype = _resolve_compute_dtype(compute_dtype, opts["load_device"], text_encoder=True)
     if dtype is not None:
         opts["dtype"] = dtype
+    return opts, dtype
+
+
+def load_text_encoder(path, clip_type="stable_diffusion", device="gpu", compute_dtype="auto", model_options=None):
+    """CLIP from a text encoder file, or from several (a list of paths: ComfyUI's Dual/Triple/QuadrupleCLIPLoader
+    sets such as CLIP-L + T5 for Flux), their FP8 weights kept FP8; FP8 and bf16/fp16 files can be mixed."""
+    import comfy.sd
+    import folder_paths
+
+    paths = list(path) if isinstance(path, (list, tuple)) else [path]
+    cks = [open_checkpoint(p) for p in paths]
+    sds = []
+    for ck in cks:
+        log.info("comfy_metal: loading text encoder %s", ck.describe())
+        sds.append(build_state_dict(ck, "auto")[0])
+    path = paths[0] if len(paths) == 1 else ", ".join(os.path.basename(str(p)) for p in paths)
+    opts, dtype = text_encoder_options(model_options, device, compute_dtype)
     storage = next((st for st in (_fp8_storage(opts["load_device"], ck) for ck in cks) if st is not None), None)
     opts["custom_operations"] = make_fp8_ops(", ".join(ck.name for ck in cks), dtype, storage)
     ctype = getattr(comfy.sd.CLIPType, str(clip_type).upper(), None)

@@ -15,7 +15,7 @@ import time
 import torch
 
 from ..fp8.loader import (COMPUTE_DTYPES, FP8LoadError, _call_with_supported, _clip_types, _resolve_compute_dtype,
-                          _wrap_errors)
+                          _wrap_errors, text_encoder_options)
 from ..common.models import model_choices, require_model
 from ..fp8.nodes import _record
 from ..fp8.ops import wrap_patcher
@@ -131,24 +131,13 @@ def t5_state_dict(f: GGUFFile) -> dict:
 
 def load_text_encoder(paths, clip_type="stable_diffusion", device="gpu", compute_dtype="auto", model_options=None):
     """CLIP from one or more text encoder files (GGUF or not), GGUF weights kept quantised."""
-    import comfy.model_management as mm
     import comfy.sd
     import folder_paths
 
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     sds = [text_encoder_state_dict(p) for p in paths]
     names = "+".join(os.path.basename(str(p)) for p in paths)
-    opts = dict(model_options or {})
-    if device == "cpu":
-        opts["load_device"] = opts["offload_device"] = torch.device("cpu")
-    elif device == "gpu":
-        opts.setdefault("load_device", mm.get_torch_device())
-        opts.setdefault("offload_device", mm.text_encoder_offload_device())
-    else:
-        raise ValueError(f"device {device!r} is not gpu or cpu")
-    dtype = _resolve_compute_dtype(compute_dtype, opts["load_device"], text_encoder=True)
-    if dtype is not None:
-        opts["dtype"] = dtype
+    opts, dtype = text_encoder_options(model_options, device, compute_dtype)
     opts["custom_operations"] = make_gguf_ops(names, dtype)
     ctype = getattr(comfy.sd.CLIPType, str(clip_type).upper(), None)
     if ctype is None:
