@@ -27,8 +27,10 @@ HF = "https://huggingface.co/"
 # The decode node of the pack (nodes/vae/nodes.py).
 DECODE = "MetalVAEDecodeTiled"
 # Images (GroupNorm KL VAE): budget from the free memory, GroupNorm statistics shared over all tiles.
+# feather: its whole-image mid block reaches >= 44 dB at ComfyUI's tiled peak, where shared statistics
+# currently regress (README, Low-memory VAE).
 IMAGE_DECODE = {"memory_budget_gb": 0.0, "overlap": 0, "temporal_chunk": 0, "temporal_overlap": 0,
-                "seam_mode": "feather + shared statistics"}
+                "seam_mode": "feather"}
 # Video (causal Wan VAE, RMS norms): a fixed 2 GiB of tile memory, the VAE's own causal chunking per tile.
 VIDEO_DECODE = {"memory_budget_gb": 2.0, "overlap": 0, "temporal_chunk": 0, "temporal_overlap": 0,
                 "seam_mode": "feather"}
@@ -81,13 +83,12 @@ def model_note(files, extra: str = "") -> str:
 
 # ------------------------------------------------------------------------------------------ prompts
 
-def fp8_flux_t2i() -> tuple[dict, list[str], dict]:
-    p = {
-        "1": {"class_type": "MetalFP8ModelLoader",
-              "inputs": {"unet_name": FLUX_MODEL[1], "weight_mode": "auto", "compute_dtype": "auto",
-                         "attention": "auto"}},
-        "2": {"class_type": "MetalFP8DualTextEncoderLoader",
-              "inputs": {"clip_name1": CLIP_L[1], "clip_name2": T5XXL_FP8[1], "type": "flux", "device": "gpu"}},
+def _flux_t2i_graph(model_loader: dict, text_encoder_loader: dict, filename_prefix: str) -> dict:
+    """Flux.1-dev text-to-image from the given loaders (nodes "1" and "2"): guidance 3.5, cfg 1, euler_metal,
+    the low-memory decode."""
+    return {
+        "1": model_loader,
+        "2": text_encoder_loader,
         "3": {"class_type": "VAELoader", "inputs": {"vae_name": FLUX_VAE[1]}},
         "4": {"class_type": "CLIPTextEncode", "inputs": {"text": FLUX_PROMPT, "clip": ["2", 0]}},
         "5": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["4", 0], "guidance": 3.5}},
@@ -98,8 +99,17 @@ def fp8_flux_t2i() -> tuple[dict, list[str], dict]:
                          "scheduler": "simple", "positive": ["5", 0], "negative": ["6", 0],
                          "latent_image": ["7", 0], "denoise": 1.0}},
         "9": {"class_type": DECODE, "inputs": {"samples": ["8", 0], "vae": ["3", 0], **IMAGE_DECODE}},
-        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": "comfy_metal/flux_fp8"}},
+        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": filename_prefix}},
     }
+
+
+def fp8_flux_t2i() -> tuple[dict, list[str], dict]:
+    p = _flux_t2i_graph(
+        {"class_type": "MetalFP8ModelLoader",
+         "inputs": {"unet_name": FLUX_MODEL[1], "weight_mode": "auto", "compute_dtype": "auto", "attention": "auto"}},
+        {"class_type": "MetalFP8DualTextEncoderLoader",
+         "inputs": {"clip_name1": CLIP_L[1], "clip_name2": T5XXL_FP8[1], "type": "flux", "device": "gpu"}},
+        "comfy_metal/flux_fp8")
     notes = [
         model_note([FLUX_MODEL, CLIP_L, T5XXL_FP8, FLUX_VAE],
                    "Any Flux.1-dev style FP8 file works in the FP8 loader (e.g. a flux1-dev fp8 e4m3fn "
@@ -114,7 +124,7 @@ def fp8_flux_t2i() -> tuple[dict, list[str], dict]:
         "- KSampler with euler_metal: ComfyUI's euler with one fused Metal kernel per step and no host "
         "sync in the loop (any <sampler>_metal entry works).\n"
         "- Flux.1-dev is guidance-distilled: cfg 1.0 with FluxGuidance 3.5, negative zeroed out.\n"
-        "- VAE Decode (Low Memory, Metal) decodes in tiles with whole-image statistics, so a 1024x1024 "
+        "- VAE Decode (Low Memory, Metal) decodes in feathered tiles from a whole-image mid block, so a 1024x1024 "
         "(or larger) decode fits in little memory.",
     ]
     titles = {"1": "Load Diffusion Model (FP8, Metal)", "2": "Load 2 Text Encoders (FP8, Metal)",
@@ -123,22 +133,11 @@ def fp8_flux_t2i() -> tuple[dict, list[str], dict]:
 
 
 def gguf_flux_t2i() -> tuple[dict, list[str], dict]:
-    p = {
-        "1": {"class_type": "MetalGGUFModelLoader", "inputs": {"unet_name": FLUX_GGUF[1], "compute_dtype": "auto"}},
-        "2": {"class_type": "MetalGGUFDualTextEncoderLoader",
-              "inputs": {"clip_name1": T5XXL_GGUF[1], "clip_name2": CLIP_L[1], "type": "flux", "device": "gpu"}},
-        "3": {"class_type": "VAELoader", "inputs": {"vae_name": FLUX_VAE[1]}},
-        "4": {"class_type": "CLIPTextEncode", "inputs": {"text": FLUX_PROMPT, "clip": ["2", 0]}},
-        "5": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["4", 0], "guidance": 3.5}},
-        "6": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["4", 0]}},
-        "7": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 1024, "height": 1024, "batch_size": 1}},
-        "8": {"class_type": "KSampler",
-              "inputs": {"model": ["1", 0], "seed": 42, "steps": 20, "cfg": 1.0, "sampler_name": "euler_metal",
-                         "scheduler": "simple", "positive": ["5", 0], "negative": ["6", 0],
-                         "latent_image": ["7", 0], "denoise": 1.0}},
-        "9": {"class_type": DECODE, "inputs": {"samples": ["8", 0], "vae": ["3", 0], **IMAGE_DECODE}},
-        "10": {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": "comfy_metal/flux_gguf"}},
-    }
+    p = _flux_t2i_graph(
+        {"class_type": "MetalGGUFModelLoader", "inputs": {"unet_name": FLUX_GGUF[1], "compute_dtype": "auto"}},
+        {"class_type": "MetalGGUFDualTextEncoderLoader",
+         "inputs": {"clip_name1": T5XXL_GGUF[1], "clip_name2": CLIP_L[1], "type": "flux", "device": "gpu"}},
+        "comfy_metal/flux_gguf")
     notes = [
         model_note([FLUX_GGUF, T5XXL_GGUF, CLIP_L, FLUX_VAE],
                    "ComfyUI-GGUF users: the same files, in the same folders (models/unet or "
@@ -151,7 +150,7 @@ def gguf_flux_t2i() -> tuple[dict, list[str], dict]:
         "time (a fused dequantise + GEMV kernel for small batches). LoRAs apply to the dequantised weights.\n"
         "- Load 2 Text Encoders (GGUF, Metal) takes the GGUF T5 (kept quantised) with the CLIP-L file.\n"
         "- KSampler with euler_metal; Flux.1-dev is guidance-distilled: cfg 1.0 with FluxGuidance 3.5.\n"
-        "- VAE Decode (Low Memory, Metal) decodes in tiles with whole-image statistics.",
+        "- VAE Decode (Low Memory, Metal) decodes in feathered tiles from a whole-image mid block.",
     ]
     titles = {"1": "Load Diffusion Model (GGUF, Metal)", "2": "Load 2 Text Encoders (GGUF, Metal)",
               "9": "VAE Decode (Low Memory, Metal)"}
