@@ -17,7 +17,7 @@ import time
 import torch
 
 from .formats import ST_DTYPES, CheckpointError, open_checkpoint
-from .ops import FP8LayerError, fp8_modules, make_fp8_ops, storage_dtype, weight_bytes, wrap_patcher
+from .ops import RUN_KERNELS, FP8LayerError, fp8_modules, make_fp8_ops, storage_dtype, weight_bytes, wrap_patcher
 from .quantize import (QuantSummary, atomic_save, carried_metadata, comfy_quant_entries, keep_reason,
                            quant_metadata, quantize, relative_error)
 
@@ -167,9 +167,6 @@ def text_encoder_options(model_options, device: str, compute_dtype: str):
 def load_text_encoder(path, clip_type="stable_diffusion", device="gpu", compute_dtype="auto", model_options=None):
     """CLIP from a text encoder file, or from several (a list of paths: ComfyUI's Dual/Triple/QuadrupleCLIPLoader
     sets such as CLIP-L + T5 for Flux), their FP8 weights kept FP8; FP8 and bf16/fp16 files can be mixed."""
-    import comfy.sd
-    import folder_paths
-
     paths = list(path) if isinstance(path, (list, tuple)) else [path]
     cks = [open_checkpoint(p) for p in paths]
     sds = []
@@ -180,6 +177,18 @@ def load_text_encoder(path, clip_type="stable_diffusion", device="gpu", compute_
     opts, dtype = text_encoder_options(model_options, device, compute_dtype)
     storage = next((st for st in (_fp8_storage(opts["load_device"], ck) for ck in cks) if st is not None), None)
     opts["custom_operations"] = make_fp8_ops(", ".join(ck.name for ck in cks), dtype, storage)
+    return build_text_encoder(path, sds, clip_type, opts, RUN_KERNELS)
+
+
+def build_text_encoder(path, sds: list, clip_type: str, opts: dict, run_kernels):
+    """ComfyUI's CLIP from state dicts built with a custom op set (`opts`), on the pack's patcher; the encoder
+    runs later inside a core node (CLIPTextEncode), so its kernels' backends go to that node's badge through
+    forward hooks on the encoder (nodes/status). `path` names the file(s) in errors."""
+    import comfy.sd
+    import folder_paths
+
+    from ..status import record_forward_kernels
+
     ctype = getattr(comfy.sd.CLIPType, str(clip_type).upper(), None)
     if ctype is None:
         raise ValueError(f"unknown text encoder type {clip_type!r}")
@@ -188,12 +197,7 @@ def load_text_encoder(path, clip_type="stable_diffusion", device="gpu", compute_
                         model_options=opts, disable_dynamic=True)
     clip.patcher = wrap_patcher(clip.patcher)
     clip.patcher.cached_patcher_init = None
-    # The encoder runs later inside a core node (CLIPTextEncode): its FP8 kernels' backends go to
-    # that node's badge through forward hooks on the encoder (nodes/status).
-    from .ops import RUN_KERNELS
-    from ..status import record_forward_kernels
-
-    record_forward_kernels(clip.cond_stage_model, RUN_KERNELS)
+    record_forward_kernels(clip.cond_stage_model, run_kernels)
     return clip
 
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 from ..fp8.loader import (COMPUTE_DTYPES, FP8LoadError, _call_with_supported, _clip_types, _resolve_compute_dtype,
-                          _wrap_errors, text_encoder_options)
+                          _wrap_errors, build_text_encoder, text_encoder_options)
 from ..common.models import model_choices, require_model
 from ..fp8.nodes import _record
 from ..fp8.ops import wrap_patcher
@@ -131,26 +131,12 @@ def t5_state_dict(f: GGUFFile) -> dict:
 
 def load_text_encoder(paths, clip_type="stable_diffusion", device="gpu", compute_dtype="auto", model_options=None):
     """CLIP from one or more text encoder files (GGUF or not), GGUF weights kept quantised."""
-    import comfy.sd
-    import folder_paths
-
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     sds = [text_encoder_state_dict(p) for p in paths]
     names = "+".join(os.path.basename(str(p)) for p in paths)
     opts, dtype = text_encoder_options(model_options, device, compute_dtype)
     opts["custom_operations"] = make_gguf_ops(names, dtype)
-    ctype = getattr(comfy.sd.CLIPType, str(clip_type).upper(), None)
-    if ctype is None:
-        raise ValueError(f"unknown text encoder type {clip_type!r}")
-    clip = _wrap_errors(paths[0], _call_with_supported, comfy.sd.load_text_encoder_state_dicts, sds,
-                        embedding_directory=folder_paths.get_folder_paths("embeddings"), clip_type=ctype,
-                        model_options=opts, disable_dynamic=True)
-    clip.patcher = wrap_patcher(clip.patcher)
-    clip.patcher.cached_patcher_init = None
-    from ..status import record_forward_kernels
-
-    record_forward_kernels(clip.cond_stage_model, RUN_KERNELS)
-    return clip
+    return build_text_encoder(paths[0], sds, clip_type, opts, RUN_KERNELS)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-import gguf_models
 import gguf_models as gm
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -405,11 +404,11 @@ def test_llama_rows_restored_after_llama_cpp_permutation(comfyui):
         assert not np.array_equal(p, w)
         back = reader_mod.unpermute_rows(torch.from_numpy(p), heads)
         assert torch.equal(back, torch.from_numpy(w))
-        raw = torch.from_numpy(quantize(p, gguf_models.Q.Q8_0))
+        raw = torch.from_numpy(quantize(p, gm.Q.Q8_0))
         t = reader_mod.unpermute_rows(ops.GGUFTensor(raw, "Q8_0", (64, 96)), heads)
         assert t.shape == (64, 96)
-        assert torch.equal(ops.dequantize_tensor(t), torch.from_numpy(dequantize(quantize(w, gguf_models.Q.Q8_0),
-                                                                                   gguf_models.Q.Q8_0)))
+        assert torch.equal(ops.dequantize_tensor(t), torch.from_numpy(dequantize(quantize(w, gm.Q.Q8_0),
+                                                                                   gm.Q.Q8_0)))
 
 
 def test_every_gguf_node_has_tooltips_and_the_loaders_category(comfyui):
