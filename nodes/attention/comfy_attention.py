@@ -20,6 +20,10 @@ Which attention runs (decided per call, logged once per reason):
 * on CPU/CUDA in "auto": ComfyUI's own attention; the pack never replaces it unless asked.
 * anything the kernel does not cover (another dtype, head dim > 256, dropout/causal arguments, a
   mask it cannot broadcast) goes to ComfyUI's own function.
+* correctness before speed: on MPS, where ComfyUI's function would build a score matrix of 2^31
+  elements or more (MPS computes those silently wrong: long Wan/Hunyuan videos through SDPA, or
+  sub-quad's query chunks on Macs with much free memory), the pack's attention runs whatever the
+  measurement says: the kernel never holds more than a tile of scores.
 
 `register()` adds it to ComfyUI's registry as "metal_flash" (`get_attention_function`).
 ComfyUI is imported only inside functions.
@@ -28,7 +32,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
+
+import torch
 
 from ...metal_kernels import attention as attention_kernels
 from ...metal_kernels import dispatch
@@ -98,6 +105,33 @@ def uncovered_reason(q4, k4, v4, mask, kwargs) -> str | None:
     except (TypeError, ValueError) as e:
         return str(e)
     return None
+
+
+MPS_MAX_SCORES = 2 ** 31      # score matrices this large come out silently wrong on MPS
+SDPA_FULL_MATRIX_ROWS = 8     # PyTorch's MPS SDPA builds the whole Lq x Lk matrix above this many query rows
+
+
+def platform_score_elements(comfy_name: str, q4, k4) -> int:
+    """The largest score matrix (elements) ComfyUI's attention `comfy_name` builds for (B, H, L, D)
+    inputs: sub-quad's (batch x heads, query chunk, key chunk), chosen the way ComfyUI chooses it
+    (the largest query chunk of 4096..256 whose fp32-sized scores, x4, fit the free memory, with all
+    keys; otherwise 512 queries against sqrt(Lk) keys); SDPA's whole matrix above 8 query rows;
+    the whole matrix for any other function (a safe upper bound)."""
+    bh, lq, lk = q4.shape[0] * q4.shape[1], q4.shape[-2], k4.shape[-2]
+    if comfy_name == "sub_quad":
+        try:
+            import comfy.model_management as mm
+            free = mm.get_free_memory(q4.device, True)[0]
+        except Exception:                  # no ComfyUI memory query: assume the largest chunk
+            free = float("inf")
+        nbytes = 4 if q4.dtype == torch.float32 else 2
+        for chunk in (4096, 2048, 1024, 512, 256):
+            if free / (bh * nbytes * chunk * 4.0) >= lk:
+                return bh * min(chunk, lq) * lk
+        return bh * min(512, lq) * max(int(math.sqrt(lk)), 1)
+    if comfy_name == "pytorch" and lq <= SDPA_FULL_MATRIX_ROWS:
+        return 0
+    return bh * lq * lk
 
 
 _recorded: set = set()
@@ -173,12 +207,21 @@ def metal_flash_attention(q, k, v, heads, mask=None, attn_precision=None, skip_r
         out = ours()
         _record_for_badge(("asked", comfy_metal_mode), None, True)
         return out
+    comfy_name = _comfy_name(fallback)
     backend, reason = dispatch.choose(dispatch.REGISTRY[KERNEL], device)
+    scores = platform_score_elements(comfy_name, q4, k4)
+    if scores >= MPS_MAX_SCORES:       # correctness first: the kernel, or its chunked reference
+        _log_once(f"{REGISTRY_NAME} ({backend}) instead of {comfy_name}: {comfy_name} would build a score "
+                  f"matrix of {scores / 2**30:.1f} G elements (2^31 or more comes out wrong on MPS)",
+                  logging.WARNING)
+        last_choice["choice"] = REGISTRY_NAME
+        _record_for_badge(("correctness", comfy_name), f"{REGISTRY_NAME} (correct past 2^31 scores)",
+                          backend == "metal")
+        return ours()
     if backend != "metal":
         _log_once(f"ComfyUI's attention: the Metal kernel is not available ({reason})", logging.WARNING)
-        last_choice["choice"] = _comfy_name(fallback)
+        last_choice["choice"] = comfy_name
         return comfy()
-    comfy_name = _comfy_name(fallback)
     shape_class = attention_kernels.attention_shape_class(q4, k4, mask4)
     # ComfyUI's own first: on a tie it is kept (the pack must be strictly faster to be used)
     choice = dispatch.measured_choice(KERNEL, shape_class, {comfy_name: comfy, REGISTRY_NAME: ours}, device)

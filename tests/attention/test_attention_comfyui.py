@@ -282,3 +282,70 @@ def test_attention_on_mps_never_picks_a_slow_kernel(pack, monkeypatch):
 
 def comfyui_pack_name(module):
     return module.__name__.rsplit(".nodes.", 1)[0]
+
+
+@pytest.mark.parametrize("free", [1e12, 4 * 4 * 256 * 4 * 200 + 1, 1000.0])
+def test_platform_score_elements_is_the_largest_matrix_sub_quad_builds(pack, monkeypatch, free):
+    """Oracle: the score matrices ComfyUI's attention_sub_quad really builds (every torch.baddbmm it
+    runs), at three free-memory levels that make it pick its largest query chunk, its smallest, and
+    its sqrt(Lk) key chunks."""
+    import comfy.model_management as mm
+
+    ca, _ = pack
+    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (free, free))
+    built = []
+    real_baddbmm = torch.baddbmm
+
+    def recording_baddbmm(*args, **kwargs):
+        out = real_baddbmm(*args, **kwargs)
+        built.append(out.numel())
+        return out
+
+    monkeypatch.setattr(torch, "baddbmm", recording_baddbmm)
+    q, k, v = make(2, 2, 2, 300, 200, 16, torch.float32, True)
+    _comfy().attention_sub_quad(q, k, v, 2, skip_reshape=True)
+    monkeypatch.setattr(torch, "baddbmm", real_baddbmm)
+    assert built and ca.platform_score_elements("sub_quad", q, k) == max(built)
+    # SDPA builds the whole matrix above 8 query rows; unknown functions are bounded by it
+    assert ca.platform_score_elements("pytorch", q, k) == 2 * 2 * 300 * 200
+    assert ca.platform_score_elements("pytorch", q[:, :, :8], k) == 0
+    assert ca.platform_score_elements("split", q, k) == 2 * 2 * 300 * 200
+
+
+@pytest.mark.parametrize("metal_available", [True, False])
+def test_past_2_to_the_31_scores_the_pack_runs_even_when_slower(pack, monkeypatch, metal_available):
+    """Correctness before speed on MPS (faked): where ComfyUI's attention would build a score matrix past
+    the MPS limit (lowered here so small tensors cross it), the pack's attention runs although ComfyUI's
+    is measured faster, and although the Metal kernel is unavailable (its chunked reference then)."""
+    ca, kernels = pack
+    d = kernels.dispatch
+    d.reset()
+    monkeypatch.delenv("COMFY_METAL_BACKEND", raising=False)
+    monkeypatch.setattr(d, "measuring_enabled", lambda device: True)
+    monkeypatch.setattr(d, "choose", lambda spec, device: ("metal", "faked") if metal_available
+                        else ("reference", "faked: self-check failed"))
+    real_comfy = _comfy().attention_pytorch
+    comfy_calls, kernel_calls = [], []
+
+    def attention_pytorch(*args, **kwargs):        # named like ComfyUI's SDPA function
+        comfy_calls.append(1)
+        return real_comfy(*args, **kwargs)
+
+    def kernel(q, k, v, mask=None, scale=None):
+        kernel_calls.append(1)
+        return kernels.attention.flash_attention_reference(q, k, v, mask=mask, scale=scale)
+
+    monkeypatch.setattr(ca, "comfy_attention", lambda: attention_pytorch)
+    monkeypatch.setattr(ca.attention_kernels, "flash_attention", kernel)
+    monkeypatch.setattr(d, "measured_choice", lambda *a, **k: "pytorch")     # ComfyUI's measured faster
+    q, k, v = make(1, 2, 2, 40, 40, 32, torch.float32, False)
+    monkeypatch.setattr(ca, "MPS_MAX_SCORES", 2 * 40 * 40)                  # exactly at the limit
+    out = ca.metal_flash_attention(q, k, v, 2)
+    assert kernel_calls and not comfy_calls and ca.last_choice["choice"] == "metal_flash"
+    torch.testing.assert_close(out, real_comfy(q, k, v, 2), rtol=1e-4, atol=1e-5)
+    assert any("2^31" in r for r in ca.fallback_reasons)
+    monkeypatch.setattr(ca, "MPS_MAX_SCORES", 2 * 40 * 40 + 1)              # below it: the measured choice
+    kernel_calls.clear()
+    ca.metal_flash_attention(q, k, v, 2)
+    assert comfy_calls and not kernel_calls
+    d.reset()
