@@ -22,7 +22,7 @@ from .cases import (_cases_churn, _cases_dpmpp_2m, _cases_dpmpp_2m_cfg_pp, _case
                     _cases_dpmpp_2s_ancestral_cfg_pp, _cases_dpmpp_3m_sde, _cases_euler, _cases_euler_ancestral,
                     _cases_euler_cfg_pp, _cases_heun, _cases_lcm, _cases_noise, _cases_res_multistep,
                     _cases_res_multistep_cfg_pp, _cases_uni_pc, _cases_to_d, _cases_gradient_estimation,
-                    _cases_ipndm, _cases_dpmpp_sde, _cases_er_sde)
+                    _cases_ipndm, _cases_dpmpp_sde, _cases_er_sde, _cases_deis)
 from .launch import _LINCOMB_ENTRIES, _entry, device_noise_metal, device_noise_ref
 from .noise import (BrownianBridge, DeviceNoise, _hash32_int, _hash32_tensor, _index_hash, device_noise_reference,
                     iid_noise, node_keys)
@@ -37,6 +37,7 @@ from .steps import (churn_ref, churn_metal, euler_ref, euler_metal, euler_ancest
 from .steps_more import (dpmpp_sde_metal, dpmpp_sde_plan, dpmpp_sde_ref, er_sde_metal, er_sde_plans, er_sde_ref,
                          gradient_estimation_metal,
                          gradient_estimation_ref, ipndm_metal, ipndm_ref, to_d_metal, to_d_ref)
+from .deis import DEIS_MAX_ORDERS, DEIS_MODES, deis_coefficients, deis_metal, deis_ref
 from .unipc import (UniPCPlan, final_scale as unipc_final_scale, model_input_scale as unipc_model_input_scale,
                     uni_pc_metal, uni_pc_ref, unipc_plan)
 
@@ -50,6 +51,7 @@ __all__ = [
     "half_log_snr", "res_multistep_coefficients", "cfg_pp_alpha",
     "sampler_to_d_step", "sampler_gradient_estimation_step", "sampler_ipndm_step",
     "sampler_dpmpp_sde_step", "dpmpp_sde_plan", "sampler_er_sde_step", "er_sde_plans",
+    "sampler_deis_step", "deis_coefficients", "DEIS_MODES", "DEIS_MAX_ORDERS",
     "sampler_uni_pc_step", "UniPCPlan", "unipc_plan", "unipc_final_scale", "unipc_model_input_scale",
 ]
 
@@ -95,3 +97,4 @@ sampler_gradient_estimation_step = _spec("sampler_gradient_estimation_step", gra
 sampler_ipndm_step = _spec("sampler_ipndm_step", ipndm_ref, ipndm_metal, _cases_ipndm)
 sampler_dpmpp_sde_step = _spec("sampler_dpmpp_sde_step", dpmpp_sde_ref, dpmpp_sde_metal, _cases_dpmpp_sde)
 sampler_er_sde_step = _spec("sampler_er_sde_step", er_sde_ref, er_sde_metal, _cases_er_sde)
+sampler_deis_step = _spec("sampler_deis_step", deis_ref, deis_metal, _cases_deis)

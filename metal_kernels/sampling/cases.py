@@ -235,3 +235,18 @@ def _cases_er_sde(device):
                 ((x, d, o, o2, n), {"plan": eps[2], "s_noise": 0.8}), ((x, d, o, o2, None), {"plan": eps[3]}),
                 ((x, d, o, o2, n), {"plan": flow[2]}), ((x, d, o, None, None), {"plan": flow[1], "s_noise": 0.0})]
     return out
+
+
+def _cases_deis(device):
+    from .deis import deis_coefficients
+
+    tab = deis_coefficients([14.6, 9.7, 6.1, 3.9, 2.0, 0.0], 4)
+    rhoab = deis_coefficients([0.9999, 0.8, 0.6, 0.4, 0.2, 0.1], 4, "rhoab")
+    out = []
+    for i, (shape, dtype) in enumerate(_SHAPES):
+        x, d, d1, d2, d3 = _tensors(device, shape, dtype, 5, 200 + i)
+        out += [((x, d, None, None, None, 14.6, 9.7), {}), ((x, d, d1, None, None, 9.7, 6.1), {"coefficients": tab[1]}),
+                ((x, d, d1, d2, None, 6.1, 3.9), {"coefficients": tab[2]}),
+                ((x, d, d1, d2, d3, 3.9, 2.0), {"coefficients": tab[3]}),
+                ((x, d, d1, d2, d3, 0.2, 0.1), {"coefficients": rhoab[4]}), ((x, d, None, None, None, 2.0, 0.0), {})]
+    return out
