@@ -13,9 +13,10 @@ from .cfg_pp import (sample_dpmpp_2m_cfg_pp_metal, sample_dpmpp_2s_ancestral_cfg
 from .samplers import (NOISE_CHOICES, SAMPLER_NAMES, SamplingError, sample_dpmpp_2m_metal,
                        sample_dpmpp_2m_sde_metal, sample_dpmpp_3m_sde_metal, sample_euler_ancestral_metal,
                        sample_euler_metal, sample_heun_metal, sample_lcm_metal, sample_res_multistep_metal)
-from .more import (sample_ddim_metal, sample_dpmpp_2m_sde_gpu_metal, sample_dpmpp_2s_ancestral_metal,
-                   sample_dpmpp_sde_metal, sample_er_sde_metal, sample_gradient_estimation_cfg_pp_metal,
-                   sample_gradient_estimation_metal, sample_ipndm_metal, sample_res_multistep_ancestral_metal)
+from .more import (sample_ddim_metal, sample_deis_metal, sample_dpmpp_2m_sde_gpu_metal,
+                   sample_dpmpp_2s_ancestral_metal, sample_dpmpp_sde_metal, sample_er_sde_metal,
+                   sample_gradient_estimation_cfg_pp_metal, sample_gradient_estimation_metal, sample_ipndm_metal,
+                   sample_res_multistep_ancestral_metal)
 from .unipc import sample_uni_pc_bh2_metal, sample_uni_pc_metal
 
 SAMPLER_FUNCTIONS = {
@@ -43,6 +44,7 @@ SAMPLER_FUNCTIONS = {
     "ipndm": sample_ipndm_metal,
     "dpmpp_sde": sample_dpmpp_sde_metal,
     "er_sde": sample_er_sde_metal,
+    "deis": sample_deis_metal,
 }
 
 # ComfyUI's sampler of each name where it is not comfy.k_diffusion.sampling.sample_<name> (module, function).

@@ -1,7 +1,7 @@
 """More of ComfyUI's samplers as `_metal`: ddim, dpmpp_2m_sde_gpu, res_multistep_ancestral (the samplers of
 samplers.py under ComfyUI's other names and options), dpmpp_2s_ancestral, dpmpp_sde, er_sde,
-gradient_estimation(_cfg_pp) and ipndm. Each step is one fused kernel (ipndm: one more launch keeps the
-step's derivative as history, as ComfyUI keeps it), no host sync inside the loop.
+gradient_estimation(_cfg_pp), ipndm and deis. Each step is one fused kernel (ipndm, deis: one more launch keeps
+the step's derivative as history, as ComfyUI keeps it), no host sync inside the loop.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from ...metal_kernels import sampling as K
 
 from .cfg_pp import _UncondCapture
-from .samplers import (_Run, _callback, _inner_model_sampling, _noise_scale, _offset_first_sigma,
+from .samplers import (SamplingError, _Run, _callback, _inner_model_sampling, _noise_scale, _offset_first_sigma,
                        _patcher_model_sampling, _sde_setup,
                        _trange, is_flow,
                        sample_dpmpp_2m_sde_metal, sample_euler_metal, sample_res_multistep_metal)
@@ -145,6 +145,35 @@ def sample_ipndm_metal(model, x, sigmas, extra_args=None, callback=None, disable
         x_next = K.sampler_ipndm_step(x, denoised, *hist, sig[i], sig[i + 1], flags=run.flags, step=i)
         if i + 1 < run.steps and max_order > 1:   # the last step's derivative is never read
             history = [K.sampler_to_d_step(x, denoised, sig[i], flags=run.flags, step=i)] + history[:max_order - 2]
+        x = x_next
+    return run.finish(x)
+
+
+@torch.no_grad()
+def sample_deis_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, max_order=3, deis_mode="tab",
+                      noise_mode=None):
+    """ComfyUI's deis (max_order 1 to 4, deis_mode "tab" or "rhoab"); its coefficients are computed on the host
+    before the loop (K.deis_coefficients: where ComfyUI's own sample_deis fails, an error before any model call)."""
+    run = _Run("deis", model, x, sigmas, extra_args, noise_mode)
+    order = int(max_order) if isinstance(max_order, float) and max_order == int(max_order) else max_order
+    try:
+        plans = K.deis_coefficients(run.sig, order, deis_mode)
+    except ValueError as e:
+        raise SamplingError(f"deis_metal: {e}") from e
+    sig, extra_args = run.sig, run.extra_args
+    # whether a later step reads step i's derivative (step j with k coefficients reads those of j-1 ... j-k+1)
+    kept = [any(p is not None and j - i < len(p) for j, p in enumerate(plans) if j > i) for i in range(run.steps)]
+    s_in = x.new_ones([x.shape[0]])
+    history = []   # derivatives of the earlier steps, the latest first
+    for i in _trange(run.steps, disable):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        _callback(callback, x, i, sigmas[i], sigmas[i], denoised)
+        coefficients = plans[i]
+        hist = history[:len(coefficients) - 1] if coefficients else []
+        x_next = K.sampler_deis_step(x, denoised, *(hist + [None] * 3)[:3], sig[i], sig[i + 1],
+                                     coefficients=coefficients, flags=run.flags, step=i)
+        if kept[i]:
+            history = [K.sampler_to_d_step(x, denoised, sig[i], flags=run.flags, step=i)] + history[:order - 2]
         x = x_next
     return run.finish(x)
 

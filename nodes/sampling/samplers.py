@@ -45,7 +45,7 @@ SAMPLER_NAMES = ("euler", "euler_ancestral", "heun", "dpmpp_2m", "dpmpp_2m_sde",
                  "res_multistep", "euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp",
                  "dpmpp_2s_ancestral_cfg_pp", "res_multistep_cfg_pp", "uni_pc", "uni_pc_bh2",
                  "ddim", "dpmpp_2m_sde_gpu", "res_multistep_ancestral", "dpmpp_2s_ancestral", "gradient_estimation",
-                 "gradient_estimation_cfg_pp", "ipndm", "dpmpp_sde", "er_sde")
+                 "gradient_estimation_cfg_pp", "ipndm", "dpmpp_sde", "er_sde", "deis")
 CFG_PP_NAMES = tuple(n for n in SAMPLER_NAMES if n.endswith("_cfg_pp"))
 NOISE_MODES = ("fast", "exact")
 NOISE_CHOICES = ("auto",) + NOISE_MODES   # "auto": default_noise_mode(device)

@@ -182,6 +182,9 @@ def test_kernels_odd_shapes_and_nan_record_in_emulator(emulator_backend, monkeyp
     er_plan = K.er_sde_plans([9.7, 6.1, 3.9, 2.0])[2]
     calls["sampler_er_sde_step"] = lambda **f: K.sampler_er_sde_step(x, d, o, o2, n, plan=er_plan, **f)
     calls["sampler_ipndm_step"] = lambda **f: K.sampler_ipndm_step(x, d, o, o2, n, 6.1, 3.9, **f)
+    deis_plan = K.deis_coefficients([14.6, 9.7, 6.1, 3.9, 2.0], 4)[3]
+    calls["sampler_deis_step"] = lambda **f: K.sampler_deis_step(x, d, o, o2, n, 3.9, 2.0, coefficients=deis_plan,
+                                                                 **f)
     assert set(calls) == set(SAMPLER_SPECS) - {"sampler_churn_step", "sampler_device_noise"}
     tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
     for name, call in calls.items():
@@ -239,17 +242,21 @@ def test_launch_glue_no_host_sync_and_declared_kinds(name):
 # Whole samplers: emulator vs reference, zero host syncs in the loop, bad input
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["eps", "flow"])
-@pytest.mark.parametrize("name", S.SAMPLER_NAMES)
-def test_sampler_in_emulator_matches_reference(name, kind, monkeypatch):
+def toy_emulator_run(monkeypatch, name, kind, steps, **options):
+    """The sampler on the toy denoiser (fast noise), on the reference kernels and then in the emulator."""
     reason = _emulator_reason()
     if reason:
         pytest.skip(reason)
     model = ToyDenoiser(ToyEPS() if kind == "eps" else CONST())
-    sigmas = toy_schedule(kind, 5)
+    sigmas = toy_schedule(kind, steps)
     x = torch.randn(1, 4, 3, 5, generator=torch.Generator().manual_seed(2)) * sigmas[0]
-    want, got, backends = reference_then_emulator(monkeypatch,
-                                                  lambda: _run(name, model, x, sigmas, noise_mode="fast"))
+    return reference_then_emulator(monkeypatch, lambda: _run(name, model, x, sigmas, noise_mode="fast", **options))
+
+
+@pytest.mark.parametrize("kind", ["eps", "flow"])
+@pytest.mark.parametrize("name", S.SAMPLER_NAMES)
+def test_sampler_in_emulator_matches_reference(name, kind, monkeypatch):
+    want, got, backends = toy_emulator_run(monkeypatch, name, kind, 5)
     used = {k: v for k, v in backends.items() if k.startswith("sampler_")}
     assert used and set(used.values()) == {"emulator"}, used
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
@@ -471,6 +478,7 @@ COMFY_CASES = [
     ("ipndm", {}), ("ipndm", {"max_order": 2}),
     ("dpmpp_sde", {}), ("dpmpp_sde", {"eta": 0.6, "s_noise": 1.1, "r": 0.4}),
     ("er_sde", {}), ("er_sde", {"s_noise": 0.7, "max_stage": 2}),
+    ("deis", {}), ("deis", {"max_order": 2}), ("deis", {"max_order": 4}),
 ]
 
 
