@@ -153,7 +153,9 @@ def sample_ipndm_metal(model, x, sigmas, extra_args=None, callback=None, disable
 def sample_deis_metal(model, x, sigmas, extra_args=None, callback=None, disable=None, max_order=3, deis_mode="tab",
                       noise_mode=None):
     """ComfyUI's deis (max_order 1 to 4, deis_mode "tab" or "rhoab"); its coefficients are computed on the host
-    before the loop (K.deis_coefficients: where ComfyUI's own sample_deis fails, an error before any model call)."""
+    before the loop (K.deis_coefficients; other options are refused there, before any model call). Where
+    ComfyUI v0.33's own sample_deis fails (max_order 1, rhoab beyond max_order + 1 steps) see
+    metal_kernels/sampling/deis.py."""
     run = _Run("deis", model, x, sigmas, extra_args, noise_mode)
     order = int(max_order) if isinstance(max_order, float) and max_order == int(max_order) else max_order
     try:
