@@ -55,11 +55,15 @@ def tiny_state(vocab=50, d=64, hidden=160, out=48, seed=0, dtype=torch.bfloat16)
     }
 
 
-def quantize_ref(w: torch.Tensor, fmt="e4m3fn", rowwise=False):
-    """Independent amax quantization (torch's own saturating cast), (float8 q, float32 scale)."""
+def quantize_ref(w: torch.Tensor, fmt="e4m3fn", rowwise=False, pow2=False):
+    """Independent amax quantization (torch's own saturating cast), (float8 q, float32 scale). pow2: the
+    scale rounded up to a power of two, so that every dequantized value is exact in bf16, and in fp16 for
+    scales of 2^-15 and up (amax >= 0.014)."""
     wf = w.float()
     amax = wf.abs().amax(dim=tuple(range(1, wf.dim())), keepdim=True) if rowwise else wf.abs().amax()
     scale = (amax / FMAX[fmt]).clamp_min(1e-12)
+    if pow2:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     q = (wf / scale).clamp(-FMAX[fmt], FMAX[fmt]).to(FP8[fmt])
     return q, (scale.reshape(-1) if rowwise else scale.reshape(()))
 
@@ -131,9 +135,11 @@ def fill_module_(module: torch.nn.Module, seed=0, std=0.05):
     return module
 
 
-def dequantized_file(fmt_mod, path) -> dict:
+def dequantized_file(fmt_mod, path, rest_dtype=torch.float32) -> dict:
     """An FP8 file's weights dequantized to fp32 with torch's own casts (the loader's decode is not
-    used); `fmt_mod` is the pack's nodes/fp8/formats.py module (for reading the file's layout)."""
+    used); `fmt_mod` is the pack's nodes/fp8/formats.py module (for reading the file's layout). The other
+    tensors in `rest_dtype` (None: as stored, e.g. a big bf16 embedding, and the dtype ComfyUI reads
+    the encoder's dtype from)."""
     out = {}
     with fmt_mod.open_checkpoint(path) as ck:
         for key in ck.model_keys():
@@ -141,7 +147,8 @@ def dequantized_file(fmt_mod, path) -> dict:
                 w, scale, _ = ck.fp8_weight(key)
                 out[key] = dequant_ref(w, scale)
             else:
-                out[key] = ck.tensor(key).float()
+                t = ck.tensor(key)
+                out[key] = t if rest_dtype is None else t.to(rest_dtype)
     return out
 
 

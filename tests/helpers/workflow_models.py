@@ -13,6 +13,16 @@ into the JSON config). `tiny_text_encoder_configs()` gives those entries and
 tokenizers (ComfyUI's own tokenizer files) and the encoder classes are the real ones; only widths and
 depth shrink. The UMT5 file keeps 24 blocks and d_ff 10240 because ComfyUI's single-file detection
 reads exactly those (`encoder.block.23.layer.1.DenseReluDense.wi_1.weight`, 10240 rows).
+
+Sets with a CLIP-G (sd3, hidream): ComfyUI tells CLIP-G from CLIP-L by the key
+`text_model.encoder.layers.30.mlp.fc1.weight`, so the tiny CLIP-G keeps its 32 layers. ComfyUI's long-CLIP
+handling (text_encoders/long_clipl.py) gives the CLIP-L *and* the CLIP-G of a set the same `model_config`
+entry, so one config (CLIP_LG: widths only) serves both and each keeps its JSON's depth (CLIP-L 12, CLIP-G
+32); `shrink_text_encoders(..., clip_g=True)` selects it. SD3 pads the CLIP-L/G output to 4096 and
+concatenates it with the T5 output, so its T5 keeps d_model 4096 (T5XXL_SD3, with a shorter vocabulary);
+HiDream sends a file to its T5 by the key of block 23 (T5XXL_24 keeps 24 blocks). Llama-3.1-8B (HiDream's
+fourth encoder): ComfyUI's Llama2 with a tiny `llama_model_config` (head_dim is fixed at 128 by ComfyUI's
+config class) and the real vocabulary (128256 rows: the Llama-3 tokenizer's ids go up to there).
 """
 from __future__ import annotations
 
@@ -29,6 +39,16 @@ import fp8_models as fm
 
 CLIP_L = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2, projection_dim=32)
 T5XXL = dict(d_model=32, d_ff=64, d_kv=16, num_heads=2, num_layers=2)
+# sets with a CLIP-G: one config for CLIP-L and CLIP-G (ComfyUI gives both the same model_config), no depth
+CLIP_LG = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, projection_dim=32)
+# SD3 concatenates CLIP-L/G (padded to 4096 wide) with the T5 output: d_model stays 4096. The first 8192 of
+# the 32128 embedding rows (64 MiB in bf16 instead of 251 MiB) cover the ids ComfyUI's T5 tokenizer gives
+# common English words (the tests' prompts stay under 7000); a rarer word fails loudly (index out of range).
+T5XXL_SD3 = dict(T5XXL, d_model=4096, num_layers=1, vocab_size=8192)
+T5XXL_24 = dict(T5XXL, num_layers=24)                 # HiDream finds its T5 by block 23
+LLAMA3_8B = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)
+LLAMA3_VOCAB = 128256                                 # what HiDream's encoder sets (ComfyUI's Llama-3 tokenizer)
 UMT5_VOCAB = 320
 UMT5XXL = dict(d_model=16, d_ff=10240, d_kv=8, num_heads=2, num_layers=24, vocab_size=UMT5_VOCAB)
 
@@ -45,20 +65,25 @@ WAN_CFG = dict(model_type="t2v", patch_size=(1, 2, 2), in_dim=16, dim=128, ffn_d
 WAN22_5B_CFG = dict(WAN_CFG, in_dim=48, out_dim=48, text_dim=4096)
 
 
-def tiny_text_encoder_configs() -> dict:
+def tiny_text_encoder_configs(clip_g: bool = False, t5xxl: dict = T5XXL) -> dict:
+    """The model_options entries that shrink ComfyUI's text encoders. clip_g: the set has a CLIP-G (sd3,
+    hidream; CLIP-L and CLIP-G then share CLIP_LG). t5xxl: the T5-XXL config (T5XXL, T5XXL_SD3, T5XXL_24)."""
     # "model_config": ComfyUI's long-CLIP handling (text_encoders/long_clipl.py) rebuilds
-    # clip_l_model_config from it (adding max_position_embeddings from the file) whenever a CLIP-L is loaded.
-    return {"model_config": dict(CLIP_L), "clip_l_model_config": dict(CLIP_L), "t5xxl_model_config": dict(T5XXL),
-            "umt5xxl_model_config": dict(UMT5XXL)}
+    # clip_l_model_config / clip_g_model_config from it (adding max_position_embeddings from the file)
+    # whenever a CLIP-L or CLIP-G is loaded.
+    clip = CLIP_LG if clip_g else CLIP_L
+    return {"model_config": dict(clip), "clip_l_model_config": dict(clip), "clip_g_model_config": dict(CLIP_LG),
+            "t5xxl_model_config": dict(t5xxl), "umt5xxl_model_config": dict(UMT5XXL),
+            "llama_model_config": dict(LLAMA3_8B)}
 
 
-def shrink_text_encoders(monkeypatch, comfy_sd) -> None:
+def shrink_text_encoders(monkeypatch, comfy_sd, clip_g: bool = False, t5xxl: dict = T5XXL) -> None:
     """Every text encoder ComfyUI builds during the test uses the tiny configs above."""
     original = comfy_sd.load_text_encoder_state_dicts
 
     def load_text_encoder_state_dicts(state_dicts=[], embedding_directory=None, clip_type=None,
                                       model_options={}, **kwargs):
-        opts = {**tiny_text_encoder_configs(), **(model_options or {})}
+        opts = {**tiny_text_encoder_configs(clip_g, t5xxl), **(model_options or {})}
         if clip_type is None:
             return original(state_dicts, embedding_directory, model_options=opts, **kwargs)
         return original(state_dicts, embedding_directory, clip_type, model_options=opts, **kwargs)
@@ -76,15 +101,18 @@ def _fill(module, seed, std=0.05):
     return fm.fill_module_(module, seed=seed, std=std)
 
 
-def write_scaled_fp8(path: pathlib.Path, sd: dict, metadata: dict | None = None, rest_dtype=torch.bfloat16) -> None:
+def write_scaled_fp8(path: pathlib.Path, sd: dict, metadata: dict | None = None, rest_dtype=torch.bfloat16,
+                     pow2_scales: bool = False) -> None:
     """The "fp8_scaled" layout of Comfy-Org's repackaged FP8 files: float8_e4m3fn Linear weights with a
-    per-tensor `scale_weight` each, the `scaled_fp8` marker tensor; embeddings, norms, biases in `rest_dtype`."""
+    per-tensor `scale_weight` each, the `scaled_fp8` marker tensor; embeddings, norms, biases in `rest_dtype`.
+    pow2_scales: power-of-two scales (the weights are then exact in bf16/fp16, so an oracle that stores the
+    dequantized weights in half precision holds exactly the weights the FP8 file does)."""
     fp8 = {k for k in fm.fp8_layers(sd) if sd[k].dim() == 2 and not any(s in k for s in ("embed", "shared.",
                                                                                           "relative_attention"))}
     out = {}
     for k, v in sd.items():
         if k in fp8:
-            q, scale = fm.quantize_ref(v.float())
+            q, scale = fm.quantize_ref(v.float(), pow2=pow2_scales)
             out[k] = q
             out[k[: -len(".weight")] + ".scale_weight"] = scale.reshape(1)
         else:
@@ -180,27 +208,91 @@ def wan21_vae_state_dict(seed=4) -> dict:
 
 # ---------------------------------------------------------------------------- text encoders
 
-def clip_l_state_dict(seed=5) -> dict:
+def _clip_state_dict(config_name: str, over: dict, seed: int) -> dict:
     import comfy.clip_model
     import comfy.ops
     import comfy.sd1_clip
 
-    cfg_path = pathlib.Path(comfy.sd1_clip.__file__).parent / "sd1_clip_config.json"
-    config = {**json.loads(cfg_path.read_text()), **CLIP_L}
+    cfg_path = pathlib.Path(comfy.sd1_clip.__file__).parent / config_name
+    config = {**json.loads(cfg_path.read_text()), **over}
     net = comfy.clip_model.CLIPTextModel(config, torch.float32, "cpu", comfy.ops.manual_cast)
     _fill(net, seed, std=0.02)
     return {k: v.detach() for k, v in net.state_dict().items()}
 
 
-def t5_state_dict(config_name: str, over: dict, seed=6) -> dict:
+def clip_l_state_dict(seed=5, over: dict = CLIP_L) -> dict:
+    """CLIP-L (ComfyUI's sd1_clip_config.json; CLIP_L: 2 layers, CLIP_LG: the JSON's 12)."""
+    return _clip_state_dict("sd1_clip_config.json", over, seed)
+
+
+def clip_g_state_dict(seed=9) -> dict:
+    """CLIP-G (ComfyUI's clip_config_bigg.json: 32 layers, gelu) at CLIP_LG's widths."""
+    return _clip_state_dict("clip_config_bigg.json", CLIP_LG, seed)
+
+
+def t5_state_dict(config_name: str, over: dict, seed=6, dtype=torch.float32) -> dict:
+    """T5 weights in `dtype` (bf16 for the 4096-wide SD3 T5, whose embedding is the big part)."""
     import comfy.ops
     import comfy.text_encoders.t5
 
     cfg_path = pathlib.Path(comfy.text_encoders.t5.__file__).parent / config_name
     config = {**json.loads(cfg_path.read_text()), **over}
-    net = comfy.text_encoders.t5.T5(config, torch.float32, "cpu", comfy.ops.manual_cast)
+    net = comfy.text_encoders.t5.T5(config, dtype, "cpu", comfy.ops.manual_cast)
     _fill(net, seed, std=0.05)
     return {k: v.detach() for k, v in net.state_dict().items()}
+
+
+def llama3_state_dict(seed=10) -> dict:
+    """Llama-3.1-8B (HiDream's fourth text encoder): ComfyUI's Llama2 at LLAMA3_8B's sizes."""
+    import comfy.ops
+    import comfy.text_encoders.llama
+
+    net = comfy.text_encoders.llama.Llama2({**LLAMA3_8B, "vocab_size": LLAMA3_VOCAB}, torch.float32, "cpu",
+                                           comfy.ops.manual_cast)
+    _fill(net, seed, std=0.05)
+    return {k: v.detach() for k, v in net.state_dict().items()}
+
+
+# Llama-3's pre-tokenizer split (its tokenizer.json's Split regex, which ComfyUI's BPE tokenizer implements)
+LLAMA3_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def use_llama3_tokenizer_stand_in(monkeypatch, folder: pathlib.Path) -> bool:
+    """ComfyUI reads the Llama-3 tokenizer (HiDream, HunyuanVideo) from its own
+    comfy/text_encoders/llama_tokenizer/tokenizer.json, which the ComfyUI archive the tests use lacks (an empty
+    file: too large for the archive). When it is missing or empty, ComfyUI's LlamaTokenizerFast.from_pretrained
+    reads, for that folder only and for the test's duration, a stand-in tokenizer.json written to `folder`:
+    byte-level BPE (the 256 byte tokens as ids 0..255, no merges) with Llama-3's pre-tokenizer and its real
+    special tokens and ids (128000 <|begin_of_text|> ... from ComfyUI's own tokenizer_config.json), prepending
+    <|begin_of_text|> as Llama-3 does. ComfyUI's own tokenizer code runs on it. Returns True when the stand-in
+    is in use, False when ComfyUI has the real file (then nothing is patched)."""
+    import comfy.text_encoders.bpe_tokenizer as bpe
+
+    real = pathlib.Path(bpe.__file__).resolve().parent / "llama_tokenizer"
+    if (real / "tokenizer.json").is_file() and (real / "tokenizer.json").stat().st_size > 0:
+        return False
+    config = json.loads((real / "tokenizer_config.json").read_text())
+    special = [{"id": int(i), "content": t["content"], "special": True}
+               for i, t in config["added_tokens_decoder"].items()]
+    byte_chars = bpe._bytes_to_unicode()   # ComfyUI's byte -> character table of byte-level BPE
+    tokenizer = {"model": {"type": "BPE", "vocab": {c: b for b, c in byte_chars.items()}, "merges": []},
+                 "added_tokens": special,
+                 "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                     {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}}, {"type": "ByteLevel"}]},
+                 "post_processor": {"type": "TemplateProcessing", "single": [
+                     {"SpecialToken": {"id": config["bos_token"], "type_id": 0}},
+                     {"Sequence": {"id": "A", "type_id": 0}}]}}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    original = bpe.LlamaTokenizerFast.from_pretrained
+
+    def from_pretrained(path, **kwargs):
+        if pathlib.Path(path).resolve() == real:
+            path = str(folder)
+        return original(path, **kwargs)
+
+    monkeypatch.setattr(bpe.LlamaTokenizerFast, "from_pretrained", staticmethod(from_pretrained))
+    return True
 
 
 def tiny_spiece_model(vocab_size=UMT5_VOCAB) -> bytes:
