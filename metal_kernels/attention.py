@@ -216,6 +216,7 @@ def _cases(device):
 
 flash_attention = register(KernelSpec(
     name="flash_attention",
+    measured_by_caller=True,
     source="attention.metal",
     entry_points={name: ("tensor",) * 5 + ("int",) * 5 + ("float",) + ("int",) * 7
                   for t in MSL_TYPE.values()

@@ -2,8 +2,9 @@
 and self-check each kernel once against its reference before trusting it.
 
 Backends (COMFY_METAL_BACKEND):
-  auto (default)  Metal for MPS tensors once the library compiled and the kernel passed its
-                  self-check; the reference everywhere else (CPU, CUDA).
+  auto (default)  Metal for MPS tensors once the library compiled, the kernel passed its
+                  self-check and it was timed faster than its reference (the platform's torch ops) for
+                  the call's shape class (`measured_backend`); the reference everywhere else (CPU, CUDA).
   reference       the reference for every kernel.
   emulator        CPU tensors run the real Metal kernels and launch code through the project's
                   MSL emulator (clang-19); MPS tensors still use Metal.
@@ -287,6 +288,8 @@ def call(spec: KernelSpec, args, kwargs):
 def _call(spec: KernelSpec, args, kwargs):
     device = _first_device(args, kwargs)
     backend, _ = choose(spec, device)
+    if backend == "metal" and not spec.measured_by_caller and measuring_enabled(device):
+        backend = measured_backend(spec, args, kwargs, device)
     last_backend[spec.name] = backend
     if backend == "reference":
         return spec.reference(*args, **kwargs)
@@ -425,6 +428,75 @@ def measured_choice(kernel: str, shape_class, candidates: dict, device, *, reps:
         record = measured[key]
     _log_once(("measured",) + key, logging.INFO, f"comfy_metal: {kernel} {shape_class}: {record['reason']}")
     return record["choice"]
+
+
+# Calls whose tensor arguments hold more than this are not timed (timing works on copies of them); the
+# self-checked kernel runs, as decided by a smaller call of its shape class if there was one.
+MEASURE_MAX_BYTES = 256 * 2**20
+
+
+def call_shape_class(args, kwargs) -> tuple:
+    """What a kernel's measured choice is remembered under: for each tensor argument its dtype and the
+    power of two at or above its element count; other arguments by value (ints, floats, strings: the
+    options that pick a kernel variant)."""
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return (str(a.dtype).replace("torch.", ""), 1 << max(0, a.numel() - 1).bit_length())
+        if isinstance(a, (bool, int, float, str)) or a is None:
+            return a
+        if isinstance(a, (tuple, list)):
+            return tuple(one(x) for x in a)
+        return type(a).__name__
+    return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
+
+
+def _copies(args, kwargs):
+    """The arguments with every tensor copied (a candidate may write into its arguments)."""
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return a.clone()
+        if isinstance(a, (tuple, list)):
+            return type(a)(one(x) for x in a)
+        return a
+    return [one(a) for a in args], {k: one(v) for k, v in kwargs.items()}
+
+
+def measured_backend(spec: KernelSpec, args, kwargs, device) -> str:
+    """"metal" or "reference" for a self-checked kernel on MPS: the Metal kernel and its reference (the
+    platform's own torch ops) are timed once per shape class (`call_shape_class`) with
+    `measured_choice`, on copies of the arguments, and the Metal kernel runs only where it was
+    strictly faster, so no kernel makes a Mac slower than the torch ops it replaces. The timing
+    synchronises the device, once per kernel and shape class per process. Calls too large to copy
+    (MEASURE_MAX_BYTES) follow the choice made for their class, or run the kernel (logged once)."""
+    shape_class = call_shape_class(args, kwargs)
+    with _lock:
+        known = measured.get((spec.name, shape_class))
+    if known is not None:
+        return known["choice"]
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    if nbytes > MEASURE_MAX_BYTES:
+        _log_once((spec.name, "unmeasured", shape_class), logging.INFO,
+                  f"comfy_metal: {spec.name}: a call with {nbytes / 2**20:.0f} MiB of inputs is not timed "
+                  f"(over {MEASURE_MAX_BYTES >> 20} MiB to copy); the self-checked Metal kernel runs")
+        return "metal"
+    lib = _library_for(spec, "metal")
+    ref_args, ref_kwargs = _copies(args, kwargs)
+    metal_args, metal_kwargs = _copies(args, kwargs)
+    candidates = {"reference": lambda: spec.reference(*ref_args, **ref_kwargs),   # the platform op first: ties keep it
+                  "metal": lambda: spec.metal(lib, *metal_args, **metal_kwargs)}
+    try:
+        choice = measured_choice(spec.name, shape_class, candidates, device)
+    except RuntimeError as e:
+        if _out_of_memory(e):
+            raise
+        return "reference"               # both failed: the reference raises its own clear error
+    with _lock:
+        record = measured.get((spec.name, shape_class))
+        if record is not None and "reference" not in record["times_ms"]:
+            measured.pop((spec.name, shape_class))      # the reference refused this call: bad input,
+            choice = "reference"                        # which it reports; nothing is remembered
+    return choice
 
 
 def measured_records() -> list[dict]:

@@ -404,6 +404,7 @@ gguf_dequantize = register(KernelSpec(
 
 gguf_gemv = register(KernelSpec(
     name="gguf_gemv",
+    measured_by_caller=True,
     source="gguf.metal",
     entry_points={f"gguf_gemv_{q}": ("tensor", "tensor", "tensor", "tensor", "int", "int", "int", "int")
                   for q in _QNAMES},

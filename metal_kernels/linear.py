@@ -146,6 +146,7 @@ _ARGS = ("tensor", "tensor", "tensor", "tensor", "tensor", "int", "int", "int", 
 
 gemv = register(KernelSpec(
     name="gemv",
+    measured_by_caller=True,
     source="linear.metal",
     entry_points={f"gemv_{k}{v}": _ARGS for k in _KINDS for v in ("", "_k4")},
     reference=gemv_reference,

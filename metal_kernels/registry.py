@@ -31,6 +31,9 @@ class KernelSpec:
     atol / rtol: tolerance of the Metal result against the reference (compared in float32).
     compare: optional `compare(metal_out, reference_out) -> str | None` (None = ok) replacing the
         default tolerance check, for outputs that are not a single float tensor.
+    measured_by_caller: the caller times this kernel against the platform op itself (attention against
+        ComfyUI's, the GEMVs against decode + matmul), so the dispatch does not time it again against
+        its reference (see dispatch.measured_backend).
     """
 
     name: str
@@ -42,6 +45,7 @@ class KernelSpec:
     atol: float = 1e-5
     rtol: float = 1e-5
     compare: Callable[[Any, Any], str | None] | None = None
+    measured_by_caller: bool = False
 
     def __post_init__(self):
         for entry, kinds in self.entry_points.items():

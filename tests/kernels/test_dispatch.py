@@ -105,6 +105,7 @@ def test_library_source_puts_common_first_and_includes_every_file():
 def test_metal_launch_that_raises_later_falls_back_once(monkeypatch, caplog):
     """On MPS a kernel whose launch raises after a passed self-check turns itself off (one warning) and
     the call gets the reference; bad input still raises."""
+    monkeypatch.setattr(dispatch, "measuring_enabled", lambda device: False)   # the launch path itself
     monkeypatch.setattr(dispatch, "_library_for", lambda spec, backend: object())
     monkeypatch.setattr(dispatch, "self_check", lambda spec, backend, device: None)
     monkeypatch.setattr(dispatch, "_first_device", lambda args, kwargs: torch.device("mps"))
@@ -134,6 +135,7 @@ def test_metal_launch_that_raises_later_falls_back_once(monkeypatch, caplog):
 
 
 def test_out_of_memory_in_a_metal_launch_propagates(monkeypatch):
+    monkeypatch.setattr(dispatch, "measuring_enabled", lambda device: False)   # the launch path itself
     monkeypatch.setattr(dispatch, "_library_for", lambda spec, backend: object())
     monkeypatch.setattr(dispatch, "self_check", lambda spec, backend, device: None)
     monkeypatch.setattr(dispatch, "_first_device", lambda args, kwargs: torch.device("mps"))
@@ -164,3 +166,90 @@ def test_status_without_running_pending_mps_self_checks(monkeypatch):
     assert set(kernels) == set(registry.REGISTRY)
     # CPU decisions need no self-check: reported as usual
     assert dispatch.kernel_status("cpu", run_pending=False)["fp8_decode"]["backend"] == "reference"
+
+
+class FakeClock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def fake_mps_kernel(monkeypatch):
+    """A self-checked 'Metal' kernel on faked MPS (CPU tensors, a fake clock, no device syncs): returns
+    (make_spec(metal_seconds, reference_seconds), clock, calls)."""
+    clock = FakeClock()
+    calls = {"metal": 0, "reference": 0}
+    monkeypatch.setattr(dispatch, "_library_for", lambda spec, backend: object())
+    monkeypatch.setattr(dispatch, "self_check", lambda spec, backend, device: None)
+    monkeypatch.setattr(dispatch, "_first_device", lambda args, kwargs: torch.device("mps"))
+    monkeypatch.setattr(dispatch, "_device_sync", lambda device: None)
+    monkeypatch.setattr(dispatch, "_clock", clock)
+
+    def make_spec(name, metal_seconds, reference_seconds, measured_by_caller=False):
+        def reference(x, out):
+            calls["reference"] += 1
+            clock.t += reference_seconds
+            if x.numel() == 0:
+                raise ValueError("x: expected at least one element")
+            out.copy_(x * 2)                 # writes into its argument, like the fused in-place steps
+            return out
+
+        def metal(lib, x, out):
+            calls["metal"] += 1
+            clock.t += metal_seconds
+            out.copy_(x * 2)
+            return out
+
+        spec = registry.KernelSpec(name=name, source="softmax.metal",
+                                   entry_points={"softmax_rows_float": ("tensor", "tensor", "int", "float")},
+                                   reference=reference, metal=metal, self_check_cases=lambda d: [],
+                                   measured_by_caller=measured_by_caller)
+        monkeypatch.setitem(registry.REGISTRY, name, spec)
+        return spec
+
+    return make_spec, clock, calls
+
+
+@pytest.mark.parametrize("metal_seconds, expect", [(5.0, "reference"), (1.0, "reference"), (0.2, "metal")])
+def test_metal_runs_only_where_measured_faster_than_its_reference(fake_mps_kernel, metal_seconds, expect):
+    """On MPS a self-checked kernel is timed once per shape class against its reference (the torch ops it
+    replaces) and runs only where strictly faster (a tie keeps the reference); the timing works on copies,
+    so a kernel writing into its arguments leaves the caller's tensors to the one real call."""
+    make_spec, clock, calls = fake_mps_kernel
+    spec = make_spec("timed_double", metal_seconds, 1.0)
+    x, out = torch.arange(6.0), torch.zeros(6)
+    got = dispatch.call(spec, (x, out), {})
+    assert got is out and torch.equal(out, x * 2)
+    assert dispatch.last_backend["timed_double"] == expect
+    (record,) = [r for r in dispatch.measured_records() if r["kernel"] == "timed_double"]
+    assert record["choice"] == expect and set(record["times_ms"]) == {"reference", "metal"}
+    assert record["shape_class"] == [("float32", 8), ("float32", 8)]
+    n = dict(calls)
+    out2 = torch.zeros(5)
+    dispatch.call(spec, (torch.arange(5.0), out2), {})          # same class (bucket 8): not timed again
+    assert calls[expect] == n[expect] + 1 and sum(calls.values()) == sum(n.values()) + 1
+    assert torch.equal(out2, torch.arange(5.0) * 2)
+
+
+def test_measured_kernel_bad_input_still_raises_and_is_not_remembered(fake_mps_kernel):
+    make_spec, _, _ = fake_mps_kernel
+    spec = make_spec("timed_bad", 0.1, 1.0)
+    with pytest.raises(ValueError, match="at least one element"):
+        dispatch.call(spec, (torch.ones(0), torch.ones(0)), {})
+    assert not [r for r in dispatch.measured_records() if r["kernel"] == "timed_bad"]
+
+
+def test_large_calls_and_caller_measured_kernels_are_not_timed(fake_mps_kernel, monkeypatch):
+    make_spec, _, calls = fake_mps_kernel
+    spec = make_spec("timed_large", 0.1, 1.0)
+    monkeypatch.setattr(dispatch, "MEASURE_MAX_BYTES", 16)
+    dispatch.call(spec, (torch.ones(8), torch.zeros(8)), {})
+    assert calls == {"metal": 1, "reference": 0} and not dispatch.measured_records()
+    monkeypatch.setattr(dispatch, "MEASURE_MAX_BYTES", 2**20)
+    caller = make_spec("timed_by_caller", 0.1, 1.0, measured_by_caller=True)
+    dispatch.call(caller, (torch.ones(8), torch.zeros(8)), {})
+    assert calls == {"metal": 2, "reference": 0} and not dispatch.measured_records()
+    assert {n for n, s in registry.REGISTRY.items() if s.measured_by_caller} \
+        >= {"gemv", "gguf_gemv", "flash_attention"}
