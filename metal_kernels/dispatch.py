@@ -433,17 +433,22 @@ def measured_choice(kernel: str, shape_class, candidates: dict, device, *, reps:
 # Calls whose tensor arguments hold more than this are not timed (timing works on copies of them); the
 # self-checked kernel runs, as decided by a smaller call of its shape class if there was one.
 MEASURE_MAX_BYTES = 256 * 2**20
+SMALL_TENSOR_ELEMENTS = 4096
 
 
 def call_shape_class(args, kwargs) -> tuple:
     """What a kernel's measured choice is remembered under: for each tensor argument its dtype and the
-    power of two at or above its element count; other arguments by value (ints, floats, strings: the
-    options that pick a kernel variant)."""
+    power of two at or above its element count (at least SMALL_TENSOR_ELEMENTS: a sampler's per-step flags
+    or a small table do not decide a kernel's speed); strings, bools and None by value (the options that pick
+    a kernel variant); numbers by type only (a sampler passes each step's sigmas and index: by value every
+    step would be a new class, timed with syncs inside the loop)."""
     def one(a):
         if isinstance(a, torch.Tensor):
-            return (str(a.dtype).replace("torch.", ""), 1 << max(0, a.numel() - 1).bit_length())
-        if isinstance(a, (bool, int, float, str)) or a is None:
+            return (str(a.dtype).replace("torch.", ""), 1 << max(SMALL_TENSOR_ELEMENTS - 1, a.numel() - 1).bit_length())
+        if isinstance(a, (bool, str)) or a is None:
             return a
+        if isinstance(a, (int, float)):
+            return type(a).__name__
         if isinstance(a, (tuple, list)):
             return tuple(one(x) for x in a)
         return type(a).__name__

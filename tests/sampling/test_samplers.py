@@ -765,3 +765,39 @@ def test_a_sampler_run_records_its_kernel_backends_for_the_badge():
     assert len(records) == 1 and records[0]["node_class"] is None
     assert set(records[0]["kernels"]) == {"sampler_euler_step"}
     assert records[0]["kernels"]["sampler_euler_step"]["backend"] == "reference"
+
+
+@pytest.mark.parametrize("name", ["euler", "dpmpp_2m", "uni_pc", "deis", "dpmpp_2m_sde"])
+def test_measured_dispatch_times_each_kernel_once_not_each_step(name, monkeypatch):
+    """On MPS (faked: CPU tensors, the emulator as "Metal", syncs counted) every step kernel is timed
+    against its reference once per shape class, at its first call: the device syncs of a run do not grow
+    with its number of steps, and a second run makes none (the sigmas and step index a sampler passes
+    each step must not make a new shape class)."""
+    reason = _emulator_reason()
+    if reason:
+        pytest.skip(reason)
+    dispatch.reset()
+    real_library_for = dispatch._library_for
+    syncs = []
+    monkeypatch.setattr(dispatch, "_first_device", lambda args, kwargs: torch.device("mps"))
+    monkeypatch.setattr(dispatch, "self_check", lambda spec, backend, device: None)
+    monkeypatch.setattr(dispatch, "_library_for", lambda spec, backend: real_library_for(spec, "emulator"))
+    monkeypatch.setattr(dispatch, "_device_sync", syncs.append)
+    model = ToyDenoiser(ToyEPS())
+    x = torch.randn(1, 4, 5, 7, generator=torch.Generator().manual_seed(0))
+
+    def run(steps):
+        del syncs[:]
+        sigmas = toy_schedule("eps", steps)
+        _run(name, model, x * sigmas[0], sigmas, noise_mode="fast")
+        return len(syncs)
+
+    first = {}
+    for steps in (6, 12):
+        dispatch.measured.clear()
+        first[steps] = run(steps)
+    classes = len(dispatch.measured_records())
+    # a class per kernel and argument set (a multistep sampler's first steps have less history), not per step
+    assert first[6] == first[12] > 0 and classes <= 8, [r["shape_class"] for r in dispatch.measured_records()]
+    assert run(12) == 0               # every class already decided
+    dispatch.reset()
