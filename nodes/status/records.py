@@ -143,8 +143,9 @@ def record_node_backend(node_class: str | None, kernels, node_id: str | None = N
 
 
 @contextlib.contextmanager
-def recording_kernels(node_class: str | None, kernels):
+def recording_kernels(node_class: str | None, kernels, note=None):
     """Record (for the node badge) the backends of those of `kernels` that run inside the block.
+    `note`: the record's note (see record_node_backend), or a function giving it once the block is done.
 
     node_class None: the record belongs to the executing node, for code that runs inside a core node
     (a sampler inside KSampler, an encoder inside CLIPTextEncode). Only kernels called in the block
@@ -164,7 +165,12 @@ def recording_kernels(node_class: str | None, kernels):
         for name, backend in before.items():
             last.setdefault(name, backend)
         if done:
-            record_node_backend(node_class, ran)
+            try:
+                text = note() if callable(note) else note
+            except Exception as e:       # a badge must never break a node
+                log.debug("comfy_metal: badge note of %s: %s", node_class, e)
+                text = None
+            record_node_backend(node_class, ran, note=text)
 
 
 class _ForwardRecorder:

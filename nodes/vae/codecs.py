@@ -8,6 +8,8 @@ from typing import Callable
 
 import torch
 
+from .stagewise import comfy_tail_stages, diffusers_tail_stages
+
 # ---------------------------------------------------------------- codecs
 
 
@@ -43,6 +45,8 @@ class Codec:
     # whole-image mid output with a halo: the attention and the mid GroupNorms then see the whole image.
     decode_head: Callable | None = None
     decode_tail: Callable | None = None
+    # The tail as a chain of one-row-reach stages (stagewise.py): exact shared statistics in one pass.
+    decode_stages: list | None = None
 
     def frames_out(self, t_latent: int) -> int:
         return t_latent if not self.video else 1 + 4 * (t_latent - 1)
@@ -99,6 +103,7 @@ def codec_from_diffusers(vae) -> Codec:
         split = type(dec).__name__ == "Decoder" and hasattr(dec, "mid_block") and hasattr(dec, "conv_norm_out")
         return Codec("diffusers-kl", scale, decode=lambda z: vae.decode(z).sample,
                      decode_head=head if split else None, decode_tail=tail if split else None,
+                     decode_stages=diffusers_tail_stages(dec) if split else None,
                      encode=lambda x: vae.encode(x).latent_dist.mode(), module=vae, device=device, dtype=dtype,
                      out_channels=vae.config.out_channels, latent_channels=vae.config.latent_channels,
                      sequential_blocks=True)
@@ -127,7 +132,8 @@ def codec_from_comfy(vae) -> Codec | None:
             and getattr(fsm, "bn", None) is None and getattr(vae, "extra_1d_channel", None) is None:
         head, tail = _comfy_kl_split(fsm)
         return Codec("comfy-kl", int(scale), decode=lambda z: fsm.decode(z), encode=lambda x: fsm.encode(x),
-                     decode_head=head, decode_tail=tail, module=fsm, device=device, dtype=dtype, out_channels=getattr(vae, "output_channels", 3),
+                     decode_head=head, decode_tail=tail,
+                     decode_stages=comfy_tail_stages(fsm.decoder) if tail is not None else None, module=fsm, device=device, dtype=dtype, out_channels=getattr(vae, "output_channels", 3),
                      latent_channels=vae.latent_channels, sequential_blocks=True)
     if latent_dim == 3 and cls == "WanVAE" and mod.endswith("wan.vae"):
         def stream(z):

@@ -45,6 +45,7 @@ from .memory import auto_budget, is_oom, measure_peak
 from .pad import MetalPadMode, pad_mode_for
 from .plan import Tile, axis_weights, plan_tiles
 from .shared_stats import SharedGroupNormStats, _StopAtGroupNorm
+from .stagewise import StagewiseDecode
 
 log = logging.getLogger("comfy_metal")
 
@@ -59,6 +60,13 @@ MIN_TILE = 8            # latent pixels: below this, OOM falls back to the CPU
 
 # Shared statistics: the per-tile block cache's default share of the memory budget (1 / this).
 STATS_CACHE_SHARE = 4
+# Lock-step shared statistics cut tiles from the image: a tile is exact only where its zero padding is farther
+# away than the receptive field of the decoder after the head (~12 latent px on the SD decoder). The feather
+# ramp gives weight only from a quarter of the overlap inwards, so exact mode needs an overlap of at least
+# this (76 dB on ComfyUI's SD VAE in the tests), not feather's 3/8 of the tile.
+EXACT_OVERLAP = 16
+# seam mode auto: exact when its predicted time is at most this many times feather's.
+AUTO_EXACT_TIME_RATIO = 1.3
 
 
 @dataclasses.dataclass
@@ -66,7 +74,8 @@ class TilingOptions:
     budget_bytes: int = 0          # 0 = auto
     tile: int | None = None        # latent pixels per side; None = from the budget
     overlap: int | None = None     # latent pixels; None = auto (tile // 4, at least 4 latent px... capped)
-    shared_stats: bool = False
+    shared_stats: bool | None = False   # True: exact (shared GroupNorm statistics); False: feather;
+                                        # None: auto, exact when it fits and costs <= 1.3x feather's time
     stats_cache: bool = True       # shared statistics: keep finished block outputs per tile (fewer recomputes)
     stats_cache_half: bool = True  # shared statistics: the block cache in fp16/bf16 (statistics stay fp32/fp64)
     stats_cache_bytes: int | None = None   # cap on that cache (CPU memory); None = a quarter of the budget
@@ -100,6 +109,9 @@ class RunInfo:
     expected_peak: int = 0          # the cost model's peak of the plan that ran (tiles + cache + head output)
     over_budget: bool = False       # no plan fit the budget: the smallest ran (warned, with expected_peak)
     nonfinite: int = 0              # NaN/inf values in the decoded tiles (warned once)
+    scheme: str = ""                # how shared statistics ran: "stages" (stagewise.py) or "lock-step tiles"
+    bands: int = 0                  # stage-wise decode: band forwards run
+    auto: str = ""                  # seam mode auto: what it chose and why (predicted times)
 
     @property
     def mode(self) -> str:
@@ -257,10 +269,13 @@ class TiledVAE:
         bpp = self._cache_bytes_per_px(fn, x, encode)
         usable = budget * 0.85
         best = None
-        for side in range(max(h, w), MIN_TILE - 1, -1):
+        # Tiles shorter than two halos cannot be exact (plan_axis caps the overlap at half a tile): the
+        # search stops there. (It used to go down to 8 px tiles with feather's overlap, 4 px at 13 px tiles,
+        # a ~1 px halo where the decoder reaches ~12: 32.7 dB at ComfyUI's tiled peak, below feather.)
+        shortest = min(max(h, w), 2 * EXACT_OVERLAP) if self.opt.overlap is None else MIN_TILE
+        for side in range(max(h, w), max(MIN_TILE, shortest) - 1, -1):
             th, tw = self._tile_hw(side, h, w)
-            tiles, py, px = plan_tiles(h, w, th, tw, self.opt.overlap if self.opt.overlap is not None
-                                       else default_overlap(side))
+            tiles, py, px = plan_tiles(h, w, th, tw, self._overlap(side))
             tile_area = (py[0][1] - py[0][0]) * (px[0][1] - px[0][0])
             cache = bpp * sum((t.y[1] - t.y[0]) * (t.x[1] - t.x[0]) for t in tiles) if len(tiles) > 1 else 0
             if a + b * tile_area + cache * 1.1 <= usable:
@@ -272,6 +287,9 @@ class TiledVAE:
             self._stats_cache_limit = budget // STATS_CACHE_SHARE
             log.warning(f"comfy_metal: shared statistics: the block cache of the whole image does not fit the "
                         f"{budget / 2**30:.2f} GiB budget; later passes recompute blocks (slower)")
+            if self.opt.overlap is None and best < min(max(h, w), 2 * EXACT_OVERLAP):
+                log.warning(f"comfy_metal: shared statistics: {best} px latent tiles hold an overlap of "
+                            f"{best // 2} px, less than the {EXACT_OVERLAP} px the decoder reaches: not exact")
         return best
 
     # ---- public
@@ -304,6 +322,17 @@ class TiledVAE:
             if feats is not None:
                 x, fn = feats, c.decode_tail
                 budget = max(budget - feats.numel() * feats.element_size(), 1)
+        feather_tile = None
+        if not encode and self.info.untiled_head and c.decode_stages and self.opt.shared_stats is not False \
+                and self.opt.tile is None and self.opt.calibrate:
+            out, feather_tile = self._stagewise(x, fn, budget, h, w)
+            if out is not None:
+                self.info.seconds = time.perf_counter() - t_start
+                return out
+        elif self.opt.shared_stats is None:
+            self.info.auto = "auto: feather (" + ("encode" if encode else "no whole-image stages for this decoder"
+                                                   if self.info.untiled_head or c.decode_stages is None
+                                                   else "the mid block over the whole latent does not fit") + ")"
         # Shared statistics cache finished blocks per tile: the tile size and that cache are planned
         # together (`_plan_shared`); with a fixed tile, the cache gets a quarter of the budget.
         joint = self.opt.shared_stats and self.opt.stats_cache and self.opt.stats_cache_bytes is None \
@@ -318,6 +347,8 @@ class TiledVAE:
         tile = self.opt.tile
         if joint:
             tile = self._plan_shared(fn, x, budget, h, w, encode)
+        elif tile is None and feather_tile is not None:
+            tile = feather_tile
         elif tile is None:
             tile = self._tile_for_budget(fn, x, tile_budget, h, w, encode=encode) if self.opt.calibrate else 64
         tile = max(1, min(int(tile), max(h, w)))
@@ -349,6 +380,68 @@ class TiledVAE:
                 _empty_cache(c.device)
         self.info.seconds = time.perf_counter() - t_start
         return out
+
+    def _feather_work(self, tile, h, w) -> float:
+        """Feather's predicted time in plain passes of the tail: the tiles' total area over the image's."""
+        th, tw = self._tile_hw(tile, h, w)
+        tiles, _, _ = plan_tiles(h, w, th, tw, self._overlap(tile))
+        return sum((t.y[1] - t.y[0]) * (t.x[1] - t.x[0]) for t in tiles) / max(1, h * w)
+
+    def _stagewise(self, x, fn, budget, h, w):
+        """Exact decode of the tail stage by stage over the whole image (stagewise.py), when its plan fits
+        the budget and (seam mode auto) its predicted time is at most AUTO_EXACT_TIME_RATIO x feather's.
+        Returns (output or None, feather's tile when auto measured it)."""
+        c = self.codec
+        sw = StagewiseDecode(c.decode_stages, c.device, c.dtype,
+                             CPU_WORKSPACE_FACTOR if c.device.type == "cpu" else 1.0)
+        plan = sw.plan(tuple(x.shape), budget * 0.85)
+        feather_tile = None
+        if self.opt.shared_stats is None:
+            feather_tile = self._tile_for_budget(fn, x, budget, h, w)
+            feather = self._feather_work(feather_tile, h, w)
+            one_tile = self._tile_hw(feather_tile, h, w) == (h, w)
+            if plan is None or one_tile or plan.work > AUTO_EXACT_TIME_RATIO * feather:
+                why = ("one tile holds the image, exact already" if one_tile else
+                       "exact does not fit the budget" if plan is None else
+                       f"exact's predicted time {plan.work:.2f} passes > {AUTO_EXACT_TIME_RATIO} x feather's {feather:.2f}")
+                self.info.auto = f"auto: feather ({why})"
+                return None, feather_tile
+            self.info.auto = (f"auto: exact (predicted {plan.work:.2f} passes, feather {feather:.2f}; "
+                              f"exact when <= {AUTO_EXACT_TIME_RATIO} x feather)")
+        elif plan is None:
+            log.info("comfy_metal: exact decode stage by stage does not fit the budget; lock-step tiles instead")
+            return None, None
+        self.info.shared_stats, self.info.scheme, self.info.passes, self.info.tiles = True, "stages", 1, 1
+        self.info.tile, self.info.tile_shape = max(h, w), (h, w)
+        self.info.expected_peak = int(plan.peak + x.numel() * x.element_size())
+        out_bytes = x.shape[0] * c.out_channels * h * w * c.scale ** 2 * 4
+        try:
+            with torch.no_grad(), pad_mode_for(c.device, self.opt.route_pads):
+                out = sw.run(x, plan, self._out_device(c.device, out_bytes))
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            e = None
+            _empty_cache(c.device)
+            log.warning("comfy_metal: the stage-by-stage exact decode ran out of memory; decoding in tiles")
+            self.info.shared_stats, self.info.scheme = False, ""
+            return None, feather_tile
+        self.info.bands = sw.bands_run
+        if self.opt.progress is not None:
+            self.opt.progress(1, 1)
+        bad = int((~torch.isfinite(out)).sum())
+        if bad:
+            self.info.nonfinite = bad
+            log.warning(f"comfy_metal: VAE decode: {bad} NaN/inf values in the output (the latent has "
+                        f"{int((~torch.isfinite(x)).sum())} in the mid block's output); they are in the output")
+        return out, feather_tile
+
+    def _overlap(self, tile) -> int:
+        """The overlap of a plan at this tile size: the user's, else feather's default, and at least
+        EXACT_OVERLAP for lock-step shared statistics (see there)."""
+        if self.opt.overlap is not None:
+            return self.opt.overlap
+        return max(default_overlap(tile), EXACT_OVERLAP) if self.opt.shared_stats else default_overlap(tile)
 
     def _head_peak(self, x: torch.Tensor) -> int:
         """Predicted peak of the head over the whole latent: peak = b * A + c * A^2 (A = latent area; the
@@ -408,7 +501,7 @@ class TiledVAE:
         dtype = c.dtype if device == c.device else torch.float32
         try:
             h, w = (x.shape[-2] // f, x.shape[-1] // f) if encode else x.shape[-2:]
-            overlap = self.opt.overlap if self.opt.overlap is not None else default_overlap(tile)
+            overlap = self._overlap(tile)
             th, tw = self._tile_hw(tile, h, w)
             tiles, py, px = plan_tiles(h, w, th, tw, overlap)
             self.info.tile, self.info.overlap, self.info.tiles = tile, overlap, len(tiles)

@@ -18,7 +18,9 @@ from ...metal_kernels.registry import REGISTRY
 
 log = logging.getLogger("comfy_metal")
 
-SEAM_MODES = ["feather", "feather + shared statistics"]
+# "auto" first (the default); the other two strings stay as they were, so saved workflows keep validating.
+SEAM_MODES = ["auto", "feather", "feather + shared statistics"]
+AUTO, FEATHER, EXACT = SEAM_MODES
 GIB = 1 << 30
 
 
@@ -36,14 +38,18 @@ def _common_inputs():
         "temporal_overlap": ("INT", {"default": 0, "min": 0, "max": 64, "step": 1,
                                      "tooltip": "Video VAEs: latent frames of overlap for ComfyUI's fallback tiled "
                                                 "decode. 0 = auto. The causal path needs none."}),
-        "seam_mode": (SEAM_MODES, {"default": SEAM_MODES[0],
-                                   "tooltip": "feather: one pass, each tile normalises itself, seams hidden by "
-                                              "feathered overlaps (fast). feather + shared statistics: GroupNorm "
-                                              "VAEs (SD/SDXL/Flux) normalise every tile with the whole image's "
-                                              "statistics, gathered with all tiles in lock-step from one GroupNorm "
-                                              "to the next -- matches the untiled decode (>= 40 dB) and removes "
-                                              "colour shifts between tiles, at several times feather's time "
-                                              "(one extra partial pass per GroupNorm). Video VAEs ignore it."}),
+        "seam_mode": (SEAM_MODES, {"default": AUTO,
+                                   "tooltip": "auto: exact when the budget holds it at no more than 1.3x feather's "
+                                              "predicted time, else feather; the log line and the node badge say "
+                                              "which ran (encode: feather). feather: one pass of overlapping tiles, "
+                                              "each normalising itself, seams hidden by feathered overlaps. "
+                                              "feather + shared statistics (exact): the whole image's GroupNorm "
+                                              "statistics (SD/SDXL/Flux/SD3 VAEs); their decoders run stage by "
+                                              "stage over the whole image in bands of rows -- one pass, the same "
+                                              "image as the untiled decode up to rounding -- when the budget holds "
+                                              "two whole-image activations, else tiles in lock-step from one "
+                                              "GroupNorm to the next (several times feather's time). Video VAEs "
+                                              "ignore it."}),
     }
 
 
@@ -68,7 +74,7 @@ def _options(memory_budget_gb, overlap, seam_mode):
     return TilingOptions(
         budget_bytes=int(memory_budget_gb * GIB),
         overlap=overlap or None,
-        shared_stats=(seam_mode == SEAM_MODES[1]),
+        shared_stats={AUTO: None, EXACT: True}.get(seam_mode, False),
         progress=_Progress(),
     )
 
@@ -98,6 +104,11 @@ def _device_context(vae):
 VAE_KERNELS = tuple(name for name in REGISTRY if name.startswith("vae_"))
 
 
+def quality_note(info) -> str:
+    """The badge's note: what ran, as its quality class against the untiled decode, and whether auto chose it."""
+    return ("auto: " if info.auto else "") + info.mode + (", OVER BUDGET" if info.over_budget else "")
+
+
 class MetalVAEDecodeTiled:
     @classmethod
     def INPUT_TYPES(cls):
@@ -113,7 +124,7 @@ class MetalVAEDecodeTiled:
                    "decode causally chunk by chunk with a temporal cache per tile (memory flat in frames).")
 
     def decode(self, samples, vae, memory_budget_gb=0.0, overlap=0, temporal_chunk=0, temporal_overlap=0,
-               seam_mode=SEAM_MODES[0]):
+               seam_mode=AUTO):
         if getattr(vae, "first_stage_model", None) is None:
             raise ValueError("VAE Decode (Low Memory, Metal): the VAE input is empty (the checkpoint has no VAE)")
         latent = samples["samples"]
@@ -132,14 +143,19 @@ class MetalVAEDecodeTiled:
         opt.budget_bytes = budget
         _load(vae, budget)
         engine = TiledVAE(codec, opt)
-        with _device_context(vae), recording_kernels("MetalVAEDecodeTiled", VAE_KERNELS):
+        with _device_context(vae), recording_kernels("MetalVAEDecodeTiled", VAE_KERNELS,
+                                                     note=lambda: quality_note(engine.info)):
             out = engine.decode(latent)
         info = engine.info
+        how = (f"stage by stage over the whole image in row bands ({info.bands} band forwards), 1 pass"
+               if info.scheme == "stages" else
+               f"{info.tiles} tiles of {info.tile} latent px (overlap {info.overlap}), {info.passes} pass(es)")
         log.info(f"comfy_metal: VAE decode {tuple(latent.shape)} -> {tuple(out.shape)} in {info.seconds:.1f}s: "
-                 f"{info.tiles} tiles of {info.tile} latent px (overlap {info.overlap}), {info.passes} pass(es)"
+                 + how
                  + (", shared GroupNorm statistics" if info.shared_stats else "")
                  + (", mid block untiled" if info.untiled_head else "")
                  + f"; quality vs untiled: {info.mode}"
+                 + (f"; {info.auto}" if info.auto else "")
                  + (f"; OVER BUDGET, expected peak {info.expected_peak / GIB:.3f} GiB" if info.over_budget else "")
                  + (f", {info.retries} OOM retries" if info.retries else "")
                  + (", CPU fallback" if info.cpu_fallback else ""))
@@ -180,7 +196,7 @@ class MetalVAEEncodeTiled:
     DESCRIPTION = "Encodes in one pass of overlapping feathered tiles within a memory budget."
 
     def encode(self, pixels, vae, memory_budget_gb=0.0, overlap=0, temporal_chunk=0, temporal_overlap=0,
-               seam_mode=SEAM_MODES[0]):
+               seam_mode=AUTO):
         if getattr(vae, "first_stage_model", None) is None:
             raise ValueError("VAE Encode (Low Memory, Metal): the VAE input is empty (the checkpoint has no VAE)")
         if pixels.ndim not in (4, 5) or pixels.shape[-1] < 1:
@@ -200,7 +216,8 @@ class MetalVAEEncodeTiled:
         opt.budget_bytes = opt.budget_bytes or memory.auto_budget(codec.device)
         _load(vae, opt.budget_bytes)
         engine = TiledVAE(codec, opt)
-        with _device_context(vae), recording_kernels("MetalVAEEncodeTiled", VAE_KERNELS):
+        with _device_context(vae), recording_kernels("MetalVAEEncodeTiled", VAE_KERNELS,
+                                                     note=lambda: quality_note(engine.info)):
             out = engine.encode(x)
         info = engine.info
         log.info(f"comfy_metal: VAE encode {tuple(x.shape)} -> {tuple(out.shape)} in {info.seconds:.1f}s: "

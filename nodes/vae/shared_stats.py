@@ -9,6 +9,52 @@ from .plan import Tile
 # ---------------------------------------------------------------- shared GroupNorm statistics
 
 
+class GroupMoments:
+    """Per-(sample, group) count / mean / M2 of an activation seen in pieces: each piece reduced in fp32,
+    the pieces combined in float64 with Chan's formula (exact up to fp32 rounding inside a piece).
+    `final()` is [n, mean, m2] (float64 [N, groups]) for `group_norm_with`, or None if nothing was added."""
+
+    def __init__(self):
+        self.stats: list | None = None
+
+    def add(self, x: torch.Tensor, groups: int | None):
+        if groups is None:
+            return
+        n_b = x.numel() // max(1, x.shape[0] * groups)
+        if n_b == 0:
+            return
+        v = x.reshape(x.shape[0], groups, -1).float()
+        mean_f = v.mean(-1)
+        m2_b = ((v - mean_f[..., None]) ** 2).sum(-1).cpu().double()     # (MPS has no float64)
+        mean_b = mean_f.cpu().double()
+        if self.stats is None:
+            self.stats = [n_b, mean_b, m2_b]
+            return
+        n_a, mean_a, m2_a = self.stats
+        n = n_a + n_b
+        delta = mean_b - mean_a
+        self.stats = [n, mean_a + delta * (n_b / n), m2_a + m2_b + delta * delta * (n_a * n_b / n)]
+
+    def final(self):
+        return self.stats
+
+
+def group_norm_with(m: torch.nn.GroupNorm, x: torch.Tensor, stats) -> torch.Tensor:
+    """GroupNorm `m` of x with the given [n, mean, m2] statistics, as one per-channel scale and shift (fp32)."""
+    n, mean, m2 = stats
+    g = m.num_groups
+    c = x.shape[1]
+    rstd = torch.rsqrt((m2 / n).float() + m.eps).to(x.device)            # [N, g]
+    scale = rstd.repeat_interleave(c // g, dim=1)                        # [N, C]
+    shift = -mean.float().to(x.device).repeat_interleave(c // g, dim=1) * scale
+    if m.affine and m.weight is not None:
+        w = m.weight.to(device=x.device, dtype=torch.float32)
+        scale = scale * w
+        shift = shift * w + m.bias.to(device=x.device, dtype=torch.float32)
+    view = (x.shape[0], c) + (1,) * (x.dim() - 2)
+    return torch.addcmul(shift.view(view), x.float(), scale.view(view)).to(x.dtype)
+
+
 class _StopAtGroupNorm(Exception):
     """Raised inside a tile's forward when it reaches the GroupNorm whose statistics are being gathered."""
 
@@ -287,34 +333,11 @@ class SharedGroupNormStats:
         return x[..., round(cy0 * h / th):round(cy1 * h / th), round(cx0 * w / tw):round(cx1 * w / tw)]
 
     def _gather(self, m, x):
-        g = m.num_groups
         r = self._region(x)
-        n_b = r.numel() // max(1, r.shape[0] * g)
-        if n_b == 0:
-            return
-        v = r.reshape(r.shape[0], g, -1).float()
-        mean_f = v.mean(-1)
-        m2_b = ((v - mean_f[..., None]) ** 2).sum(-1).cpu().double()     # (MPS has no float64)
-        mean_b = mean_f.cpu().double()
-        if self.pending is None:
-            self.pending = [n_b, mean_b, m2_b]
-            return
-        n_a, mean_a, m2_a = self.pending
-        n = n_a + n_b
-        delta = mean_b - mean_a
-        self.pending = [n, mean_a + delta * (n_b / n), m2_a + m2_b + delta * delta * (n_a * n_b / n)]
+        moments = GroupMoments()
+        moments.stats = self.pending
+        moments.add(r, m.num_groups)
+        self.pending = moments.final()
 
     def _apply(self, m, x, stats):
-        """GroupNorm with the given statistics, as one per-channel scale and shift (fp32)."""
-        n, mean, m2 = stats
-        g = m.num_groups
-        c = x.shape[1]
-        rstd = torch.rsqrt((m2 / n).float() + m.eps).to(x.device)            # [N, g]
-        scale = rstd.repeat_interleave(c // g, dim=1)                        # [N, C]
-        shift = -mean.float().to(x.device).repeat_interleave(c // g, dim=1) * scale
-        if m.affine and m.weight is not None:
-            w = m.weight.to(device=x.device, dtype=torch.float32)
-            scale = scale * w
-            shift = shift * w + m.bias.to(device=x.device, dtype=torch.float32)
-        view = (x.shape[0], c) + (1,) * (x.dim() - 2)
-        return torch.addcmul(shift.view(view), x.float(), scale.view(view)).to(x.dtype)
+        return group_norm_with(m, x, stats)

@@ -82,7 +82,7 @@ def test_sd_vae_shared_statistics_vs_untiled(comfyui, sd_vae, caplog):
     """Lock-step shared GroupNorm statistics on ComfyUI's SD VAE object (its Decoder, mid-block
     attention included): >= 40 dB against ComfyUI's untiled decode, above feather alone."""
     from comfy_metal.nodes import vae as vt
-    from comfy_metal.nodes.vae.nodes import SEAM_MODES, MetalVAEDecodeTiled
+    from comfy_metal.nodes.vae.nodes import EXACT, MetalVAEDecodeTiled
 
     torch.manual_seed(0)
     z = torch.randn(1, 4, 40, 32)
@@ -102,7 +102,7 @@ def test_sd_vae_shared_statistics_vs_untiled(comfyui, sd_vae, caplog):
     assert all("forward" not in m.__dict__ for m in sd_vae.first_stage_model.modules())
     with caplog.at_level("INFO", logger="comfy_metal"):
         (images,) = MetalVAEDecodeTiled().decode({"samples": z}, sd_vae, memory_budget_gb=0.08, overlap=16,
-                                                 seam_mode=SEAM_MODES[1])
+                                                 seam_mode=EXACT)
     assert _tiles_logged(caplog.text) > 1 and "shared GroupNorm statistics" in caplog.text
     p = psnr(images, ref)
     print("node shared-statistics PSNR", p)
