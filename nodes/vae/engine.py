@@ -432,8 +432,8 @@ class TiledVAE:
         bad = int((~torch.isfinite(out)).sum())
         if bad:
             self.info.nonfinite = bad
-            log.warning(f"comfy_metal: VAE decode: {bad} NaN/inf values in the output (the latent has "
-                        f"{int((~torch.isfinite(x)).sum())} in the mid block's output); they are in the output")
+            log.warning(f"comfy_metal: VAE decode (stage by stage): {bad} NaN/inf values in the output (from the "
+                        f"latent or the VAE's activations); they are in the output")
         return out, feather_tile
 
     def _overlap(self, tile) -> int:

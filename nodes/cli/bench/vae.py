@@ -153,6 +153,13 @@ def _ours(case, label, codec, z, tile, overlap, shared_stats=False):
     return eng
 
 
+def _plan_cell(info):
+    """What ran: the stage-by-stage exact decode's bands, or the tiles."""
+    if info.scheme == "stages":
+        return f"stages, {info.bands} bands (1 pass)"
+    return "{} x {}x{} (ov {}, {} passes)".format(info.tiles, *info.tile_shape, info.overlap, info.passes)
+
+
 def _comfy_tiles(z, scale):
     t, o = COMFY_TILE_PX // scale, COMFY_OVERLAP_PX // scale
     return f"3 passes, {t}x{t} (ov {o})" if z.dim() == 4 else f"{t}x{t} (ov {o})"
@@ -247,16 +254,18 @@ def _at_comfy_peak(quick, device, comfy_sd, AutoencoderKL, diffusers_problem) ->
             if not case.comfy:
                 continue
             budget = int(case.comfy[1])
-            got = {}
-            for label, shared in (("feather", False), ("exact (shared statistics)", True)):
+            got, chose = {}, ""
+            for label, shared in (("feather", False), ("exact (shared statistics)", True), ("auto", None)):
                 eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, shared_stats=shared))
                 case.run(f"ours, budget = ComfyUI tiled peak, {label}", lambda: eng.decode(z),
-                         tiles=lambda: "{} x {}x{} (ov {}, {} passes)".format(
-                             eng.info.tiles, *eng.info.tile_shape, eng.info.overlap, eng.info.passes))
+                         tiles=lambda: _plan_cell(eng.info))
                 got[label] = case.table.rows[-1][4]
+                chose = eng.info.auto or chose
             case.note(f"Budget = ComfyUI's measured tiled peak ({human_bytes(budget)}). PSNR vs untiled: feather "
-                      f"{got.get('feather')} dB, exact {got.get('exact (shared statistics)')} dB. conv_in and the mid "
-                      f"block (attention included) run once over the whole latent; the tiles start from its output.")
+                      f"{got.get('feather')} dB, exact {got.get('exact (shared statistics)')} dB, auto "
+                      f"{got.get('auto')} dB ({chose}). conv_in and the mid block (attention included) run once "
+                      f"over the whole latent; exact then runs the up path stage by stage over the whole image in "
+                      f"bands of rows (one pass), feather cuts tiles from the mid output.")
         except Exception as e:
             case.note(f"{name} case failed: {type(e).__name__}: {e}")
     return tables
