@@ -109,7 +109,7 @@ class RunInfo:
     expected_peak: int = 0          # the cost model's peak of the plan that ran (tiles + cache + head output)
     over_budget: bool = False       # no plan fit the budget: the smallest ran (warned, with expected_peak)
     nonfinite: int = 0              # NaN/inf values in the decoded tiles (warned once)
-    scheme: str = ""                # how shared statistics ran: "stages" (stagewise.py) or "lock-step tiles"
+    scheme: str = ""                # "stages" when the exact decode ran stage by stage (stagewise.py), else ""
     bands: int = 0                  # stage-wise decode: band forwards run
     auto: str = ""                  # seam mode auto: what it chose and why (predicted times)
 
@@ -330,9 +330,10 @@ class TiledVAE:
                 self.info.seconds = time.perf_counter() - t_start
                 return out
         elif self.opt.shared_stats is None:
-            self.info.auto = "auto: feather (" + ("encode" if encode else "no whole-image stages for this decoder"
-                                                   if self.info.untiled_head or c.decode_stages is None
-                                                   else "the mid block over the whole latent does not fit") + ")"
+            why = ("encode" if encode else "no whole-image stages for this decoder" if not c.decode_stages
+                   else "the mid block over the whole latent does not fit the budget" if not self.info.untiled_head
+                   else "a fixed tile size")
+            self.info.auto = f"auto: feather ({why})"
         # Shared statistics cache finished blocks per tile: the tile size and that cache are planned
         # together (`_plan_shared`); with a fixed tile, the cache gets a quarter of the budget.
         joint = self.opt.shared_stats and self.opt.stats_cache and self.opt.stats_cache_bytes is None \

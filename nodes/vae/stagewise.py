@@ -151,9 +151,13 @@ class _Buffer:
 
     @classmethod
     def wrap(cls, t):
+        """An existing tensor, read only (the head's output: kept intact so that a failed stage-wise run
+        can fall back to tiles from it)."""
         b = cls.__new__(cls)
-        b.t = t
+        b.t, b.readonly = t, True
         return b
+
+    readonly = False
 
     def write(self, r0, r1, band):
         if self.t.dtype == torch.float16 and band.numel() and float(band.abs().max()) >= 60000.0:
@@ -218,9 +222,9 @@ class StagewiseDecode:
         for store in ((self.dtype, torch.float16) if self.dtype == torch.float32 else (self.dtype,)):
             sb = torch.empty(0, dtype=store).element_size()
             rows, peak, work, flops = [], 0.0, 0.0, 0.0
-            for s, (ci, h, w), (co, ho, wo) in self._shapes(shape):
+            for i, (s, (ci, h, w), (co, ho, wo)) in enumerate(self._shapes(shape)):
                 if s.kind == "resnet":
-                    in_place = ci == co and s.shortcut is None
+                    in_place = ci == co and s.shortcut is None and i > 0
                     resident = n * h * w * sb * (ci + co + (0 if in_place else co))
                     per_row = max(sum(f * c for f, c in zip(BAND_FACTOR["resnet_a"], (ci, co))),
                                   BAND_FACTOR["resnet_b"][1] * co + ci) * n * w * esize
@@ -296,7 +300,7 @@ class StagewiseDecode:
             self.bands_run += 1
         del t
         stats_y = my.final()
-        in_place = x.t.shape[1] == co and s.shortcut is None
+        in_place = x.t.shape[1] == co and s.shortcut is None and not x.readonly
         out = x if in_place else _Buffer((n, co, hh, ww), store, x.t.device)
         mo = GroupMoments()
         for r0, r1 in _bands(hh, rows):
