@@ -222,8 +222,9 @@ PEAK_LATENT = {False: (56, 88), True: (20, 28)}      # 448x704 (quick: 160x224):
 
 
 def _at_comfy_peak(quick, device, comfy_sd, AutoencoderKL, diffusers_problem) -> list[Table]:
-    """Issue 17's rows: our decoder given ComfyUI's tiled peak as its budget, feather and exact (shared
-    statistics) side by side, for an SD-width (4 ch) and a Flux-width (16 ch) KL VAE at a non-square size."""
+    """Issue 17's rows: our decoder given ComfyUI's tiled peak as its budget, feather, exact (shared
+    statistics; stage by stage when it fits) and auto (what the node runs by default) side by side, for an
+    SD-width (4 ch) and a Flux-width (16 ch) KL VAE at a non-square size."""
     tables = []
     h, w = PEAK_LATENT[quick]
     for name, ch, widths in PEAK_CASES[quick]:
