@@ -26,9 +26,9 @@ OBJECT_INFO_FILE = pathlib.Path(__file__).resolve().parent / "workflow_object_in
 HF = "https://huggingface.co/"
 # The decode node of the pack (nodes/vae/nodes.py).
 DECODE = "MetalVAEDecodeTiled"
-# Images (GroupNorm KL VAE): budget from the free memory, GroupNorm statistics shared over all tiles.
-# feather: its whole-image mid block reaches >= 44 dB at ComfyUI's tiled peak, where shared statistics
-# currently regress (README, Low-memory VAE).
+# Images (GroupNorm KL VAE): budget from the free memory, feather tiles from a whole-image mid block.
+# The node's default is now "auto" (exact stage by stage where the budget holds it, README Low-memory
+# VAE); these workflows keep "feather" until they are regenerated with their screenshots.
 IMAGE_DECODE = {"memory_budget_gb": 0.0, "overlap": 0, "temporal_chunk": 0, "temporal_overlap": 0,
                 "seam_mode": "feather"}
 # Video (causal Wan VAE, RMS norms): a fixed 2 GiB of tile memory, the VAE's own causal chunking per tile.
