@@ -70,9 +70,11 @@ def bench(args) -> int:
     tables: list[Table] = []
     for module in _modules(BENCH_MODULES):
         name = "bench_" + module.__name__.rpartition(".")[2]    # --only matches e.g. "vae" or "bench_vae"
-        if args.only and not any(o in name for o in args.only):
+        wanted = [o for o in args.only or () if o.partition(":")[0] in name]
+        if args.only and not wanted:
             continue
-        for table in module.bench(quick=args.quick):
+        parts = [o.partition(":")[2] for o in wanted if o.partition(":")[2]]    # "vae:encode": one part of it
+        for table in (module.bench(quick=args.quick, parts=parts) if parts else module.bench(quick=args.quick)):
             print(table.render() + "\n", flush=True)
             tables.append(table)
     if args.json:
@@ -97,7 +99,8 @@ def main(argv=None) -> int:
     p.set_defaults(fn=doctor)
     p = sub.add_parser("bench", help="print benchmark tables")
     p.add_argument("--quick", action="store_true", help="small sizes only")
-    p.add_argument("--only", nargs="*", help="only bench modules whose name contains one of these")
+    p.add_argument("--only", nargs="*", help="only bench modules whose name contains one of these; MODULE:PART "
+                                             "for one part of a module that has parts (vae:encode)")
     p.add_argument("--json", metavar="FILE", help="also save the tables as JSON")
     p.set_defaults(fn=bench)
     for module in _modules((".run_workflow",)):

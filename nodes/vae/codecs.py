@@ -47,6 +47,15 @@ class Codec:
     decode_tail: Callable | None = None
     # The tail as a chain of one-row-reach stages (stagewise.py): exact shared statistics in one pass.
     decode_stages: list | None = None
+    # Image KL encoders as a chain of stages: encode(x) == stages[-1](...stages[0](x)), one stage per
+    # resolution level (conv_in with the first), then the tail (mid block with its global attention, norm_out,
+    # conv_out, quant_conv, the posterior's mode); encode_scales[i] = input pixels per pixel of stage i's
+    # output. The engine tiles only the first stages (the full-resolution ones, whose activations are what
+    # needs tiling), blends their tiles at their output resolution, and runs the rest once over the whole
+    # feature map: the attention and every later GroupNorm see the whole image.
+    encode_stages: tuple = ()
+    encode_scales: tuple = ()
+    encode_reach: tuple = ()      # input pixels an output pixel of stage i depends on, each side (receptive radius)
 
     def frames_out(self, t_latent: int) -> int:
         return t_latent if not self.video else 1 + 4 * (t_latent - 1)
@@ -101,9 +110,31 @@ def codec_from_diffusers(vae) -> Codec:
             return dec.conv_out(dec.conv_act(dec.conv_norm_out(h)))
 
         split = type(dec).__name__ == "Decoder" and hasattr(dec, "mid_block") and hasattr(dec, "conv_norm_out")
+        enc = vae.encoder
+
+        def level(i):
+            def run(h):
+                return enc.down_blocks[i](enc.conv_in(h) if i == 0 else h)
+            return run
+
+        def enc_tail(h):
+            h = enc.conv_out(enc.conv_act(enc.conv_norm_out(enc.mid_block(h))))
+            if vae.quant_conv is not None:
+                h = vae.quant_conv(h)
+            return torch.chunk(h, 2, dim=1)[0]          # DiagonalGaussianDistribution(h).mode(): the mean
+
+        stages, scales = (), ()
+        if type(enc).__name__ == "Encoder" and getattr(enc, "mid_block", None) is not None \
+                and hasattr(enc, "conv_norm_out") and not getattr(vae, "use_tiling", False):
+            stages = (*(level(i) for i in range(len(enc.down_blocks))), enc_tail)
+            downs = [bool(getattr(b, "downsamplers", None)) for b in enc.down_blocks]
+            scales = _cumulative([2 if d else 1 for d in downs])
+            reach = _reach([len(getattr(b, "resnets", ())) for b in enc.down_blocks], downs)
+            stages, scales = (stages, scales) if scales[-1] == scale else ((), ())
         return Codec("diffusers-kl", scale, decode=lambda z: vae.decode(z).sample,
                      decode_head=head if split else None, decode_tail=tail if split else None,
                      decode_stages=diffusers_tail_stages(dec) if split else None,
+                     encode_stages=stages, encode_scales=scales, encode_reach=reach if stages else (),
                      encode=lambda x: vae.encode(x).latent_dist.mode(), module=vae, device=device, dtype=dtype,
                      out_channels=vae.config.out_channels, latent_channels=vae.config.latent_channels,
                      sequential_blocks=True)
@@ -131,9 +162,12 @@ def codec_from_comfy(vae) -> Codec | None:
             and type(fsm.decoder).__module__.endswith("diffusionmodules.model") \
             and getattr(fsm, "bn", None) is None and getattr(vae, "extra_1d_channel", None) is None:
         head, tail = _comfy_kl_split(fsm)
+        stages, scales, reach = _comfy_kl_encoder_stages(fsm, int(scale))
         return Codec("comfy-kl", int(scale), decode=lambda z: fsm.decode(z), encode=lambda x: fsm.encode(x),
                      decode_head=head, decode_tail=tail,
-                     decode_stages=comfy_tail_stages(fsm.decoder) if tail is not None else None, module=fsm, device=device, dtype=dtype, out_channels=getattr(vae, "output_channels", 3),
+                     decode_stages=comfy_tail_stages(fsm.decoder) if tail is not None else None,
+                     encode_stages=stages, encode_scales=scales, encode_reach=reach,
+                     module=fsm, device=device, dtype=dtype, out_channels=getattr(vae, "output_channels", 3),
                      latent_channels=vae.latent_channels, sequential_blocks=True)
     if latent_dim == 3 and cls == "WanVAE" and mod.endswith("wan.vae"):
         def stream(z):
@@ -200,6 +234,71 @@ def _comfy_kl_split(fsm):
         return torch.tanh(h) if getattr(dec, "tanh_out", False) else h
 
     return head, tail
+
+
+def _reach(res_blocks, downsamples) -> tuple:
+    """Receptive radius in input pixels after each down level of an SD encoder (conv_in, then per level
+    `res_blocks[i]` ResNet blocks of two 3x3 convolutions at stride 2^i and a 3x3 stride-2 downsample),
+    the tail keeping the last (it runs untiled)."""
+    out, r, s = [], 1, 1
+    for n, down in zip(res_blocks, downsamples):
+        r += 2 * n * s + (2 * s if down else 0)
+        s *= 2 if down else 1
+        out.append(r)
+    return (*out, r)
+
+
+def _cumulative(factors) -> tuple:
+    """Input pixels per output pixel after each stage, from each stage's own downscale factor; the tail
+    (the last stage) keeps the last."""
+    out, s = [], 1
+    for k in factors:
+        s *= k
+        out.append(s)
+    return (*out, s)
+
+
+def _comfy_kl_encoder_stages(fsm, scale):
+    """(stages, scales, reach) of ComfyUI's 2-D SD Encoder (SD 1.x/2.x, SDXL, SD3, Flux) and the rest of
+    `fsm.encode`, the same modules in the same order as `Encoder.forward` + `encode`: one stage per down
+    level (conv_in with the first, each level's downsample with it), then the tail: the mid block,
+    norm_out, conv_out, quant_conv (the legacy engines have one) and the regulariser (the posterior's
+    mode). ((), (), ()) when the encoder is not that plain chain (carried causal convolutions, batch splitting)."""
+    enc = getattr(fsm, "encoder", None)
+    dm = sys.modules.get(type(enc).__module__)
+    nonlin = getattr(dm, "nonlinearity", None)
+    if type(enc).__name__ != "Encoder" or nonlin is None or getattr(enc, "carried", False) \
+            or getattr(fsm, "max_batch_size", None) or not hasattr(enc, "mid") \
+            or not callable(getattr(fsm, "regularization", None)):
+        return (), (), ()
+    quant_conv = getattr(fsm, "quant_conv", None)
+    last = enc.num_resolutions - 1
+
+    def level(i):
+        def run(h):
+            if i == 0:
+                h = enc.conv_in(h)
+            for j, block in enumerate(enc.down[i].block):
+                h = block(h, None)
+                if len(enc.down[i].attn) > 0:
+                    h = enc.down[i].attn[j](h)
+            return enc.down[i].downsample(h) if i != last else h
+        return run
+
+    def tail(h):
+        h = enc.mid.block_1(h, None)
+        h = enc.mid.attn_1(h)
+        h = enc.mid.block_2(h, None)
+        h = enc.conv_out(nonlin(enc.norm_out(h)))
+        if quant_conv is not None:
+            h = quant_conv(h)
+        return fsm.regularization(h)[0]
+
+    scales = _cumulative([2 if i != last else 1 for i in range(last + 1)])     # 2-D Downsample: stride 2
+    if scales[-1] != scale:
+        return (), (), ()
+    reach = _reach([len(enc.down[i].block) for i in range(last + 1)], [i != last for i in range(last + 1)])
+    return (*(level(i) for i in range(last + 1)), tail), scales, reach
 
 
 def _comfy_hunyuan_video_codec(vae, fsm, latent_dim, scale, device, dtype) -> Codec | None:

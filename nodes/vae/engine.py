@@ -86,6 +86,8 @@ class TilingOptions:
     cpu_fallback: bool = True
     untiled_head: bool = True      # decode: run the codec's latent-resolution head (conv_in + mid block) once
                                    # over the whole latent when it fits the budget
+    untiled_tail: bool = True      # encode: tile only the encoder's first (full-resolution) stages and run the
+                                   # rest (down to the mid block and conv_out) once when it fits the budget
 
 
 @dataclasses.dataclass
@@ -106,6 +108,12 @@ class RunInfo:
     stats_cache_peak: int = 0       # shared statistics: peak bytes of the block cache
     untiled_head: bool = False      # decode: conv_in + mid block ran once over the whole latent
     head_peak: int = 0              # its predicted peak bytes (0 when it did not run untiled)
+    untiled_tail: bool = False      # encode: the tiles ran the encoder's first `tiled_stages` stages only; the
+                                    # rest (mid block, norm_out, conv_out included) ran once over their blended
+                                    # whole-image output
+    tiled_stages: int = 0           # encode: how many of the codec's encode_stages ran tiled
+    tail_peak: int = 0              # encode: the untiled rest's predicted peak bytes, its input included
+    body_bytes: int = 0             # encode: the blended output of the tiled stages (fp32, on the device)
     expected_peak: int = 0          # the cost model's peak of the plan that ran (tiles + cache + head output)
     over_budget: bool = False       # no plan fit the budget: the smallest ran (warned, with expected_peak)
     nonfinite: int = 0              # NaN/inf values in the decoded tiles (warned once)
@@ -118,7 +126,8 @@ class RunInfo:
         """What ran, as its expected quality against the untiled decode: "exact" (one tile, or shared
         statistics on tiles cut from the whole-image mid output) or "feather, overlap N"."""
         if self.shared_stats:
-            return "exact (shared statistics)" if self.untiled_head else "shared statistics (per-tile attention)"
+            return "exact (shared statistics)" if self.untiled_head or self.untiled_tail \
+                else "shared statistics (per-tile attention)"
         if self.tiles <= 1:
             return "exact (one tile)"
         return f"feather, overlap {self.overlap}"
@@ -140,6 +149,7 @@ class TiledVAE:
         self.codec = codec
         self.opt = options or TilingOptions()
         self._stats_cache_limit = 0
+        self._enc_oscale, self._enc_rest = 1, None    # encode: the tiled stages' output px per latent px, the rest
         self.info = RunInfo()
 
     # ---- cost model
@@ -212,7 +222,9 @@ class TiledVAE:
         peak = cal["a"] + cal["b"] * th * tw
         if not encode and self.info.untiled_head:
             peak += x.numel() * x.element_size()            # x is the head's output here
-        return int(max(peak, self.info.head_peak))
+        if encode and self.info.untiled_tail:                # the blended body output stays during the tiles
+            peak += self.info.body_bytes
+        return int(max(peak, self.info.head_peak, self.info.tail_peak))
 
     def _check_fits(self, smallest_peak: float, budget: float):
         """No plan fits: run the smallest one, with a warning naming its expected peak and the budget that
@@ -272,7 +284,8 @@ class TiledVAE:
         # Tiles shorter than two halos cannot be exact (plan_axis caps the overlap at half a tile): the
         # search stops there. (It used to go down to 8 px tiles with feather's overlap, 4 px at 13 px tiles,
         # a ~1 px halo where the decoder reaches ~12: 32.7 dB at ComfyUI's tiled peak, below feather.)
-        shortest = min(max(h, w), 2 * EXACT_OVERLAP) if self.opt.overlap is None else MIN_TILE
+        shortest = min(max(h, w), 2 * (self._encode_exact_overlap() or EXACT_OVERLAP)) \
+            if self.opt.overlap is None else MIN_TILE
         for side in range(max(h, w), max(MIN_TILE, shortest) - 1, -1):
             th, tw = self._tile_hw(side, h, w)
             tiles, py, px = plan_tiles(h, w, th, tw, self._overlap(side))
@@ -287,9 +300,9 @@ class TiledVAE:
             self._stats_cache_limit = budget // STATS_CACHE_SHARE
             log.warning(f"comfy_metal: shared statistics: the block cache of the whole image does not fit the "
                         f"{budget / 2**30:.2f} GiB budget; later passes recompute blocks (slower)")
-            if self.opt.overlap is None and best < min(max(h, w), 2 * EXACT_OVERLAP):
+            if self.opt.overlap is None and best < shortest:
                 log.warning(f"comfy_metal: shared statistics: {best} px latent tiles hold an overlap of "
-                            f"{best // 2} px, less than the {EXACT_OVERLAP} px the decoder reaches: not exact")
+                            f"{best // 2} px, less than the {shortest // 2} px the VAE reaches: not exact")
         return best
 
     # ---- public
@@ -330,10 +343,19 @@ class TiledVAE:
                 self.info.seconds = time.perf_counter() - t_start
                 return out
         elif self.opt.shared_stats is None:
-            why = ("encode" if encode else "no whole-image stages for this decoder" if not c.decode_stages
+            why = ("encode: its exact mode is lock-step tiles, about 2x feather's time" if encode
+                   else "no whole-image stages for this decoder" if not c.decode_stages
                    else "the mid block over the whole latent does not fit the budget" if not self.info.untiled_head
                    else "a fixed tile size")
             self.info.auto = f"auto: feather ({why})"
+        self._enc_oscale, self._enc_rest = 1, None
+        if encode and len(c.encode_stages) > 1 and self.opt.untiled_tail and not c.video:
+            split = self._plan_untiled_tail(x, budget, h, w)
+            if split is not None:
+                fn = _chain(c.encode_stages[:split])
+                self._enc_rest = _chain(c.encode_stages[split:])
+                self._enc_oscale = c.scale // c.encode_scales[split - 1]
+                budget = max(budget - self.info.body_bytes, 1)
         # Shared statistics cache finished blocks per tile: the tile size and that cache are planned
         # together (`_plan_shared`); with a fixed tile, the cache gets a quarter of the budget.
         joint = self.opt.shared_stats and self.opt.stats_cache and self.opt.stats_cache_bytes is None \
@@ -379,6 +401,8 @@ class TiledVAE:
                 self.info.cpu_fallback = True
                 device = torch.device("cpu")
                 _empty_cache(c.device)
+        if self.info.untiled_tail:
+            out = self._run_tail(out, device)
         self.info.seconds = time.perf_counter() - t_start
         return out
 
@@ -439,31 +463,45 @@ class TiledVAE:
 
     def _overlap(self, tile) -> int:
         """The overlap of a plan at this tile size: the user's, else feather's default, and at least
-        EXACT_OVERLAP for lock-step shared statistics (see there)."""
+        EXACT_OVERLAP for lock-step shared statistics (see there); for an encoder whose first stages alone
+        run tiled, `_encode_exact_overlap`."""
         if self.opt.overlap is not None:
             return self.opt.overlap
+        if self.opt.shared_stats and self._encode_exact_overlap():
+            return min(default_overlap(tile), self._encode_exact_overlap())
         return max(default_overlap(tile), EXACT_OVERLAP) if self.opt.shared_stats else default_overlap(tile)
 
-    def _head_peak(self, x: torch.Tensor) -> int:
-        """Predicted peak of the head over the whole latent: peak = b * A + c * A^2 (A = latent area; the
-        A^2 term is the mid attention's score matrix when the attention materialises it), fitted to the
-        measured peaks of two crops of at most 8x8 and 16x16 latent pixels."""
+    def _encode_exact_overlap(self) -> int:
+        """Lock-step shared statistics on an encoder's first stages alone (the rest untiled): those stages are
+        exact once each tile's core has a halo of their receptive radius (2-3 latent px for SD's first two
+        levels, against ~10 for the whole encoder), so the overlap is twice that and the tiles cover little
+        more than the image (on a 704x448 SD-width encode: 78 dB at overlap 6). 0 otherwise."""
+        c, split = self.codec, self.info.tiled_stages
+        if self._enc_rest is None or not 0 < split <= len(c.encode_reach):
+            return 0
+        return 2 * math.ceil(c.encode_reach[split - 1] / c.scale)
+
+    def _head_peak(self, x: torch.Tensor, fn: Callable | None = None, area: int | None = None, unit: int = 1) -> int:
+        """Predicted peak of the head (or `fn`, another part that runs untiled) over the whole latent:
+        peak = b * A + c * A^2 (A = area in x's pixels, `area` or x's; the A^2 term is the mid attention's
+        score matrix when the attention materialises it), fitted to the measured peaks of two crops of x of
+        at most 8x8 and 16x16 latent pixels (`unit` pixels of x per latent pixel)."""
         c = self.codec
         h, w = x.shape[-2:]
         pts = []
-        for s in (8, 16):
+        for s in (8 * unit, 16 * unit):
             th, tw = min(s, h), min(s, w)
             if pts and pts[-1][0] == th * tw:
                 break
             z = x[..., :th, :tw].to(device=c.device, dtype=c.dtype)
-            pts.append((th * tw, self._measure_tile(c.decode_head, z)))
+            pts.append((th * tw, self._measure_tile(fn or c.decode_head, z)))
         if len(pts) == 1:
             b, q = pts[0][1] / pts[0][0], 0.0
         else:
             (a1, m1), (a2, m2) = pts
             q = max(0.0, (m2 / a2 - m1 / a1) / (a2 - a1))
             b = max(m1 / a1 - q * a1, 0.0)
-        area = h * w
+        area = area or h * w
         peak = b * area + q * area * area
         if c.device.type == "cpu":
             peak *= CPU_WORKSPACE_FACTOR
@@ -491,6 +529,63 @@ class TiledVAE:
             return None
         self.info.untiled_head, self.info.head_peak = True, peak
         return feats
+
+    def _plan_untiled_tail(self, x: torch.Tensor, budget: int, h: int, w: int) -> int | None:
+        """Encode: how many of the codec's encode_stages run tiled (None: all, the whole encoder per tile).
+        The fewest whose untiled rest fits: the blended output of the tiled stages (fp32, on the device,
+        held across the tiles; at most a quarter of the budget, so the tiles keep most of it) plus the rest's
+        predicted peak within the budget. The fewer stages run tiled, the fewer GroupNorms see a tile
+        instead of the image (and the fewer passes shared statistics make). The rest's cost is fitted on
+        random inputs of 8x8 and 16x16 latent px, the stage's channels from one latent pixel's forward.
+        Sets info.untiled_tail, tiled_stages, body_bytes and tail_peak (the rest's peak with its input)."""
+        c = self.codec
+        f = c.scale
+        crop = x[..., :f, :f].to(device=c.device, dtype=c.dtype)
+        with torch.no_grad(), pad_mode_for(c.device, self.opt.route_pads):
+            outs = []
+            for stage in c.encode_stages[:-1]:
+                crop = stage(crop)
+                outs.append(crop[..., :1, :1])
+        del crop
+        for split in range(1, len(c.encode_stages)):
+            unit = f // c.encode_scales[split - 1]            # the stage's output pixels per latent pixel
+            px = outs[split - 1]
+            body_bytes = px.numel() * 4 * h * w * unit * unit
+            if body_bytes > budget // 4:
+                continue
+            cast = body_bytes * px.element_size() // 4 if c.dtype != torch.float32 else 0
+            rest = _chain(c.encode_stages[split:])
+            if self.opt.calibrate:
+                feats = torch.randn((*px.shape[:-2], min(16, h) * unit, min(16, w) * unit), device=c.device, dtype=c.dtype)
+                peak = self._head_peak(feats, rest, area=h * w * unit * unit, unit=unit)
+                del feats
+            else:
+                peak = 0
+            need = body_bytes + cast + peak
+            if need <= budget * 0.85:
+                self.info.untiled_tail, self.info.tiled_stages = True, split
+                self.info.body_bytes, self.info.tail_peak = body_bytes, need
+                return split
+        log.info(f"comfy_metal: the VAE encoder's mid block over the whole {(h, w)} latent does not fit the "
+                 f"budget; each tile runs the whole encoder")
+        return None
+
+    def _run_tail(self, feats: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Encode: the untiled rest of the encoder (down to the mid block, conv_out and the posterior's mode)
+        over the blended whole-image output of the tiled stages -> the latent (fp32, on the output device).
+        On the device the tiles ran on (the CPU after a fallback, the module moved there)."""
+        c = self.codec
+        moved = device != c.device and c.module is not None
+        if moved:
+            c.module.to(device=device, dtype=torch.float32)
+        try:
+            with torch.no_grad(), pad_mode_for(device, self.opt.route_pads):
+                z = self._enc_rest(feats.to(device=device, dtype=c.dtype if device == c.device else torch.float32))
+        finally:
+            if moved:
+                c.module.to(device=c.device, dtype=c.dtype)
+        del feats
+        return z.to(device=self._out_device(device, z.numel() * 4, final=True), dtype=torch.float32)
 
     def _pass_all(self, x, fn, tile, encode, device):
         c = self.codec
@@ -621,7 +716,9 @@ class TiledVAE:
             eta = elapsed / done * (total - done)
             log.info(f"comfy_metal: VAE tile {done}/{total}, {elapsed:.1f}s elapsed, ETA {eta:.1f}s")
 
-    def _out_device(self, device, nbytes):
+    def _out_device(self, device, nbytes, final=False):
+        if self.info.untiled_tail and not final:    # the blended body output, for the encoder's tail on `device`
+            return device
         if self.opt.output_device is not None:
             return torch.device(self.opt.output_device)
         budget = self.opt.budget_bytes or auto_budget(device)
@@ -632,7 +729,7 @@ class TiledVAE:
         (y0, y1), (x0, x1) = t.y, t.x
         if encode:
             src = x[..., y0 * f:y1 * f, x0 * f:x1 * f]
-            oscale = 1
+            oscale = self._enc_oscale       # > 1 when the tiles run only the encoder's first stages
         else:
             src = x[..., y0:y1, x0:x1]
             oscale = f
@@ -676,6 +773,15 @@ class TiledVAE:
             t_off += chunk.shape[2] if chunk.dim() == 5 else 1
             del chunk
         return acc
+
+
+def _chain(stages):
+    """One function running `stages` in order."""
+    def run(x):
+        for stage in stages:
+            x = stage(x)
+        return x
+    return run
 
 
 def _empty_cache(device):

@@ -37,6 +37,11 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # an op returning views (or its in-place input) allocates nothing: the storage is its input's, counted
+        # when allocated here, or allocated before this mode (a crop of the input image is not the image)
+        schema = getattr(func, "_schema", None)
+        if schema is not None and any(r.alias_info is not None for r in schema.returns):
+            return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 try:

@@ -193,7 +193,9 @@ class MetalVAEEncodeTiled:
     RETURN_TYPES = ("LATENT",)
     FUNCTION = "encode"
     CATEGORY = "Comfy Metal/VAE"
-    DESCRIPTION = "Encodes in one pass of overlapping feathered tiles within a memory budget."
+    DESCRIPTION = ("Encodes within a memory budget: overlapping feathered tiles run the encoder's full-resolution "
+                   "levels; the rest of the encoder (its mid block's attention included) runs once over the whole "
+                   "image (SD/SDXL/Flux/SD3 KL VAEs; others tile the whole encoder).")
 
     def encode(self, pixels, vae, memory_budget_gb=0.0, overlap=0, temporal_chunk=0, temporal_overlap=0,
                seam_mode=AUTO):
@@ -210,8 +212,10 @@ class MetalVAEEncodeTiled:
         x = vae.vae_encode_crop_pixels(pixels).movedim(-1, 1)
         if getattr(vae, "latent_dim", 2) == 3 and x.ndim < 5:
             x = x.unsqueeze(2) if getattr(vae, "not_video", False) else x.movedim(1, 0).unsqueeze(0)
-        raw_encode = codec.encode
+        raw_encode, stages = codec.encode, codec.encode_stages
         codec.encode = lambda t: raw_encode(vae.process_input(t))
+        if stages:
+            codec.encode_stages = (lambda t: stages[0](vae.process_input(t)), *stages[1:])
         opt = _options(memory_budget_gb, overlap, seam_mode)
         opt.budget_bytes = opt.budget_bytes or memory.auto_budget(codec.device)
         _load(vae, opt.budget_bytes)
@@ -221,8 +225,11 @@ class MetalVAEEncodeTiled:
             out = engine.encode(x)
         info = engine.info
         log.info(f"comfy_metal: VAE encode {tuple(x.shape)} -> {tuple(out.shape)} in {info.seconds:.1f}s: "
-                 f"{info.tiles} tiles of {info.tile} latent px (overlap {info.overlap})"
+                 f"{info.tiles} tiles of {info.tile} latent px (overlap {info.overlap}), {info.passes} pass(es)"
+                 + (", shared GroupNorm statistics" if info.shared_stats else "")
+                 + (", mid block untiled" if info.untiled_tail else "")
                  + f"; quality vs untiled: {info.mode}"
+                 + (f"; {info.auto}" if info.auto else "")
                  + (f"; OVER BUDGET, expected peak {info.expected_peak / GIB:.3f} GiB" if info.over_budget else "")
                  + (f", {info.retries} OOM retries" if info.retries else "")
                  + (", CPU fallback" if info.cpu_fallback else ""))

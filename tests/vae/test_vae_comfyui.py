@@ -206,11 +206,13 @@ def test_bench_section_against_comfyui_tiled(comfyui, monkeypatch):
     monkeypatch.setattr(bench_vae, "SDXL_WIDTHS", (32, 64, 128, 128))   # SD ratios (ComfyUI infers them)
     monkeypatch.setattr(bench_vae, "SDXL_SIDE", {True: 24, False: 24})
     sdxl, *at_peak, wan = bench_vae.bench(quick=True)
-    assert len(at_peak) == 2
-    for table in at_peak:       # issue 17: feather and exact at ComfyUI's tiled peak, side by side
+    assert len(at_peak) == 4
+    for table in at_peak:       # issue 17: feather and exact at ComfyUI's tiled peak, side by side (decode, encode)
         labels = [r[0] for r in table.rows]
         assert any("peak, feather" in x for x in labels) and any("peak, exact" in x for x in labels), table.render()
-        assert "PSNR vs untiled: feather" in table.note, table.render()
+        assert "PSNR vs the untiled encode" in table.note or "PSNR vs untiled: feather" in table.note, table.render()
+    assert [t.title.startswith("VAE encode") for t in at_peak] == [False, False, True, True]
+    assert bench_vae.bench(quick=True, parts=["encode"])[0].title == at_peak[2].title
     for table in (sdxl, *at_peak, wan):
         rows = {r[0]: r for r in table.rows}
         assert rows["ComfyUI tiled"][5] == "1x", table.render()
@@ -357,3 +359,104 @@ def test_sd_vae_untiled_mid_block_raises_psnr(comfyui, sd_vae):
     assert head_stats > per_tile_stats and head_stats >= 45.0
     assert eng.info.untiled_head and eng.info.groupnorm_calls < sum(
         isinstance(m, torch.nn.GroupNorm) for m in sd_vae.first_stage_model.decoder.modules())
+
+
+# ---------------------------------------------------------------- encode (issue 17, item 6)
+
+ENCODER_DDCONFIG = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 32,
+                    "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+
+
+@pytest.fixture(scope="module")
+def sd_vae_with_encoder(comfyui):
+    """An SD VAE with its encoder (AutoencoderKL: quant_conv, DiagonalGaussianRegularizer), narrowed to ch 32
+    through comfy.sd.VAE's `config` argument (its state-dict detection builds the encoder at SD's ch 128)."""
+    import comfy.sd
+    from comfy.ldm.models.autoencoder import AutoencoderKL
+
+    sd = _fill(AutoencoderKL(ddconfig=ENCODER_DDCONFIG, embed_dim=4), 3)
+    return comfy.sd.VAE(sd=sd, config={"params": {"ddconfig": ENCODER_DDCONFIG, "embed_dim": 4}})
+
+
+@pytest.fixture(scope="module")
+def flux_vae_with_encoder(comfyui):
+    """A Flux-style VAE (16 channels, no quant_conv: ComfyUI detects an AutoencodingEngine), the encoder
+    narrowed to ch 32 while comfy.sd builds it (the decoder's width ComfyUI infers itself)."""
+    import comfy.sd
+    from comfy.ldm.models.autoencoder import AutoencodingEngine
+
+    ddconfig = {**ENCODER_DDCONFIG, "z_channels": 16}
+    enc = {"target": "comfy.ldm.modules.diffusionmodules.model.Encoder", "params": ddconfig}
+    dec = {"target": "comfy.ldm.modules.diffusionmodules.model.Decoder", "params": ddconfig}
+    reg = {"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"}
+    sd = _fill(AutoencodingEngine(regularizer_config=reg, encoder_config=enc, decoder_config=dec), 4)
+
+    def narrow(encoder_config, **kw):
+        params = {**encoder_config["params"], "ch": 32}
+        return AutoencodingEngine(encoder_config={**encoder_config, "params": params}, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(comfy.sd, "AutoencodingEngine", narrow)
+        vae = comfy.sd.VAE(sd=sd)
+    assert type(vae.first_stage_model).__name__ == "AutoencodingEngine" and vae.latent_channels == 16
+    return vae
+
+
+def _picture(h, w, seed=0):
+    """[1, h, w, 3] in [0, 1]: smooth colour regions, hard-edged rectangles, mild noise."""
+    from comfy_metal.nodes.cli.bench.vae import _bench_image
+
+    return _bench_image(h, w, seed)
+
+
+@pytest.mark.parametrize("which", ["sd", "flux"])
+def test_kl_encode_stages_are_the_encoder(comfyui, sd_vae_with_encoder, flux_vae_with_encoder, which):
+    """The codec's encode stages (one per down level, then mid block + norm_out + conv_out + quant_conv +
+    the posterior's mode) chain to exactly ComfyUI's first_stage_model.encode."""
+    from comfy_metal.nodes import vae as vt
+    from comfy_metal.nodes.vae.engine import _chain
+
+    vae = sd_vae_with_encoder if which == "sd" else flux_vae_with_encoder
+    codec = vt.codec_from_comfy(vae)
+    assert len(codec.encode_stages) == 5 and codec.encode_scales == (2, 4, 8, 8, 8)
+    x = vae.process_input(_picture(64, 96).movedim(-1, 1))
+    with torch.no_grad():
+        assert torch.equal(_chain(codec.encode_stages)(x), vae.first_stage_model.encode(x))
+
+
+def test_sd_vae_encode_untiled_rest_vs_untiled(comfyui, sd_vae_with_encoder, caplog):
+    """Issue 17, item 6, on ComfyUI's own VAE object: at half the untiled encode's peak (several tiles), the
+    tiles run only the encoder's first level(s) and the rest (the mid block's attention included) runs once
+    over the whole image. With shared statistics the latent matches the untiled encode (>= 45 dB, far above
+    ComfyUI's VAEEncodeTiled with tiles scaled to the image); feather is not below ComfyUI's. The node
+    reports it."""
+    from comfy_metal.nodes import vae as vt
+    from comfy_metal.nodes.vae.nodes import EXACT, MetalVAEEncodeTiled
+
+    vae = sd_vae_with_encoder
+    pixels = _picture(192, 320)
+    with torch.no_grad():
+        ref = vae.encode(pixels)                               # [1, 4, 24, 40]
+    peak = float(ref.abs().max())
+    with torch.inference_mode():
+        p_comfy = psnr(vae.encode_tiled(pixels, tile_x=96, tile_y=96, overlap=16), ref, peak=peak)
+    x = vae.process_input(pixels.movedim(-1, 1))
+    with vt.measure_peak(torch.device("cpu")) as untiled, torch.no_grad():
+        vae.first_stage_model.encode(x)
+    budget = int(untiled["peak"] * 0.5)
+    codec = vt.codec_from_comfy(vae)
+    got = {}
+    for shared in (False, True):
+        eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, shared_stats=shared))
+        out = eng.encode(x)
+        assert out.shape == ref.shape and eng.info.tiles > 1 and eng.info.untiled_tail and not eng.info.over_budget
+        assert 1 <= eng.info.tiled_stages < len(codec.encode_stages)
+        got[shared] = psnr(out, ref, peak=peak)
+    print("ComfyUI tiled", p_comfy, "feather", got[False], "exact", got[True], "budget", budget / 2**20, "MiB,",
+          eng.info.tiles, "tiles,", eng.info.tiled_stages, "stage(s) tiled,", eng.info.passes, "passes")
+    assert got[True] >= 45.0 and got[True] > p_comfy + 10
+    assert got[False] >= p_comfy - 1.0
+    with caplog.at_level("INFO", logger="comfy_metal"):
+        (lat,) = MetalVAEEncodeTiled().encode(pixels, vae, memory_budget_gb=budget / 2**30, seam_mode=EXACT)
+    assert _tiles_logged(caplog.text) > 1 and "mid block untiled" in caplog.text
+    assert psnr(lat["samples"], ref, peak=peak) >= 45.0

@@ -4,6 +4,7 @@
   output), measured in a fresh subprocess with the kernel's peak-RSS counter (VmHWM, reset through
   /proc/self/clear_refs), while an untiled decode of the same latent needs at least 4x more.
 * A 21-frame video latent decodes with the same peak (live tensor bytes, output excluded) as a 5-frame one.
+* The cost model's peak of the plan that ran is within +-15% of the measured peak, decode and encode.
 """
 from __future__ import annotations
 
@@ -124,5 +125,33 @@ def test_cost_model_predicts_the_measured_peak(widths):
         print(widths, budget >> 20, "MiB:", eng.info.tiles, "tiles", eng.info.tile_shape, "predicted",
               predicted / 2**20, "measured", measured / 2**20)
         assert eng.info.tiles > 1 and not eng.info.over_budget
+        assert abs(measured / predicted - 1) <= 0.15, (measured, predicted)
+        assert eng.info.expected_peak >= budget * 0.5
+
+
+@pytest.mark.parametrize("widths", [(32, 64, 64, 64), (64, 128, 128, 128)])
+def test_encode_cost_model_predicts_the_measured_peak(widths):
+    """Issue 17, encode: the tiles run the encoder's body (conv_in, down blocks) blended at latent
+    resolution, and its tail (mid block with attention, norm_out, conv_out, quant_conv) runs once over the
+    whole latent grid. RunInfo.expected_peak (the largest body tile + the blended body output held across
+    the tiles, or the tail with its input) is within +-15% of the measured peak of the whole encode (the
+    latent output excluded), at two budgets and two widths, and the plan uses the budget (at least half)."""
+    from comfy_metal.nodes import vae as vt
+    from comfy_metal.nodes.vae.engine import CPU_WORKSPACE_FACTOR
+
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4,
+                                  up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=widths,
+                                  layers_per_block=1, norm_num_groups=16).eval()
+    x = torch.rand(1, 3, 320, 448) * 2 - 1
+    for budget in (24 << 20, 64 << 20):
+        eng = vt.TiledVAE(vt.codec_from_diffusers(vae), vt.TilingOptions(budget_bytes=budget))
+        with vt.measure_peak(torch.device("cpu")) as m, torch.no_grad():
+            out = eng.encode(x)
+        measured = m["peak"] - out.numel() * out.element_size()
+        predicted = eng.info.expected_peak / CPU_WORKSPACE_FACTOR     # the model in tracked bytes
+        print(widths, budget >> 20, "MiB:", eng.info.tiles, "tiles", eng.info.tile_shape, "predicted",
+              predicted / 2**20, "measured", measured / 2**20)
+        assert eng.info.tiles > 1 and eng.info.untiled_tail and not eng.info.over_budget
         assert abs(measured / predicted - 1) <= 0.15, (measured, predicted)
         assert eng.info.expected_peak >= budget * 0.5

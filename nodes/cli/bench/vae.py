@@ -111,13 +111,15 @@ def _random_sd(module: torch.nn.Module, seed=0) -> dict:
 
 
 class _Case:
-    """One table: rows are decoders of the same latent; ratios against ComfyUI's tiled decode."""
+    """One table: rows are decoders (or encoders) of the same input; ratios against ComfyUI's tiled node.
+    `psnr(out, ref)`: the PSNR in dB against the reference row (images in [-1, 1] by default)."""
 
-    def __init__(self, title, device):
-        self.table = Table(title, COLUMNS, note="")
+    def __init__(self, title, device, columns=COLUMNS, psnr=None):
+        self.table = Table(title, list(columns), note="")
         self.device = device
         self.ref = None
         self.comfy = None     # (seconds, peak)
+        self.psnr = psnr or _psnr
 
     def note(self, text):
         self.table.note += ("\n" if self.table.note else "") + text
@@ -134,7 +136,7 @@ class _Case:
             self.ref = out
         if comfy:
             self.comfy = (t, peak)
-        psnr = "—" if reference else (round(_psnr(out, self.ref), 1) if self.ref is not None else "n/a")
+        psnr = "—" if reference else (round(self.psnr(out, self.ref), 1) if self.ref is not None else "n/a")
         ratio_t = ratio_p = "1x" if comfy else "n/a"
         if self.comfy and not comfy:
             ratio_t = f"{t / self.comfy[0]:.2f}x"
@@ -272,6 +274,111 @@ def _at_comfy_peak(quick, device, comfy_sd, AutoencoderKL, diffusers_problem) ->
     return tables
 
 
+ENCODE_COLUMNS = ["encoder", *COLUMNS[1:]]
+COMFY_ENCODER_WIDTHS = (128, 256, 512, 512)     # the encoder comfy.sd builds for SD-layout state dicts
+QUICK_ENCODE_TILE_PX = 160
+
+
+def _latent_psnr(a, b):
+    """PSNR of a latent against the untiled one, the peak being the untiled latent's largest magnitude."""
+    b = b.detach().cpu().float()
+    return psnr_db(a.detach().cpu(), b, peak=float(b.abs().max()))
+
+
+def _bench_image(h, w, seed=0):
+    """A deterministic test picture [1, h, w, 3] in [0, 1]: smooth colour regions (a coarse random grid,
+    bicubic), a few hard-edged rectangles and mild pixel noise, so the encoder sees edges, gradients and
+    texture as in a photo."""
+    gen = torch.Generator().manual_seed(seed)
+    img = torch.nn.functional.interpolate(torch.rand(1, 3, h // 64 + 2, w // 64 + 2, generator=gen), size=(h, w),
+                                          mode="bicubic", align_corners=True)
+    for _ in range(6):
+        y0, x0 = int(torch.randint(0, h - h // 4, (), generator=gen)), int(torch.randint(0, w - w // 4, (), generator=gen))
+        img[..., y0:y0 + h // 5, x0:x0 + w // 6] = torch.rand(1, 3, 1, 1, generator=gen)
+    img = img + 0.03 * torch.randn(img.shape, generator=gen)
+    return img.clamp(0, 1).movedim(1, -1).contiguous()
+
+
+def _comfy_kl_vae(comfy_sd, AutoencoderKL, widths, channels, quant_conv, device):
+    """A ComfyUI VAE (comfy.sd.VAE) with encoder and decoder, random weights at `widths`. ComfyUI detects
+    the architecture from the state dict, and builds the encoder at SD's width (ch 128); other widths go
+    through its `config` argument (then always with quant_conv)."""
+    dvae = AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                         block_out_channels=widths, layers_per_block=2, latent_channels=channels,
+                         use_quant_conv=quant_conv, use_post_quant_conv=quant_conv)
+    sd = _random_sd(dvae)
+    del dvae
+    if tuple(widths) == COMFY_ENCODER_WIDTHS:
+        return comfy_sd.VAE(sd=sd, device=device, dtype=torch.float32)
+    ddconfig = {"double_z": True, "z_channels": channels, "resolution": 256, "in_channels": 3, "out_ch": 3,
+                "ch": widths[0], "ch_mult": [w // widths[0] for w in widths], "num_res_blocks": 2,
+                "attn_resolutions": [], "dropout": 0.0}
+    vae = comfy_sd.VAE(sd=sd, device=device, dtype=torch.float32,
+                       config={"params": {"ddconfig": ddconfig, "embed_dim": channels}})
+    vae.latent_channels = channels      # the config path keeps SD's 4
+    return vae
+
+
+def _comfy_tiled_encode(vae, pixels, quick):
+    """ComfyUI's VAEEncodeTiled at its defaults (512 px tiles, 64 px overlap; quick: 160 / 16, about the same
+    share of the image) -> latent."""
+    if not quick:
+        try:
+            node = _comfy_node_class("VAEEncodeTiled")()
+            return node.encode(vae, pixels, COMFY_TILE_PX, COMFY_OVERLAP_PX, COMFY_TEMPORAL, COMFY_TEMPORAL_OVERLAP)[0]["samples"]
+        except LookupError:
+            pass
+    tile, overlap = (QUICK_ENCODE_TILE_PX, 16) if quick else (COMFY_TILE_PX, COMFY_OVERLAP_PX)
+    return vae.encode_tiled(pixels, tile_x=tile, tile_y=tile, overlap=overlap)
+
+
+def _encode_at_comfy_peak(quick, device, comfy_sd, AutoencoderKL, diffusers_problem) -> list[Table]:
+    """Issue 17 item 6: our encoder given ComfyUI's tiled-encode peak as its budget, feather and exact (shared
+    statistics) side by side, SD-width (4 ch) and Flux-width (16 ch, no quant_conv) KL VAEs, non-square."""
+    tables = []
+    h, w = PEAK_LATENT[quick]
+    for name, ch, widths in PEAK_CASES[quick]:
+        case = _Case(f"VAE encode at ComfyUI's tiled peak, {name} width ({ch} ch) {w * 8}x{h * 8} "
+                     f"(latent {ch}x{h}x{w}; device {device.type}, random weights)", device, ENCODE_COLUMNS,
+                     psnr=_latent_psnr)
+        tables.append(case.table)
+        try:
+            if isinstance(comfy_sd, str) or AutoencoderKL is None:
+                raise RuntimeError(f"needs ComfyUI and diffusers: {comfy_sd if isinstance(comfy_sd, str) else diffusers_problem}")
+            torch.manual_seed(0)
+            vae = _comfy_kl_vae(comfy_sd, AutoencoderKL, widths, ch, quant_conv=(name != "Flux" or quick), device=device)
+            fsm = vae.first_stage_model.to(device)
+            codec = vt.codec_from_comfy(vae)
+            pixels = _bench_image(h * 8, w * 8)
+            x = vae.process_input(pixels.movedim(-1, 1)).to(device)
+            case.run("untiled (ComfyUI encode)", lambda: fsm.encode(x), "1", reference=True)
+            t = QUICK_ENCODE_TILE_PX if quick else COMFY_TILE_PX
+            case.run("ComfyUI tiled" if quick else "ComfyUI VAEEncodeTiled (defaults)",
+                     lambda: _comfy_tiled_encode(vae, pixels, quick), f"3 passes, {t} px (ov {16 if quick else 64})",
+                     inference=True, comfy=True)
+            if not case.comfy:
+                continue
+            budget = int(case.comfy[1])
+            got = {}
+            for label, shared in (("feather", False), ("exact (shared statistics)", True)):
+                eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, shared_stats=shared))
+                case.run(f"ours, budget = ComfyUI tiled peak, {label}", lambda: eng.encode(x),
+                         tiles=lambda: "{} x {}x{} (ov {}, {} passes)".format(
+                             eng.info.tiles, *eng.info.tile_shape, eng.info.overlap, eng.info.passes))
+                got[label] = case.table.rows[-1][4]
+            case.note(f"Budget = ComfyUI's measured tiled-encode peak ({human_bytes(budget)}). Latent PSNR vs the "
+                      f"untiled encode (peak = its largest magnitude): feather {got.get('feather')} dB, exact "
+                      f"{got.get('exact (shared statistics)')} dB. "
+                      + (f"The tiles run the encoder's first {eng.info.tiled_stages} of {len(codec.encode_stages) - 1} "
+                         f"down levels, blended at their output resolution; the rest, its mid block (attention "
+                         f"included), norm_out and conv_out run once over the whole image."
+                         if eng.info.untiled_tail else "The rest of the encoder did not fit untiled: each tile ran "
+                         "the whole encoder."))
+        except Exception as e:
+            case.note(f"{name} encode case failed: {type(e).__name__}: {e}")
+    return tables
+
+
 def _available_bytes():
     try:
         import psutil
@@ -331,7 +438,15 @@ def _wan22(quick, device, comfy_sd) -> list[Table]:
     return tables
 
 
-def bench(quick: bool = False) -> list[Table]:
+PARTS = ("sdxl", "peak", "encode", "wan")     # `bench --only vae:encode` runs one part
+
+
+def bench(quick: bool = False, parts=None) -> list[Table]:
+    """The VAE tables; `parts` (names from PARTS) picks some of them, default all."""
+    unknown = set(parts or ()) - set(PARTS)
+    if unknown:
+        raise ValueError(f"bench vae: unknown part(s) {sorted(unknown)}; known: {', '.join(PARTS)}")
+    parts = set(parts or PARTS)
     device = bench_device()
     AutoencoderKL, diffusers_problem = None, ""
     try:  # before ComfyUI's path (its test stubs shadow torchvision, which diffusers imports)
@@ -339,5 +454,7 @@ def bench(quick: bool = False) -> list[Table]:
     except Exception as e:
         diffusers_problem = f"{type(e).__name__}: {e}"
     comfy_sd = _comfy()
-    return [_sdxl(quick, device, comfy_sd, AutoencoderKL, diffusers_problem),
-            *_at_comfy_peak(quick, device, comfy_sd, AutoencoderKL, diffusers_problem), *_wan22(quick, device, comfy_sd)]
+    args = (quick, device, comfy_sd, AutoencoderKL, diffusers_problem)
+    return [*([_sdxl(*args)] if "sdxl" in parts else []), *(_at_comfy_peak(*args) if "peak" in parts else []),
+            *(_encode_at_comfy_peak(*args) if "encode" in parts else []),
+            *(_wan22(quick, device, comfy_sd) if "wan" in parts else [])]
