@@ -402,7 +402,19 @@ class TiledVAE:
                 device = torch.device("cpu")
                 _empty_cache(c.device)
         if self.info.untiled_tail:
-            out = self._run_tail(out, device)
+            try:
+                out = self._run_tail(out, device)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                e = out = None
+                _empty_cache(device)
+                log.warning("comfy_metal: VAE encode: the encoder's untiled rest ran out of memory; encoding again "
+                            "with the whole encoder in each tile")
+                retry = TiledVAE(c, dataclasses.replace(self.opt, untiled_tail=False))
+                out = retry.encode(x)
+                self.info = retry.info
+                self.info.retries += 1
         self.info.seconds = time.perf_counter() - t_start
         return out
 

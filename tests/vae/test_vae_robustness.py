@@ -137,3 +137,36 @@ def test_absurdly_small_budget_finishes_with_a_warning_naming_the_budget(small_k
     assert msgs and "would hold it" in msgs[0] and eng.info.over_budget and eng.info.expected_peak > 4096
     assert eng.info.tile == MIN_TILE and out.shape == ref.shape
     assert _img_psnr(out, ref) > 15
+
+
+def test_encode_rest_out_of_memory_encodes_again_with_whole_encoder_tiles(small_kl, caplog):
+    """Encode: the tiles ran the encoder's first level(s) and the untiled rest runs out of memory: the engine
+    warns and encodes again with the whole encoder in each tile (the pixels are untouched): the result of
+    that plan."""
+    import dataclasses
+
+    codec = vt.codec_from_diffusers(small_kl)
+    rest = codec.encode_stages[-1]
+
+    def oom_rest(h):
+        raise RuntimeError("MPS backend out of memory (simulated)")
+
+    flaky = dataclasses.replace(codec, encode_stages=(*codec.encode_stages[:-1], oom_rest))
+    torch.manual_seed(4)
+    x = torch.rand(1, 3, 96, 80) * 2 - 1
+    before = x.clone()
+    with torch.no_grad():
+        ref = small_kl.encode(x).latent_dist.mode()
+    eng = vt.TiledVAE(flaky, vt.TilingOptions(tile=8, overlap=4, calibrate=False, budget_bytes=1 << 30))
+    with caplog.at_level(logging.WARNING, logger="comfy_metal"):
+        out = eng.encode(x)
+    assert "untiled rest ran out of memory" in caplog.text
+    assert eng.info.retries == 1 and not eng.info.untiled_tail and eng.info.tiles > 1
+    assert torch.equal(x, before) and out.shape == ref.shape
+    whole = vt.TiledVAE(codec, vt.TilingOptions(tile=8, overlap=4, calibrate=False, budget_bytes=1 << 30,
+                                                untiled_tail=False)).encode(x)
+    torch.testing.assert_close(out, whole)               # the whole-encoder tiles, as if asked for them
+    # the same engine without the simulated failure runs the rest untiled
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=8, overlap=4, calibrate=False, budget_bytes=1 << 30))
+    eng.encode(x)
+    assert eng.info.untiled_tail and rest is codec.encode_stages[-1]
