@@ -44,6 +44,7 @@ from .codecs import Codec
 from .memory import auto_budget, is_oom, measure_peak
 from .pad import MetalPadMode, pad_mode_for
 from .plan import Tile, axis_weights, plan_tiles
+from .encode_rest import EncodeRestUntiled, _chain
 from .shared_stats import SharedGroupNormStats, _StopAtGroupNorm
 from .stagewise import StagewiseDecode
 
@@ -141,7 +142,7 @@ def default_overlap(tile: int) -> int:
     return max(2, min(tile * 3 // 8, 24))
 
 
-class TiledVAE:
+class TiledVAE(EncodeRestUntiled):
     """Tiled decode/encode of one codec. `decode(latent)` / `encode(pixels)` return fp32 tensors on
     the output device; `info` describes the last run."""
 
@@ -483,16 +484,6 @@ class TiledVAE:
             return min(default_overlap(tile), self._encode_exact_overlap())
         return max(default_overlap(tile), EXACT_OVERLAP) if self.opt.shared_stats else default_overlap(tile)
 
-    def _encode_exact_overlap(self) -> int:
-        """Lock-step shared statistics on an encoder's first stages alone (the rest untiled): those stages are
-        exact once each tile's core has a halo of their receptive radius (2-3 latent px for SD's first two
-        levels, against ~10 for the whole encoder), so the overlap is twice that and the tiles cover little
-        more than the image (on a 704x448 SD-width encode: 78 dB at overlap 6). 0 otherwise."""
-        c, split = self.codec, self.info.tiled_stages
-        if self._enc_rest is None or not 0 < split <= len(c.encode_reach):
-            return 0
-        return 2 * math.ceil(c.encode_reach[split - 1] / c.scale)
-
     def _head_peak(self, x: torch.Tensor, fn: Callable | None = None, area: int | None = None, unit: int = 1) -> int:
         """Predicted peak of the head (or `fn`, another part that runs untiled) over the whole latent:
         peak = b * A + c * A^2 (A = area in x's pixels, `area` or x's; the A^2 term is the mid attention's
@@ -541,63 +532,6 @@ class TiledVAE:
             return None
         self.info.untiled_head, self.info.head_peak = True, peak
         return feats
-
-    def _plan_untiled_tail(self, x: torch.Tensor, budget: int, h: int, w: int) -> int | None:
-        """Encode: how many of the codec's encode_stages run tiled (None: all, the whole encoder per tile).
-        The fewest whose untiled rest fits: the blended output of the tiled stages (fp32, on the device,
-        held across the tiles; at most a quarter of the budget, so the tiles keep most of it) plus the rest's
-        predicted peak within the budget. The fewer stages run tiled, the fewer GroupNorms see a tile
-        instead of the image (and the fewer passes shared statistics make). The rest's cost is fitted on
-        random inputs of 8x8 and 16x16 latent px, the stage's channels from one latent pixel's forward.
-        Sets info.untiled_tail, tiled_stages, body_bytes and tail_peak (the rest's peak with its input)."""
-        c = self.codec
-        f = c.scale
-        crop = x[..., :f, :f].to(device=c.device, dtype=c.dtype)
-        with torch.no_grad(), pad_mode_for(c.device, self.opt.route_pads):
-            outs = []
-            for stage in c.encode_stages[:-1]:
-                crop = stage(crop)
-                outs.append(crop[..., :1, :1])
-        del crop
-        for split in range(1, len(c.encode_stages)):
-            unit = f // c.encode_scales[split - 1]            # the stage's output pixels per latent pixel
-            px = outs[split - 1]
-            body_bytes = px.numel() * 4 * h * w * unit * unit
-            if body_bytes > budget // 4:
-                continue
-            cast = body_bytes * px.element_size() // 4 if c.dtype != torch.float32 else 0
-            rest = _chain(c.encode_stages[split:])
-            if self.opt.calibrate:
-                feats = torch.randn((*px.shape[:-2], min(16, h) * unit, min(16, w) * unit), device=c.device, dtype=c.dtype)
-                peak = self._head_peak(feats, rest, area=h * w * unit * unit, unit=unit)
-                del feats
-            else:
-                peak = 0
-            need = body_bytes + cast + peak
-            if need <= budget * 0.85:
-                self.info.untiled_tail, self.info.tiled_stages = True, split
-                self.info.body_bytes, self.info.tail_peak = body_bytes, need
-                return split
-        log.info(f"comfy_metal: the VAE encoder's mid block over the whole {(h, w)} latent does not fit the "
-                 f"budget; each tile runs the whole encoder")
-        return None
-
-    def _run_tail(self, feats: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Encode: the untiled rest of the encoder (down to the mid block, conv_out and the posterior's mode)
-        over the blended whole-image output of the tiled stages -> the latent (fp32, on the output device).
-        On the device the tiles ran on (the CPU after a fallback, the module moved there)."""
-        c = self.codec
-        moved = device != c.device and c.module is not None
-        if moved:
-            c.module.to(device=device, dtype=torch.float32)
-        try:
-            with torch.no_grad(), pad_mode_for(device, self.opt.route_pads):
-                z = self._enc_rest(feats.to(device=device, dtype=c.dtype if device == c.device else torch.float32))
-        finally:
-            if moved:
-                c.module.to(device=c.device, dtype=c.dtype)
-        del feats
-        return z.to(device=self._out_device(device, z.numel() * 4, final=True), dtype=torch.float32)
 
     def _pass_all(self, x, fn, tile, encode, device):
         c = self.codec
@@ -785,15 +719,6 @@ class TiledVAE:
             t_off += chunk.shape[2] if chunk.dim() == 5 else 1
             del chunk
         return acc
-
-
-def _chain(stages):
-    """One function running `stages` in order."""
-    def run(x):
-        for stage in stages:
-            x = stage(x)
-        return x
-    return run
 
 
 def _empty_cache(device):
