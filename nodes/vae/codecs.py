@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from .stagewise import comfy_tail_stages, diffusers_tail_stages
+from .stagewise_encode import comfy_body_stages, diffusers_body_stages
 
 # ---------------------------------------------------------------- codecs
 
@@ -56,6 +57,10 @@ class Codec:
     encode_stages: tuple = ()
     encode_scales: tuple = ()
     encode_reach: tuple = ()      # input pixels an output pixel of stage i depends on, each side (receptive radius)
+    # The down path (all stages but the last) as one-row-reach stages (stagewise_encode.py): exact in one pass;
+    # encode_input: the VAE's input transform for the pixels those stages read (the node sets process_input).
+    encode_body_stages: list | None = None
+    encode_input: Callable | None = None
 
     def frames_out(self, t_latent: int) -> int:
         return t_latent if not self.video else 1 + 4 * (t_latent - 1)
@@ -135,6 +140,7 @@ def codec_from_diffusers(vae) -> Codec:
                      decode_head=head if split else None, decode_tail=tail if split else None,
                      decode_stages=diffusers_tail_stages(dec) if split else None,
                      encode_stages=stages, encode_scales=scales, encode_reach=reach if stages else (),
+                     encode_body_stages=diffusers_body_stages(enc) if stages else None,
                      encode=lambda x: vae.encode(x).latent_dist.mode(), module=vae, device=device, dtype=dtype,
                      out_channels=vae.config.out_channels, latent_channels=vae.config.latent_channels,
                      sequential_blocks=True)
@@ -167,7 +173,7 @@ def codec_from_comfy(vae) -> Codec | None:
                      decode_head=head, decode_tail=tail,
                      decode_stages=comfy_tail_stages(fsm.decoder) if tail is not None else None,
                      encode_stages=stages, encode_scales=scales, encode_reach=reach,
-                     module=fsm, device=device, dtype=dtype, out_channels=getattr(vae, "output_channels", 3),
+                     encode_body_stages=comfy_body_stages(fsm.encoder) if stages else None, module=fsm, device=device, dtype=dtype, out_channels=getattr(vae, "output_channels", 3),
                      latent_channels=vae.latent_channels, sequential_blocks=True)
     if latent_dim == 3 and cls == "WanVAE" and mod.endswith("wan.vae"):
         def stream(z):

@@ -11,7 +11,9 @@ import math
 
 import torch
 
+from .memory import is_oom
 from .pad import pad_mode_for
+from .stagewise_encode import StagewiseEncode
 
 log = logging.getLogger("comfy_metal")
 
@@ -68,6 +70,56 @@ class EncodeRestUntiled:
         log.info(f"comfy_metal: the VAE encoder's mid block over the whole {(h, w)} latent does not fit the "
                  f"budget; each tile runs the whole encoder")
         return None
+
+    def _stagewise_encode(self, x: torch.Tensor, budget: int, h: int, w: int, workspace: float):
+        """Exact encode: the down path stage by stage over the whole image (stagewise_encode.py, one pass),
+        then the rest of the encoder once over its latent-resolution output, when both fit the budget.
+        Under seam mode auto it is chosen whenever it fits: one pass plus band edges, where feather's tiles
+        overlap. Returns the latent, or None (the tiled paths run)."""
+        c = self.codec
+        sw = StagewiseEncode(c.encode_body_stages, c.device, c.dtype, workspace, prepare=c.encode_input)
+        plan = sw.plan(tuple(x.shape), budget * 0.85)
+        need = 0
+        if plan is not None:
+            last = sw._shapes(tuple(x.shape))[-1][2]                     # the body's output (C, h, w)
+            store = torch.empty(0, dtype=plan.store_dtype).element_size()
+            feats = torch.randn((x.shape[0], last[0], min(16, h), min(16, w)), device=c.device, dtype=c.dtype)
+            need = x.shape[0] * last[0] * h * w * store + self._head_peak(feats, c.encode_stages[-1], area=h * w)
+            del feats
+        if plan is None or need > budget * 0.85:
+            why = "exact stage by stage does not fit the budget"
+            if self.opt.shared_stats is None:
+                self.info.auto = f"auto: feather ({why})"
+            log.info(f"comfy_metal: VAE encode: {why}; tiles instead")
+            return None
+        if self.opt.shared_stats is None:
+            self.info.auto = (f"auto: exact (stage by stage, predicted {plan.work:.2f} passes; fits the budget, "
+                              f"where feather's tiles overlap)")
+        try:
+            with torch.no_grad(), pad_mode_for(c.device, self.opt.route_pads):
+                feats = sw.run(x, plan)
+                z = c.encode_stages[-1](feats.to(c.dtype))
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            e = feats = None
+            log.warning("comfy_metal: the stage-by-stage exact encode ran out of memory; encoding in tiles")
+            self.info.auto = ""
+            return None
+        del feats
+        info = self.info
+        info.shared_stats, info.scheme, info.passes, info.tiles = True, "stages", 1, 1
+        info.tile, info.tile_shape, info.bands = max(h, w), (h, w), sw.bands_run
+        info.untiled_tail = True
+        info.expected_peak = int(max(plan.peak, need))
+        bad = int((~torch.isfinite(z)).sum())
+        if bad:
+            info.nonfinite = bad
+            log.warning(f"comfy_metal: VAE encode (stage by stage): {bad} NaN/inf values in the latent; they are "
+                        f"in the output")
+        if self.opt.progress is not None:
+            self.opt.progress(1, 1)
+        return z.to(device=self._out_device(c.device, z.numel() * 4, final=True), dtype=torch.float32)
 
     def _run_tail(self, feats: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Encode: the untiled rest of the encoder (down to the mid block, conv_out and the posterior's mode)

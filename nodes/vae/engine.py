@@ -344,12 +344,19 @@ class TiledVAE(EncodeRestUntiled):
                 self.info.seconds = time.perf_counter() - t_start
                 return out
         elif self.opt.shared_stats is None:
-            why = ("encode: its exact mode is lock-step tiles, about 2x feather's time" if encode
+            why = ("no whole-image stages for this encoder" if encode and not c.encode_body_stages
+                   else "a fixed tile size" if encode
                    else "no whole-image stages for this decoder" if not c.decode_stages
                    else "the mid block over the whole latent does not fit the budget" if not self.info.untiled_head
                    else "a fixed tile size")
             self.info.auto = f"auto: feather ({why})"
         self._enc_oscale, self._enc_rest = 1, None
+        if encode and c.encode_body_stages and self.opt.shared_stats is not False and self.opt.untiled_tail \
+                and self.opt.tile is None and self.opt.calibrate and not c.video:
+            out = self._stagewise_encode(x, budget, h, w, CPU_WORKSPACE_FACTOR if c.device.type == "cpu" else 1.0)
+            if out is not None:
+                self.info.seconds = time.perf_counter() - t_start
+                return out
         if encode and len(c.encode_stages) > 1 and self.opt.untiled_tail and not c.video:
             split = self._plan_untiled_tail(x, budget, h, w)
             if split is not None:

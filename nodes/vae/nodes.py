@@ -216,6 +216,7 @@ class MetalVAEEncodeTiled:
         codec.encode = lambda t: raw_encode(vae.process_input(t))
         if stages:
             codec.encode_stages = (lambda t: stages[0](vae.process_input(t)), *stages[1:])
+        codec.encode_input = vae.process_input
         opt = _options(memory_budget_gb, overlap, seam_mode)
         opt.budget_bytes = opt.budget_bytes or memory.auto_budget(codec.device)
         _load(vae, opt.budget_bytes)

@@ -359,21 +359,24 @@ def _encode_at_comfy_peak(quick, device, comfy_sd, AutoencoderKL, diffusers_prob
             if not case.comfy:
                 continue
             budget = int(case.comfy[1])
-            got = {}
-            for label, shared in (("feather", False), ("exact (shared statistics)", True)):
+            got, chose, tiled = {}, "", None
+            for label, shared in (("feather", False), ("exact (shared statistics)", True), ("auto", None)):
                 eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, shared_stats=shared))
                 case.run(f"ours, budget = ComfyUI tiled peak, {label}", lambda: eng.encode(x),
-                         tiles=lambda: "{} x {}x{} (ov {}, {} passes)".format(
-                             eng.info.tiles, *eng.info.tile_shape, eng.info.overlap, eng.info.passes))
+                         tiles=lambda: _plan_cell(eng.info))
                 got[label] = case.table.rows[-1][4]
+                chose = eng.info.auto or chose
+                tiled = eng.info if shared is False else tiled
             case.note(f"Budget = ComfyUI's measured tiled-encode peak ({human_bytes(budget)}). Latent PSNR vs the "
                       f"untiled encode (peak = its largest magnitude): feather {got.get('feather')} dB, exact "
-                      f"{got.get('exact (shared statistics)')} dB. "
-                      + (f"The tiles run the encoder's first {eng.info.tiled_stages} of {len(codec.encode_stages) - 1} "
+                      f"{got.get('exact (shared statistics)')} dB, auto {got.get('auto')} dB ({chose}). Exact runs "
+                      f"the encoder's down path stage by stage over the whole image in bands of rows when it fits "
+                      f"(one pass), else tiles in lock-step. "
+                      + (f"Feather's tiles run the encoder's first {tiled.tiled_stages} of {len(codec.encode_stages) - 1} "
                          f"down levels, blended at their output resolution; the rest, its mid block (attention "
                          f"included), norm_out and conv_out run once over the whole image."
-                         if eng.info.untiled_tail else "The rest of the encoder did not fit untiled: each tile ran "
-                         "the whole encoder."))
+                         if tiled is not None and tiled.untiled_tail else "Feather's tiles ran the whole encoder "
+                         "(its rest did not fit untiled)."))
         except Exception as e:
             case.note(f"{name} encode case failed: {type(e).__name__}: {e}")
     return tables
