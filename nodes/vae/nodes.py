@@ -225,8 +225,10 @@ class MetalVAEEncodeTiled:
                                                      note=lambda: quality_note(engine.info)):
             out = engine.encode(x)
         info = engine.info
-        log.info(f"comfy_metal: VAE encode {tuple(x.shape)} -> {tuple(out.shape)} in {info.seconds:.1f}s: "
-                 f"{info.tiles} tiles of {info.tile} latent px (overlap {info.overlap}), {info.passes} pass(es)"
+        how = (f"the down path stage by stage over the whole image in row bands ({info.bands} band forwards), 1 pass"
+               if info.scheme == "stages" else
+               f"{info.tiles} tiles of {info.tile} latent px (overlap {info.overlap}), {info.passes} pass(es)")
+        log.info(f"comfy_metal: VAE encode {tuple(x.shape)} -> {tuple(out.shape)} in {info.seconds:.1f}s: " + how
                  + (", shared GroupNorm statistics" if info.shared_stats else "")
                  + (", mid block untiled" if info.untiled_tail else "")
                  + f"; quality vs untiled: {info.mode}"

@@ -429,7 +429,7 @@ def test_sd_vae_encode_untiled_rest_vs_untiled(comfyui, sd_vae_with_encoder, cap
     tiles run only the encoder's first level(s) and the rest (the mid block's attention included) runs once
     over the whole image. With shared statistics the latent matches the untiled encode (>= 45 dB, far above
     ComfyUI's VAEEncodeTiled with tiles scaled to the image); feather is not below ComfyUI's. The node
-    reports it."""
+    reports it. With more budget, auto runs the exact stage-by-stage encode."""
     from comfy_metal.nodes import vae as vt
     from comfy_metal.nodes.vae.nodes import EXACT, MetalVAEEncodeTiled
 
@@ -460,3 +460,12 @@ def test_sd_vae_encode_untiled_rest_vs_untiled(comfyui, sd_vae_with_encoder, cap
         (lat,) = MetalVAEEncodeTiled().encode(pixels, vae, memory_budget_gb=budget / 2**30, seam_mode=EXACT)
     assert _tiles_logged(caplog.text) > 1 and "mid block untiled" in caplog.text
     assert psnr(lat["samples"], ref, peak=peak) >= 45.0
+    # at 0.8x the untiled peak the down path runs stage by stage over the whole image: the node's default
+    # (auto) chooses that exact encode, one pass
+    caplog.clear()
+    with caplog.at_level("INFO", logger="comfy_metal"):
+        (lat,) = MetalVAEEncodeTiled().encode(pixels, vae, memory_budget_gb=untiled["peak"] * 0.8 / 2**30)
+    assert "stage by stage" in caplog.text and "auto: exact" in caplog.text, caplog.text[-2000:]
+    p_auto = psnr(lat["samples"], ref, peak=peak)
+    print("node, auto, stage by stage:", p_auto)
+    assert p_auto >= 60.0
