@@ -17,7 +17,7 @@ print("ok")
 def test_transformers_models_import_after_comfyui(comfyui_path):
     import comfyui_env
 
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, "-c", comfyui_env.checkout_import_code() + SCRIPT], capture_output=True, text=True, timeout=300,
                           env=comfyui_env.comfy_subprocess_env({"COMFYUI_PATH": str(comfyui_path),
                                                                "PYTHONPATH": ""}))
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

@@ -3,22 +3,17 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _run_doctor(out, *extra, env=None, cwd=None):
-    # Run as `python -m comfy_metal` against this checkout, installed or not.
-    boot = (f"import sys, importlib.util; spec = importlib.util.spec_from_file_location('comfy_metal', "
-            f"{str(ROOT / '__init__.py')!r}, submodule_search_locations=[{str(ROOT)!r}]); "
-            "m = importlib.util.module_from_spec(spec); sys.modules['comfy_metal'] = m; spec.loader.exec_module(m); "
-            "import runpy; sys.argv = ['comfy_metal'] + sys.argv[1:]; runpy.run_module('comfy_metal', run_name='__main__')")
+    import comfyui_env
+
     out_args = ["--out", str(out)] if out is not None else []
-    return subprocess.run([sys.executable, "-c", boot, "doctor", *out_args, *extra], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, **(env or {})}, cwd=cwd)
+    return subprocess.run(comfyui_env.pack_command("doctor", *out_args, *extra, root=ROOT), capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 def test_doctor_json_reports_every_kernel_and_runs_the_pipeline(tmp_path):

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pathlib
 import struct
 import subprocess
-import sys
 import time
 
 import pytest
@@ -112,7 +110,7 @@ def _cli(args, env_extra=None, cwd=None, timeout=300):
     env = comfyui_env.comfy_subprocess_env()
     env.pop("COMFYUI_PATH", None)
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "comfy_metal", "run", *map(str, args)], capture_output=True,
+    return subprocess.run(comfyui_env.pack_command("run", *map(str, args)), capture_output=True,
                           text=True, env=env, cwd=cwd, timeout=timeout)
 
 

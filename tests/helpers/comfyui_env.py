@@ -177,6 +177,20 @@ def stubs_path() -> pathlib.Path | None:
     return d
 
 
+def checkout_import_code(root: pathlib.Path = REPO_ROOT) -> str:
+    """Python source that imports the checkout at `root` as the package `comfy_metal` (installed or
+    not, whatever the folder is called), for `python -c` subprocesses."""
+    return (f"import sys, importlib.util; spec = importlib.util.spec_from_file_location('comfy_metal', "
+            f"{str(root / '__init__.py')!r}, submodule_search_locations=[{str(root)!r}]); "
+            "m = importlib.util.module_from_spec(spec); sys.modules['comfy_metal'] = m; spec.loader.exec_module(m)\n")
+
+
+def pack_command(*argv: str, root: pathlib.Path = REPO_ROOT) -> list[str]:
+    """`python -m comfy_metal ARGV...` run against the checkout at `root`, installed or not."""
+    return [sys.executable, "-c", checkout_import_code(root) + "import runpy; sys.argv = ['comfy_metal'] + "
+            "sys.argv[1:]; runpy.run_module('comfy_metal', run_name='__main__')", *argv]
+
+
 def comfy_subprocess_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """os.environ plus the needed stubs (see stubs_path) on PYTHONPATH, after anything already there."""
     env = dict(os.environ)

@@ -535,8 +535,8 @@ def test_quantize_and_save_runs_headless_unchanged(comfyui, comfyui_path, tmp_pa
     env = comfyui_env.comfy_subprocess_env()
     env["COMFYUI_PATH"] = str(comfyui_path)
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "comfy_metal", "run", str(bw.WORKFLOWS_DIR / "quantize_and_save.api.json"),
-                           "--models", str(models), "--out", str(out)],
+    proc = subprocess.run(comfyui_env.pack_command("run", str(bw.WORKFLOWS_DIR / "quantize_and_save.api.json"),
+                                                   "--models", str(models), "--out", str(out)),
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     summary = json.loads((out / "summary.json").read_text())
