@@ -16,6 +16,9 @@ def _version_tuple(v: str) -> tuple[int, int]:
 
 
 TORCH_VERSION = _version_tuple(torch.__version__)
+# Attention score matrices of this many elements or more come out silently wrong on MPS (any torch
+# version so far): the pack's attention and the tiled VAE keep every score matrix below it.
+MPS_MAX_SCORE_ELEMENTS = 2 ** 31
 
 
 def mps_available() -> bool:

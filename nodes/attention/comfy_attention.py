@@ -38,7 +38,7 @@ import os
 import torch
 
 from ...metal_kernels import attention as attention_kernels
-from ...metal_kernels import dispatch
+from ...metal_kernels import dispatch, probe
 
 log = logging.getLogger("comfy_metal")
 
@@ -107,7 +107,7 @@ def uncovered_reason(q4, k4, v4, mask, kwargs) -> str | None:
     return None
 
 
-MPS_MAX_SCORES = 2 ** 31      # score matrices this large come out silently wrong on MPS
+MPS_MAX_SCORES = probe.MPS_MAX_SCORE_ELEMENTS
 SDPA_FULL_MATRIX_ROWS = 8     # PyTorch's MPS SDPA builds the whole Lq x Lk matrix above this many query rows
 
 

@@ -40,6 +40,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from ...metal_kernels.probe import MPS_MAX_SCORE_ELEMENTS
 from .codecs import Codec
 from .memory import auto_budget, is_oom, measure_peak
 from .pad import MetalPadMode, pad_mode_for
@@ -330,8 +331,13 @@ class TiledVAE(EncodeRestUntiled):
         else:
             h, w = x.shape[-2:]
         budget = self.opt.budget_bytes or auto_budget(c.device)
+        whole = self._attention_fits(x, h * w)     # the whole latent in one attention (head, encoder rest)
+        if not whole:
+            log.warning(f"comfy_metal: VAE {'encode' if encode else 'decode'}: attention over the whole {h}x{w} "
+                        f"latent would build a score matrix past MPS's 2^31-element limit (wrong results "
+                        f"there); tiles of at most {self._attention_side(x)} latent px run the whole VAE")
         if not encode and c.decode_head is not None and c.decode_tail is not None and self.opt.untiled_head \
-                and not c.video:
+                and not c.video and whole:
             feats = self._untiled_head(x, budget)
             if feats is not None:
                 x, fn = feats, c.decode_tail
@@ -352,12 +358,12 @@ class TiledVAE(EncodeRestUntiled):
             self.info.auto = f"auto: feather ({why})"
         self._enc_oscale, self._enc_rest = 1, None
         if encode and c.encode_body_stages and self.opt.shared_stats is not False and self.opt.untiled_tail \
-                and self.opt.tile is None and self.opt.calibrate and not c.video:
+                and self.opt.tile is None and self.opt.calibrate and not c.video and whole:
             out = self._stagewise_encode(x, budget, h, w, CPU_WORKSPACE_FACTOR if c.device.type == "cpu" else 1.0)
             if out is not None:
                 self.info.seconds = time.perf_counter() - t_start
                 return out
-        if encode and len(c.encode_stages) > 1 and self.opt.untiled_tail and not c.video:
+        if encode and len(c.encode_stages) > 1 and self.opt.untiled_tail and not c.video and whole:
             split = self._plan_untiled_tail(x, budget, h, w)
             if split is not None:
                 fn = _chain(c.encode_stages[:split])
@@ -383,6 +389,8 @@ class TiledVAE(EncodeRestUntiled):
         elif tile is None:
             tile = self._tile_for_budget(fn, x, tile_budget, h, w, encode=encode) if self.opt.calibrate else 64
         tile = max(1, min(int(tile), max(h, w)))
+        if fn in (c.encode, c.decode, c.decode_stream) and not self._attention_fits(x, tile * tile):
+            tile = self._attention_side(x)              # each tile runs the VAE's attention over itself
         device = c.device
         while True:
             try:
@@ -480,6 +488,22 @@ class TiledVAE(EncodeRestUntiled):
             log.warning(f"comfy_metal: VAE decode (stage by stage): {bad} NaN/inf values in the output (from the "
                         f"latent or the VAE's activations); they are in the output")
         return out, feather_tile
+
+    def _attention_batch(self, x: torch.Tensor) -> int:
+        return x.shape[0] * (x.shape[2] if self.codec.video and x.dim() == 5 else 1)
+
+    def _attention_fits(self, x: torch.Tensor, tokens: int) -> bool:
+        """Whether the VAE's attention over `tokens` latent pixels (one head, batch x frames) stays under
+        MPS's score-matrix limit (ComfyUI's VAE attention builds the whole matrix when memory allows)."""
+        return not _score_limited(self.codec.device) or \
+            self._attention_batch(x) * tokens * tokens < MPS_MAX_SCORE_ELEMENTS
+
+    def _attention_side(self, x: torch.Tensor) -> int:
+        """The largest square tile side whose attention stays under MPS's score-matrix limit."""
+        side = int((MPS_MAX_SCORE_ELEMENTS / self._attention_batch(x)) ** 0.25)
+        while side > 1 and not self._attention_fits(x, side * side):
+            side -= 1
+        return max(1, side)
 
     def _overlap(self, tile) -> int:
         """The overlap of a plan at this tile size: the user's, else feather's default, and at least
@@ -726,6 +750,11 @@ class TiledVAE(EncodeRestUntiled):
             t_off += chunk.shape[2] if chunk.dim() == 5 else 1
             del chunk
         return acc
+
+
+def _score_limited(device: torch.device) -> bool:
+    """Whether attention score matrices on `device` must stay under MPS_MAX_SCORE_ELEMENTS."""
+    return device.type == "mps"
 
 
 def _empty_cache(device):

@@ -439,3 +439,33 @@ def test_shared_statistics_sequential_cache_keeps_one_block_per_tile(kl_vae, kl_
           keep_l.info.blocks_computed)
     assert chain_l.info.blocks_computed == chain.info.blocks_computed
     assert keep_l.info.blocks_computed > chain_l.info.blocks_computed
+
+
+@pytest.mark.parametrize("encode", [False, True])
+def test_attention_stays_under_the_mps_score_limit(kl_vae, kl_case, monkeypatch, caplog, encode):
+    """On MPS (its score-matrix limit faked lower on CPU) no attention of the VAE sees more tokens than the
+    limit allows: the whole-latent head/rest are skipped and tiles are cut small enough, with a warning.
+    Oracle: every score matrix the VAE's attention (diffusers' SDPA) really builds."""
+    import logging
+
+    from comfy_metal.nodes.vae import engine
+
+    limit = 300 ** 2                               # 1920 latent px -> tiles of at most 17 x 17 = 289 tokens
+    monkeypatch.setattr(engine, "_score_limited", lambda device: True)
+    monkeypatch.setattr(engine, "MPS_MAX_SCORE_ELEMENTS", limit)
+    built = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def recording_sdpa(q, k, v, *args, **kwargs):
+        built.append(q.shape[:-2].numel() * q.shape[-2] * k.shape[-2])
+        return real_sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    z, ref = kl_case
+    eng = vt.TiledVAE(vt.codec_from_diffusers(kl_vae))
+    with caplog.at_level(logging.WARNING, logger="comfy_metal"):
+        out = eng.encode(ref.clamp(-1, 1)) if encode else eng.decode(z)
+    assert out.shape[-2:] == ((z.shape[-2], z.shape[-1]) if encode else ref.shape[-2:])
+    assert built and max(built) < limit, max(built)
+    assert eng.info.tiles > 1 and not eng.info.untiled_head
+    assert any("2^31" in r.getMessage() for r in caplog.records)
