@@ -26,11 +26,10 @@ OBJECT_INFO_FILE = pathlib.Path(__file__).resolve().parent / "workflow_object_in
 HF = "https://huggingface.co/"
 # The decode node of the pack (nodes/vae/nodes.py).
 DECODE = "MetalVAEDecodeTiled"
-# Images (GroupNorm KL VAE): budget from the free memory, feather tiles from a whole-image mid block.
-# The node's default is now "auto" (exact stage by stage where the budget holds it, README Low-memory
-# VAE); these workflows keep "feather" until they are regenerated with their screenshots.
+# Images (GroupNorm KL VAE): budget from the free memory, seam mode auto (the node's default: exact, stage
+# by stage over the whole image, where the budget holds it; feather tiles otherwise; README Low-memory VAE).
 IMAGE_DECODE = {"memory_budget_gb": 0.0, "overlap": 0, "temporal_chunk": 0, "temporal_overlap": 0,
-                "seam_mode": "feather"}
+                "seam_mode": "auto"}
 # Video (causal Wan VAE, RMS norms): a fixed 2 GiB of tile memory, the VAE's own causal chunking per tile.
 VIDEO_DECODE = {"memory_budget_gb": 2.0, "overlap": 0, "temporal_chunk": 0, "temporal_overlap": 0,
                 "seam_mode": "feather"}
@@ -124,8 +123,9 @@ def fp8_flux_t2i() -> tuple[dict, list[str], dict]:
         "- KSampler with euler_metal: ComfyUI's euler with one fused Metal kernel per step and no host "
         "sync in the loop (any <sampler>_metal entry works).\n"
         "- Flux.1-dev is guidance-distilled: cfg 1.0 with FluxGuidance 3.5, negative zeroed out.\n"
-        "- VAE Decode (Low Memory, Metal) decodes in feathered tiles from a whole-image mid block, so a 1024x1024 "
-        "(or larger) decode fits in little memory.",
+        "- VAE Decode (Low Memory, Metal) decodes within a memory budget: stage by stage over the whole image "
+        "(the same image as an untiled decode) where the budget holds it, else in feathered tiles from a "
+        "whole-image mid block, so a 1024x1024 (or larger) decode fits in little memory.",
     ]
     titles = {"1": "Load Diffusion Model (FP8, Metal)", "2": "Load 2 Text Encoders (FP8, Metal)",
               "9": "VAE Decode (Low Memory, Metal)"}
@@ -150,7 +150,8 @@ def gguf_flux_t2i() -> tuple[dict, list[str], dict]:
         "time (a fused dequantise + GEMV kernel for small batches). LoRAs apply to the dequantised weights.\n"
         "- Load 2 Text Encoders (GGUF, Metal) takes the GGUF T5 (kept quantised) with the CLIP-L file.\n"
         "- KSampler with euler_metal; Flux.1-dev is guidance-distilled: cfg 1.0 with FluxGuidance 3.5.\n"
-        "- VAE Decode (Low Memory, Metal) decodes in feathered tiles from a whole-image mid block.",
+        "- VAE Decode (Low Memory, Metal) decodes within a memory budget: stage by stage over the whole image "
+        "where the budget holds it, else in feathered tiles.",
     ]
     titles = {"1": "Load Diffusion Model (GGUF, Metal)", "2": "Load 2 Text Encoders (GGUF, Metal)",
               "9": "VAE Decode (Low Memory, Metal)"}
