@@ -31,7 +31,6 @@ import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from .shared_stats import GroupMoments, group_norm_with
 
@@ -82,7 +81,9 @@ class OutStage:
 
 
 def _checked(stages):
-    """The stages, or None when a module breaks the one-row-reach assumption."""
+    """The stages, or None when a module breaks the one-row-reach assumption (or was not a stage: None)."""
+    if any(s is None for s in stages):
+        return None
     for s in stages:
         norms = [s.norm1, s.norm2] if s.kind == "resnet" else [s.norm] if s.kind == "out" else []
         if not all(isinstance(n, torch.nn.GroupNorm) for n in norms):
@@ -93,6 +94,20 @@ def _checked(stages):
         if s.kind == "resnet" and s.shortcut is not None and _same_conv_halo(s.shortcut) != 0:
             return None
     return stages
+
+
+def comfy_resnet_stage(block, act) -> ResnetStage | None:
+    """A ComfyUI `ResnetBlock` as a stage (None for another module or a 3x3 conv shortcut)."""
+    if type(block).__name__ != "ResnetBlock" or getattr(block, "use_conv_shortcut", False):
+        return None
+    return ResnetStage(block.norm1, block.conv1, block.norm2, block.conv2, getattr(block, "nin_shortcut", None), act)
+
+
+def diffusers_resnet_stage(r) -> ResnetStage | None:
+    """A diffusers `ResnetBlock2D` without resampling as a stage (None otherwise)."""
+    if type(r).__name__ != "ResnetBlock2D" or r.upsample is not None or r.downsample is not None:
+        return None
+    return ResnetStage(r.norm1, r.conv1, r.norm2, r.conv2, r.conv_shortcut, r.nonlinearity, float(r.output_scale_factor))
 
 
 def comfy_tail_stages(dec) -> list | None:
@@ -107,10 +122,7 @@ def comfy_tail_stages(dec) -> list | None:
         if len(dec.up[level].attn) > 0:
             return None
         for block in dec.up[level].block:
-            if type(block).__name__ != "ResnetBlock" or getattr(block, "use_conv_shortcut", False):
-                return None
-            stages.append(ResnetStage(block.norm1, block.conv1, block.norm2, block.conv2,
-                                      getattr(block, "nin_shortcut", None), act))
+            stages.append(comfy_resnet_stage(block, act))
         if level != 0:
             up = dec.up[level].upsample
             if type(up).__name__ != "Upsample" or not up.with_conv or up.scale_factor not in (2, 2.0):
@@ -126,11 +138,7 @@ def diffusers_tail_stages(dec) -> list | None:
     for up_block in dec.up_blocks:
         if type(up_block).__name__ != "UpDecoderBlock2D":
             return None
-        for r in up_block.resnets:
-            if type(r).__name__ != "ResnetBlock2D" or r.upsample is not None or r.downsample is not None:
-                return None
-            stages.append(ResnetStage(r.norm1, r.conv1, r.norm2, r.conv2, r.conv_shortcut, r.nonlinearity,
-                                      float(r.output_scale_factor)))
+        stages += [diffusers_resnet_stage(r) for r in up_block.resnets]
         for u in up_block.upsamplers or []:
             if type(u).__name__ != "Upsample2D" or u.norm is not None or u.use_conv_transpose \
                     or not u.interpolate or not u.use_conv or u.name != "conv":

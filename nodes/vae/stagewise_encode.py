@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from .shared_stats import GroupMoments
-from .stagewise import BAND_FACTOR, STATS_OVERHEAD, ResnetStage, StagePlan, StagewiseDecode, _bands, _Buffer, \
-    _checked, _same_conv_halo
+from .stagewise import BAND_FACTOR, STATS_OVERHEAD, StagePlan, StagewiseDecode, _bands, _Buffer, _checked, \
+    _same_conv_halo, comfy_resnet_stage, diffusers_resnet_stage
 
 
 @dataclasses.dataclass
@@ -46,6 +46,8 @@ def _down_ok(conv) -> bool:
 
 
 def _checked_body(stages):
+    if any(s is None for s in stages):
+        return None
     first, rest = stages[0], stages[1:]
     if first.kind != "in" or _same_conv_halo(first.conv) != 1:
         return None
@@ -66,10 +68,7 @@ def comfy_body_stages(enc) -> list | None:
         if len(enc.down[level].attn) > 0:
             return None
         for block in enc.down[level].block:
-            if type(block).__name__ != "ResnetBlock" or getattr(block, "use_conv_shortcut", False):
-                return None
-            stages.append(ResnetStage(block.norm1, block.conv1, block.norm2, block.conv2,
-                                      getattr(block, "nin_shortcut", None), act))
+            stages.append(comfy_resnet_stage(block, act))
         if level != enc.num_resolutions - 1:
             down = enc.down[level].downsample
             if type(down).__name__ != "Downsample" or not down.with_conv:
@@ -84,11 +83,7 @@ def diffusers_body_stages(enc) -> list | None:
     for block in enc.down_blocks:
         if type(block).__name__ != "DownEncoderBlock2D":
             return None
-        for r in block.resnets:
-            if type(r).__name__ != "ResnetBlock2D" or r.upsample is not None or r.downsample is not None:
-                return None
-            stages.append(ResnetStage(r.norm1, r.conv1, r.norm2, r.conv2, r.conv_shortcut, r.nonlinearity,
-                                      float(r.output_scale_factor)))
+        stages += [diffusers_resnet_stage(r) for r in block.resnets]
         for d in block.downsamplers or []:
             if type(d).__name__ != "Downsample2D" or d.norm is not None or not d.use_conv or d.padding != 0:
                 return None
