@@ -350,7 +350,8 @@ class TiledVAE(EncodeRestUntiled):
                 self.info.seconds = time.perf_counter() - t_start
                 return out
         elif self.opt.shared_stats is None:
-            why = ("no whole-image stages for this encoder" if encode and not c.encode_body_stages
+            why = ("attention over the whole latent would pass MPS's 2^31-element score limit" if not whole
+                   else "no whole-image stages for this encoder" if encode and not c.encode_body_stages
                    else "a fixed tile size" if encode
                    else "no whole-image stages for this decoder" if not c.decode_stages
                    else "the mid block over the whole latent does not fit the budget" if not self.info.untiled_head
