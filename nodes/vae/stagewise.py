@@ -169,10 +169,13 @@ class _Buffer:
 
     def write(self, r0, r1, band):
         if self.t.dtype == torch.float16 and band.numel() and float(band.abs().max()) >= 60000.0:
+            # Every row, not only those written so far: an in-place ResNet stage writes into its own input
+            # buffer, whose rows below this band still hold the fp16 input that later bands read.
             bf = self.t.view(torch.bfloat16)
-            step = max(1, self.t.shape[-2] // 16)
-            for a in range(0, r0, step):
-                b = min(r0, a + step)
+            rows = self.t.shape[-2]
+            step = max(1, rows // 16)
+            for a in range(0, rows, step):
+                b = min(rows, a + step)
                 bf[..., a:b, :] = self.t[..., a:b, :].to(torch.bfloat16)
             self.t = bf
         self.t[..., r0:r1, :] = band

@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from comfy_metal.nodes import vae as vt
 from comfy_metal.nodes.common.quality import psnr as psnr_db
@@ -79,6 +80,32 @@ def test_fp16_buffer_turns_bf16_when_out_of_range():
     assert buf.t.dtype == torch.bfloat16
     assert torch.equal(buf.t[..., :2, :].float(), a) and torch.equal(buf.t[..., 4:, :].float(), a)
     assert float(buf.t[..., 2:4, :].float().min()) == pytest.approx(1e6, rel=1e-2)
+
+
+def test_fp16_to_bf16_switch_in_an_in_place_stage():
+    """An in-place ResNet stage (same width, no shortcut) writes into its input buffer: when a band's output
+    leaves fp16's range, the rows not yet read must turn bf16 too, or later bands read fp16 bytes as bf16."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    c = 16
+
+    def resnet():
+        return stagewise.ResnetStage(nn.GroupNorm(4, c), nn.Conv2d(c, c, 3, padding=1), nn.GroupNorm(4, c),
+                                     nn.Conv2d(c, c, 3, padding=1), None, F.silu)
+
+    stages = [resnet(), resnet(), stagewise.OutStage(nn.GroupNorm(4, c), F.silu, nn.Conv2d(c, 3, 3, padding=1))]
+    h = torch.randn(1, c, 24, 20) * 3000
+    with torch.no_grad():
+        stages[1].conv2.weight.mul_(1e5)               # the second stage's output passes 60000
+        want = h
+        for s in stages[:2]:
+            want = want + s.conv2(s.act(s.norm2(s.conv1(s.act(s.norm1(want))))))
+        want = stages[2].conv(stages[2].act(stages[2].norm(want)))
+        got = stagewise.StagewiseDecode(stages, "cpu", torch.float32).run(
+            h, stagewise.StagePlan(torch.float16, [6, 6, 6], 0, 1.0), torch.device("cpu"))
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < 0.05, err                            # bf16 rounding; the old switch gave ~1.0
 
 
 def test_budget_decode_runs_stagewise_within_the_budget(kl):
