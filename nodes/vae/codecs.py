@@ -40,6 +40,8 @@ class Codec:
     calibrate_all_frames: bool = False   # video: the decoder holds every latent frame at once (a mid block over
                                          # the whole clip), so its peak grows with the frame count: calibrate
                                          # the cost model on the real frame count, not on two frames
+    attention_over_frames: bool = False  # video: the mid attention runs over all latent frames of a tile as one
+                                         # sequence (HunyuanVideo 1.0), not frame by frame (Wan)
     # Image KL decoders split at the mid block: decode(z) == decode_tail(decode_head(z)). The head
     # (post_quant_conv, conv_in, mid block with its global attention) keeps the latent's grid, so the
     # engine runs it once over the whole latent and tiles only the tail (the up path), cut from the
@@ -365,7 +367,7 @@ def _comfy_hunyuan_video_codec(vae, fsm, latent_dim, scale, device, dtype) -> Co
     return Codec("comfy-hunyuan-video", int(scale), decode=lambda z: fsm.decode(z), encode=encode,
                  decode_stream=stream, module=fsm, device=device, dtype=dtype, video=True,
                  out_channels=getattr(vae, "output_channels", 3), latent_channels=vae.latent_channels,
-                 calibrate_all_frames=True)
+                 calibrate_all_frames=True, attention_over_frames=True)
 
 
 def codec_from_fn(decode_fn, scale: int, encode_fn=None, module=None, device="cpu", dtype=torch.float32) -> Codec:

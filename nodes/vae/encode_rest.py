@@ -104,7 +104,8 @@ class EncodeRestUntiled:
                 raise
             e = feats = None
             log.warning("comfy_metal: the stage-by-stage exact encode ran out of memory; encoding in tiles")
-            self.info.auto = ""
+            self.info.auto = "auto: feather (the stage-by-stage exact encode ran out of memory)" \
+                if self.opt.shared_stats is None else ""
             return None
         del feats
         info = self.info

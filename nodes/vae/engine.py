@@ -479,6 +479,8 @@ class TiledVAE(EncodeRestUntiled):
             _empty_cache(c.device)
             log.warning("comfy_metal: the stage-by-stage exact decode ran out of memory; decoding in tiles")
             self.info.shared_stats, self.info.scheme = False, ""
+            if self.opt.shared_stats is None:
+                self.info.auto = "auto: feather (the stage-by-stage exact decode ran out of memory)"
             return None, feather_tile
         self.info.bands = sw.bands_run
         if self.opt.progress is not None:
@@ -490,18 +492,25 @@ class TiledVAE(EncodeRestUntiled):
                         f"latent or the VAE's activations); they are in the output")
         return out, feather_tile
 
-    def _attention_batch(self, x: torch.Tensor) -> int:
-        return x.shape[0] * (x.shape[2] if self.codec.video and x.dim() == 5 else 1)
+    def _attention_shape(self, x: torch.Tensor) -> tuple[int, int]:
+        """(sequences, latent frames per sequence) of the VAE's attention: one head per batch item, frame by
+        frame (image VAEs, Wan) or over all frames at once (HunyuanVideo 1.0)."""
+        frames = x.shape[2] if self.codec.video and x.dim() == 5 else 1
+        if self.codec.attention_over_frames:
+            return x.shape[0], frames
+        return x.shape[0] * frames, 1
 
-    def _attention_fits(self, x: torch.Tensor, tokens: int) -> bool:
-        """Whether the VAE's attention over `tokens` latent pixels (one head, batch x frames) stays under
-        MPS's score-matrix limit (ComfyUI's VAE attention builds the whole matrix when memory allows)."""
+    def _attention_fits(self, x: torch.Tensor, area: int) -> bool:
+        """Whether the VAE's attention over `area` latent pixels a frame stays under MPS's score-matrix limit
+        (ComfyUI's VAE attention builds the whole matrix when memory allows)."""
+        sequences, frames = self._attention_shape(x)
         return not _score_limited(self.codec.device) or \
-            self._attention_batch(x) * tokens * tokens < MPS_MAX_SCORE_ELEMENTS
+            sequences * (frames * area) ** 2 < MPS_MAX_SCORE_ELEMENTS
 
     def _attention_side(self, x: torch.Tensor) -> int:
         """The largest square tile side whose attention stays under MPS's score-matrix limit."""
-        side = int((MPS_MAX_SCORE_ELEMENTS / self._attention_batch(x)) ** 0.25)
+        sequences, frames = self._attention_shape(x)
+        side = int((MPS_MAX_SCORE_ELEMENTS / sequences) ** 0.25 / frames ** 0.5) + 1
         while side > 1 and not self._attention_fits(x, side * side):
             side -= 1
         return max(1, side)
@@ -513,7 +522,7 @@ class TiledVAE(EncodeRestUntiled):
         if self.opt.overlap is not None:
             return self.opt.overlap
         if self.opt.shared_stats and self._encode_exact_overlap():
-            return min(default_overlap(tile), self._encode_exact_overlap())
+            return self._encode_exact_overlap()     # what the tiled first stages reach (the planner's floor)
         return max(default_overlap(tile), EXACT_OVERLAP) if self.opt.shared_stats else default_overlap(tile)
 
     def _head_peak(self, x: torch.Tensor, fn: Callable | None = None, area: int | None = None, unit: int = 1) -> int:

@@ -469,3 +469,21 @@ def test_attention_stays_under_the_mps_score_limit(kl_vae, kl_case, monkeypatch,
     assert built and max(built) < limit, max(built)
     assert eng.info.tiles > 1 and not eng.info.untiled_head
     assert any("2^31" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("over_frames", [True, False])
+def test_mps_score_limit_counts_attention_over_frames(over_frames):
+    """HunyuanVideo 1.0's mid attention runs over all latent frames of a tile as one sequence (ComfyUI's
+    AttnBlock on a 5-D tensor): 9 frames of 96x96 latent px are (9 * 96 * 96)^2 = 6.9e9 scores, past 2^31;
+    Wan's runs frame by frame (9 sequences of 96 * 96 tokens: 7.6e8). The largest tile side is the last
+    one under the limit."""
+    from comfy_metal.nodes.vae import engine
+
+    codec = dataclasses.replace(vt.codec_from_fn(lambda z: z, 8), video=True, device=torch.device("mps"),
+                                attention_over_frames=over_frames)
+    eng = vt.TiledVAE(codec, vt.TilingOptions())
+    x = torch.empty(1, 16, 9, 96, 96, device="meta")
+    assert eng._attention_fits(x, 96 * 96) is (not over_frames)
+    side = eng._attention_side(x)
+    scores = (lambda s: (9 * s * s) ** 2) if over_frames else (lambda s: 9 * (s * s) ** 2)
+    assert scores(side) < engine.MPS_MAX_SCORE_ELEMENTS <= scores(side + 1), side
