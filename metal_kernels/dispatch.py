@@ -430,9 +430,10 @@ def measured_choice(kernel: str, shape_class, candidates: dict, device, *, reps:
     return record["choice"]
 
 
-# Calls whose tensor arguments hold more than this are not timed (timing works on copies of them); the
-# self-checked kernel runs, as decided by a smaller call of its shape class if there was one.
-MEASURE_MAX_BYTES = 256 * 2**20
+# Calls whose tensor arguments hold more than this are not timed (timing works on a copy of them, one
+# candidate at a time: at most this much memory more, once per kernel and shape class, outside any VAE
+# budget); the self-checked kernel runs, as decided by a smaller call of its shape class if there was one.
+MEASURE_MAX_BYTES = 128 * 2**20
 SMALL_TENSOR_ELEMENTS = 4096
 
 
@@ -469,7 +470,7 @@ def _copies(args, kwargs):
 def measured_backend(spec: KernelSpec, args, kwargs, device) -> str:
     """"metal" or "reference" for a self-checked kernel on MPS: the Metal kernel and its reference (the
     platform's own torch ops) are timed once per shape class (`call_shape_class`) with
-    `measured_choice`, on copies of the arguments, and the Metal kernel runs only where it was
+    `measured_choice`, on a copy of the arguments (one candidate's at a time), and the Metal kernel runs only where it was
     strictly faster, so no kernel makes a Mac slower than the torch ops it replaces. The timing
     synchronises the device, once per kernel and shape class per process. Calls too large to copy
     (MEASURE_MAX_BYTES) follow the choice made for their class, or run the kernel (logged once)."""
@@ -486,13 +487,24 @@ def measured_backend(spec: KernelSpec, args, kwargs, device) -> str:
                   f"(over {MEASURE_MAX_BYTES >> 20} MiB to copy); the self-checked Metal kernel runs")
         return "metal"
     lib = _library_for(spec, "metal")
-    ref_args, ref_kwargs = _copies(args, kwargs)
-    metal_args, metal_kwargs = _copies(args, kwargs)
-    candidates = {"reference": lambda: spec.reference(*ref_args, **ref_kwargs),   # the platform op first: ties keep it
-                  "metal": lambda: spec.metal(lib, *metal_args, **metal_kwargs)}
+    held: dict = {}      # one candidate's copies at a time: made at its first run, dropped at the next's
+
+    def on_copies(name, fn):
+        def run():
+            if held.get("name") != name:
+                held.clear()
+                held["name"], held["args"] = name, _copies(args, kwargs)
+            a, k = held["args"]
+            return fn(*a, **k)
+        return run
+
+    candidates = {"reference": on_copies("reference", spec.reference),   # the platform op first: ties keep it
+                  "metal": on_copies("metal", lambda *a, **k: spec.metal(lib, *a, **k))}
     try:
         choice = measured_choice(spec.name, shape_class, candidates, device)
+        held.clear()
     except RuntimeError as e:
+        held.clear()
         if _out_of_memory(e):
             raise
         return "reference"               # both failed: the reference raises its own clear error

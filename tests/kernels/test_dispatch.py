@@ -1,4 +1,5 @@
 """The dispatch layer: backend choice, forced reference, self-check and its log line."""
+import dataclasses
 import logging
 
 import pytest
@@ -253,3 +254,33 @@ def test_large_calls_and_caller_measured_kernels_are_not_timed(fake_mps_kernel, 
     assert calls == {"metal": 2, "reference": 0} and not dispatch.measured_records()
     assert {n for n, s in registry.REGISTRY.items() if s.measured_by_caller} \
         >= {"gemv", "gguf_gemv", "flash_attention"}
+
+
+def test_measuring_holds_one_candidates_copies_at_a_time(fake_mps_kernel):
+    """The timing works on copies of the arguments: the reference's are dropped before the kernel's are
+    made (at most one extra copy of the inputs alive), and none stays after the decision."""
+    import gc
+    import weakref
+
+    make_spec, _, _ = fake_mps_kernel
+    spec = make_spec("timed_copies", 0.2, 1.0)
+    seen = {"reference": [], "metal": []}
+    reference, metal = spec.reference, spec.metal
+
+    def ref(x, out):
+        seen["reference"].append(weakref.ref(x))
+        return reference(x, out)
+
+    def met(lib, x, out):
+        gc.collect()
+        seen["metal"].append(weakref.ref(x))
+        assert all(r() is None for r in seen["reference"]), "the reference's copies are still alive"
+        return metal(lib, x, out)
+
+    spec = dataclasses.replace(spec, reference=ref, metal=met)
+    x, out = torch.arange(6.0), torch.zeros(6)
+    dispatch.call(spec, (x, out), {})
+    gc.collect()
+    copies = {id(r()) for r in seen["reference"] + seen["metal"][:-1] if r() is not None}
+    assert not copies and len({id(r) for r in seen["reference"]}) >= 1
+    assert torch.equal(out, x * 2)
