@@ -440,7 +440,7 @@ SMALL_TENSOR_ELEMENTS = 4096
 def call_shape_class(args, kwargs) -> tuple:
     """What a kernel's measured choice is remembered under: for each tensor argument its dtype and the
     power of two at or above its element count (at least SMALL_TENSOR_ELEMENTS: a sampler's per-step flags
-    or a small table do not decide a kernel's speed); strings, bools and None by value (the options that pick
+    or a small table do not decide a kernel's speed); strings, bools, dtypes and None by value (the options that pick
     a kernel variant); numbers by type only (a sampler passes each step's sigmas and index: by value every
     step would be a new class, timed with syncs inside the loop)."""
     def one(a):
@@ -448,6 +448,8 @@ def call_shape_class(args, kwargs) -> tuple:
             return (str(a.dtype).replace("torch.", ""), 1 << max(SMALL_TENSOR_ELEMENTS - 1, a.numel() - 1).bit_length())
         if isinstance(a, (bool, str)) or a is None:
             return a
+        if isinstance(a, torch.dtype):                  # an output dtype picks a kernel variant
+            return str(a).replace("torch.", "")
         if isinstance(a, (int, float)):
             return type(a).__name__
         if isinstance(a, (tuple, list)):
