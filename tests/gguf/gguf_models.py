@@ -78,3 +78,76 @@ def write_gguf(path, sd: dict, qtype: str, arch: str = "flux", extra=None, skip=
     w.write_tensors_to_file()
     w.close()
     return values, nq
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: the rows of a Llama q/k projection (weight or bias)
+    reordered per head from Hugging Face's rotary layout (two halves) to llama.cpp's (interleaved pairs)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def exact_in_half_q8_0(a: np.ndarray) -> np.ndarray:
+    """`a` with every 32-value block scaled (by less than 1.42x) so that its largest magnitude is 127 * 2^e:
+    Q8_0's fp16 scale is then the power of two 2^e and every dequantised value (2^e times an int8) is exact
+    in fp16 and bf16, so a loader that stores the dequantised weights in half precision (ComfyUI's stock
+    text encoder path) holds exactly the weights the Q8_0 file does."""
+    blocks = a.reshape(-1, 32).astype(np.float32)
+    amax = np.abs(blocks).max(1, keepdims=True)
+    target = 127 * np.exp2(np.round(np.log2(np.where(amax > 0, amax, 127) / 127)))
+    return (blocks * np.where(amax > 0, target / np.where(amax > 0, amax, 1), 1)).reshape(a.shape)
+
+
+def write_llama_cpp_decoder(path, sd: dict, arch: str, qtype: str, n_head: int, n_head_kv: int,
+                            permute_qk: bool, exact_in_half: bool = False) -> tuple[dict, int]:
+    """A decoder text model (Hugging Face names: model.layers.N.self_attn.q_proj ...) written as llama.cpp's
+    convert_hf_to_gguf.py writes it: tensor names from the gguf package's own name map for `arch`, the
+    q/k rows permuted (permute_qk: Llama; Qwen2/Qwen3 keep Hugging Face's order), 2-D weights whose rows are
+    whole blocks quantised (the embedding too), norms and biases F32, the head counts as metadata.
+    Returns (Hugging Face name -> the values the file holds, dequantised by the gguf package and in Hugging
+    Face's row order; number of quantised tensors). Quantisation is per row, so quantising the unpermuted
+    weight gives the same rows as quantising the permuted one: checked for every permuted tensor.
+    exact_in_half (Q8_0): the weights are first snapped with exact_in_half_q8_0."""
+    layers = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("model.layers."))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "Q8_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    values, nq = {}, 0
+    for key, t in sd.items():
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise KeyError(f"the gguf package has no llama.cpp name for {key} ({arch})")
+        a = t.detach().float().contiguous().numpy()
+        permute = None
+        if permute_qk and ".self_attn.q_proj." in key:
+            permute = (n_head, n_head)
+        elif permute_qk and ".self_attn.k_proj." in key:
+            permute = (n_head, n_head_kv)
+        stored = llama_cpp_permute(a, *permute) if permute else a
+        if quantisable(key, t, qtype):
+            if exact_in_half:
+                assert qtype == "Q8_0", qtype
+                a = exact_in_half_q8_0(a)
+                stored = llama_cpp_permute(a, *permute) if permute else a
+            raw = quantize(stored, qtype)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=Q[qtype])
+            hf_order = np_dequantize(quantize(a, qtype), Q[qtype]).reshape(t.shape)
+            if permute:
+                assert np.array_equal(np_dequantize(raw, Q[qtype]).reshape(t.shape),
+                                      llama_cpp_permute(hf_order, *permute)), key
+            if exact_in_half:
+                assert np.array_equal(hf_order.astype(np.float16).astype(np.float32), hf_order), key
+            values[key] = torch.from_numpy(hf_order.copy())
+            nq += 1
+        else:
+            w.add_tensor(name, stored)
+            values[key] = torch.from_numpy(a.copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return values, nq

@@ -1,0 +1,110 @@
+"""llama.cpp-named decoder text encoders (GGUF) end to end inside a real ComfyUI ($COMFYUI_PATH; skipped otherwise).
+
+What ComfyUI-on-Mac users load: HiDream's Llama-3.1-8B and Qwen-Image's Qwen2.5-VL-7B text part as GGUF
+files made by llama.cpp's convert_hf_to_gguf.py (llama.cpp tensor names `blk.0.attn_q`, Llama's q/k rows
+in llama.cpp's rotary order). Here: ComfyUI's own encoder classes at tiny widths (workflow_models's
+`<model>_model_config` entries; Llama-3 keeps its real 128256-token vocabulary and uses the stand-in
+Llama-3 tokenizer where the ComfyUI archive lacks the real one), written as llama.cpp writes them
+(gguf_models.write_llama_cpp_decoder: the gguf package's own name map, llama.cpp's permutation of the Llama
+q/k rows, 2-D weights quantised with the gguf package, norms F32). Load Text Encoder (GGUF, Metal) and
+CLIPTextEncode run through ComfyUI's executor in one prompt with the oracle: core's CLIPLoader on a
+.safetensors of the same weights dequantised by the gguf package, in Hugging Face names and row order.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import gguf_models as gm
+import workflow_models as wm
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+TEXT = "a photo of a cat on a red sofa"
+# ComfyUI runs these encoders in fp16/bf16 on a CPU: core's loader stores the dequantised weights in that dtype.
+# The Q8_0 weights are snapped so that every dequantised value is exact there (power-of-two block scales;
+# gguf_models.exact_in_half_q8_0): both encoders then hold identical weights and only the order of sums may
+# differ. (Unsnapped, the fp16 rounding of core's copy alone moves the output by about 6e-4.)
+EXACT_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ops_mod(comfyui):
+    return importlib.import_module(comfyui.pack_module.__name__ + ".nodes.gguf.ops")
+
+
+def _write_pair(comfyui, stem: str, sd: dict, arch: str, qtype: str, n_head: int, n_head_kv: int,
+                permute_qk: bool, exact_in_half: bool = False) -> tuple[str, str, int]:
+    """(the llama.cpp-named .gguf, the oracle .safetensors, quantised tensors) in models/text_encoders."""
+    folder = comfyui.models_dir("text_encoders")
+    gguf_name, deq_name = f"{stem}_{qtype}.gguf", f"{stem}_{qtype}_dequantized.safetensors"
+    values, nq = gm.write_llama_cpp_decoder(folder / gguf_name, sd, arch, qtype, n_head, n_head_kv, permute_qk,
+                                            exact_in_half)
+    save_file({k: v.contiguous() for k, v in values.items()}, str(folder / deq_name))
+    comfyui.refresh_models()
+    return gguf_name, deq_name, nq
+
+
+def _remove(comfyui, *names) -> None:
+    for n in names:
+        (comfyui.models_dir("text_encoders") / n).unlink(missing_ok=True)
+
+
+def _conditioning(out) -> tuple[torch.Tensor, dict]:
+    out = out[0] if isinstance(out, list) else out
+    if not isinstance(out[0][0], torch.Tensor):
+        out = out[0]
+    return out[0][0], out[0][1]
+
+
+def _encode_against_core(comfyui, gguf_name: str, deq_name: str, clip_type: str):
+    """Load Text Encoder (GGUF, Metal) (node 1) and core's CLIPLoader on the dequantised file (node 3), each
+    followed by CLIPTextEncode (nodes 2 and 4), in one prompt through ComfyUI's executor."""
+    prompt = {"1": {"class_type": "MetalGGUFTextEncoderLoader",
+                    "inputs": {"clip_name": gguf_name, "type": clip_type, "device": "cpu"}},
+              "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": TEXT}},
+              "3": {"class_type": "CLIPLoader", "inputs": {"clip_name": deq_name, "type": clip_type}},
+              "4": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["3", 0], "text": TEXT}}}
+    res = comfyui.run_prompt(prompt, execute=["1", "2", "3", "4"])
+    clip = res.node_outputs["1"][0]
+    clip = clip[0] if isinstance(clip, list) else clip
+    return clip, _conditioning(res.node_outputs["2"][0]), _conditioning(res.node_outputs["4"][0])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape and torch.isfinite(a).all(), (a.shape, b.shape)
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_llama3_gguf_with_llama_cpp_names_matches_core_cliploader(comfyui, ops_mod, monkeypatch, tmp_path):
+    """HiDream's Llama-3.1-8B as a llama.cpp Q8_0 GGUF (arch llama, q/k rows permuted, 2 heads / 1 KV head of
+    128): ComfyUI detects it as HiDream's Llama and our encoding matches core's on the dequantised weights.
+    A loader that kept llama.cpp's row order would rotate the wrong pairs of q/k features."""
+    import comfy.sd
+
+    wm.shrink_text_encoders(monkeypatch, comfy.sd)
+    wm.use_llama3_tokenizer_stand_in(monkeypatch, tmp_path / "llama_tokenizer")
+    cfg = wm.LLAMA3_8B
+    names = _write_pair(comfyui, "llama31_tiny", wm.llama3_state_dict(), "llama", "Q8_0",
+                        cfg["num_attention_heads"], cfg["num_key_value_heads"], permute_qk=True,
+                        exact_in_half=True)
+    gguf_name, deq_name, nq = names
+    try:
+        clip, (a, ea), (b, eb) = _encode_against_core(comfyui, gguf_name, deq_name, "hidream")
+    finally:
+        _remove(comfyui, gguf_name, deq_name)
+    te = clip.cond_stage_model
+    assert te.llama is not None and te.clip_l is None and te.t5xxl is None
+    layers = dict(ops_mod.gguf_modules(te))
+    # every Linear of the two blocks (q, k, v, o, gate, up, down) and the embedding stay Q8_0
+    assert len(layers) == nq == 7 * cfg["num_hidden_layers"] + 1, (len(layers), nq)
+    assert {m.gguf_qtype for m in layers.values()} == {"Q8_0"}
+    ll_a, ll_b = ea["conditioning_llama3"], eb["conditioning_llama3"]
+    # HiDream's conditioning_llama3: the hidden states of every layer, without the start token
+    assert ll_a.shape[:2] == (1, cfg["num_hidden_layers"]) and ll_a.shape[-1] == cfg["hidden_size"]
+    rel = _rel(ll_a, ll_b)
+    print(f"llama-3 Q8_0 GGUF (llama.cpp names, permuted q/k) vs CLIPLoader(dequantised): rel {rel:.2e}")
+    assert rel < EXACT_TOL, rel
