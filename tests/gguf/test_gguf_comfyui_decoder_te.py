@@ -108,3 +108,29 @@ def test_llama3_gguf_with_llama_cpp_names_matches_core_cliploader(comfyui, ops_m
     rel = _rel(ll_a, ll_b)
     print(f"llama-3 Q8_0 GGUF (llama.cpp names, permuted q/k) vs CLIPLoader(dequantised): rel {rel:.2e}")
     assert rel < EXACT_TOL, rel
+
+
+def test_qwen25_vl_gguf_with_llama_cpp_names_matches_core_cliploader(comfyui, ops_mod, monkeypatch):
+    """Qwen-Image's Qwen2.5-VL-7B text part as a llama.cpp Q8_0 GGUF (arch qwen2vl: llama.cpp keeps Hugging
+    Face's q/k row order; q/k/v biases F32): ComfyUI detects it as Qwen2.5-VL-7B (type qwen_image) and our
+    encoding matches core's on the dequantised weights."""
+    import comfy.sd
+
+    wm.shrink_text_encoders(monkeypatch, comfy.sd)
+    cfg = wm.QWEN25_7B
+    gguf_name, deq_name, nq = _write_pair(comfyui, "qwen25vl_tiny", wm.qwen25_7b_text_state_dict(), "qwen2vl",
+                                          "Q8_0", cfg["num_attention_heads"], cfg["num_key_value_heads"],
+                                          permute_qk=False, exact_in_half=True)
+    try:
+        clip, (a, _), (b, _) = _encode_against_core(comfyui, gguf_name, deq_name, "qwen_image")
+    finally:
+        _remove(comfyui, gguf_name, deq_name)
+    te = clip.cond_stage_model
+    assert type(te).__name__ == "QwenImageTEModel_"
+    layers = dict(ops_mod.gguf_modules(te))
+    assert len(layers) == nq == 7 * cfg["num_hidden_layers"] + 1, (len(layers), nq)
+    assert {m.gguf_qtype for m in layers.values()} == {"Q8_0"}
+    assert a.shape[0] == 1 and a.shape[-1] == cfg["hidden_size"]
+    rel = _rel(a, b)
+    print(f"qwen2.5-vl Q8_0 GGUF (llama.cpp names) vs CLIPLoader(dequantised): rel {rel:.2e}")
+    assert rel < EXACT_TOL, rel

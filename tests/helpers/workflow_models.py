@@ -49,6 +49,10 @@ T5XXL_24 = dict(T5XXL, num_layers=24)                 # HiDream finds its T5 by 
 LLAMA3_8B = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1)
 LLAMA3_VOCAB = 128256                                 # what HiDream's encoder sets (ComfyUI's Llama-3 tokenizer)
+# Qwen2.5-VL-7B's text part (Qwen-Image's encoder): ComfyUI finds it by the k_proj bias of 512 rows (4 KV heads
+# of 128); the real vocabulary (the Qwen2.5 tokenizer's ids go up to 151664)
+QWEN25_7B = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4)
 UMT5_VOCAB = 320
 UMT5XXL = dict(d_model=16, d_ff=10240, d_kv=8, num_heads=2, num_layers=24, vocab_size=UMT5_VOCAB)
 
@@ -74,7 +78,7 @@ def tiny_text_encoder_configs(clip_g: bool = False, t5xxl: dict = T5XXL) -> dict
     clip = CLIP_LG if clip_g else CLIP_L
     return {"model_config": dict(clip), "clip_l_model_config": dict(clip), "clip_g_model_config": dict(CLIP_LG),
             "t5xxl_model_config": dict(t5xxl), "umt5xxl_model_config": dict(UMT5XXL),
-            "llama_model_config": dict(LLAMA3_8B)}
+            "llama_model_config": dict(LLAMA3_8B), "qwen25_7b_model_config": dict(QWEN25_7B)}
 
 
 def shrink_text_encoders(monkeypatch, comfy_sd, clip_g: bool = False, t5xxl: dict = T5XXL) -> None:
@@ -251,6 +255,18 @@ def llama3_state_dict(seed=10) -> dict:
                                            comfy.ops.manual_cast)
     _fill(net, seed, std=0.05)
     return {k: v.detach() for k, v in net.state_dict().items()}
+
+
+def qwen25_7b_text_state_dict(seed=11) -> dict:
+    """Qwen2.5-VL-7B's text part (the `model.*` tensors of ComfyUI's Qwen25_7BVLI, whose vision tower a
+    text encoder file does not carry) at QWEN25_7B's sizes, with q/k/v biases."""
+    import comfy.ops
+    import comfy.text_encoders.llama as llama
+
+    net = llama.Llama2_(llama.Qwen25_7BVLI_Config(**QWEN25_7B), device="cpu", dtype=torch.float32,
+                        ops=comfy.ops.manual_cast)
+    _fill(net, seed, std=0.05)
+    return {"model." + k: v.detach() for k, v in net.state_dict().items()}
 
 
 # Llama-3's pre-tokenizer split (its tokenizer.json's Split regex, which ComfyUI's BPE tokenizer implements)
