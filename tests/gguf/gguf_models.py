@@ -100,7 +100,7 @@ def exact_in_half_q8_0(a: np.ndarray) -> np.ndarray:
 
 
 def write_llama_cpp_decoder(path, sd: dict, arch: str, qtype: str, n_head: int, n_head_kv: int,
-                            permute_qk: bool, exact_in_half: bool = False) -> tuple[dict, int]:
+                            permute_qk: bool, exact_in_half: bool = False, extra_tensors=None) -> tuple[dict, int]:
     """A decoder text model (Hugging Face names: model.layers.N.self_attn.q_proj ...) written as llama.cpp's
     convert_hf_to_gguf.py writes it: tensor names from the gguf package's own name map for `arch`, the
     q/k rows permuted (permute_qk: Llama; Qwen2/Qwen3 keep Hugging Face's order), 2-D weights whose rows are
@@ -108,7 +108,8 @@ def write_llama_cpp_decoder(path, sd: dict, arch: str, qtype: str, n_head: int, 
     Returns (Hugging Face name -> the values the file holds, dequantised by the gguf package and in Hugging
     Face's row order; number of quantised tensors). Quantisation is per row, so quantising the unpermuted
     weight gives the same rows as quantising the permuted one: checked for every permuted tensor.
-    exact_in_half (Q8_0): the weights are first snapped with exact_in_half_q8_0."""
+    exact_in_half (Q8_0): the weights are first snapped with exact_in_half_q8_0. extra_tensors: llama.cpp
+    name -> array written F32 as is (tensors the converter makes up, such as Llama-3.1's rope_freqs)."""
     layers = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("model.layers."))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
     w = gguf.GGUFWriter(str(path), arch)
@@ -146,6 +147,8 @@ def write_llama_cpp_decoder(path, sd: dict, arch: str, qtype: str, n_head: int, 
         else:
             w.add_tensor(name, stored)
             values[key] = torch.from_numpy(a.copy())
+    for name, a in (extra_tensors or {}).items():
+        w.add_tensor(name, np.asarray(a, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -37,12 +38,12 @@ def ops_mod(comfyui):
 
 
 def _write_pair(comfyui, stem: str, sd: dict, arch: str, qtype: str, n_head: int, n_head_kv: int,
-                permute_qk: bool, exact_in_half: bool = False) -> tuple[str, str, int]:
+                permute_qk: bool, exact_in_half: bool = False, extra_tensors=None) -> tuple[str, str, int]:
     """(the llama.cpp-named .gguf, the oracle .safetensors, quantised tensors) in models/text_encoders."""
     folder = comfyui.models_dir("text_encoders")
     gguf_name, deq_name = f"{stem}_{qtype}.gguf", f"{stem}_{qtype}_dequantized.safetensors"
     values, nq = gm.write_llama_cpp_decoder(folder / gguf_name, sd, arch, qtype, n_head, n_head_kv, permute_qk,
-                                            exact_in_half)
+                                            exact_in_half, extra_tensors)
     save_file({k: v.contiguous() for k, v in values.items()}, str(folder / deq_name))
     comfyui.refresh_models()
     return gguf_name, deq_name, nq
@@ -88,9 +89,14 @@ def test_llama3_gguf_with_llama_cpp_names_matches_core_cliploader(comfyui, ops_m
     wm.shrink_text_encoders(monkeypatch, comfy.sd)
     wm.use_llama3_tokenizer_stand_in(monkeypatch, tmp_path / "llama_tokenizer")
     cfg = wm.LLAMA3_8B
-    names = _write_pair(comfyui, "llama31_tiny", wm.llama3_state_dict(), "llama", "Q8_0",
+    sd = wm.llama3_state_dict()
+    # what llama.cpp's converter also writes for Llama-3.1: the LM head (`output`, quantised) and the
+    # llama3 rope scaling factors (`rope_freqs`, head_dim / 2 values); a text encoder ignores both
+    g = torch.Generator().manual_seed(12)
+    sd["lm_head.weight"] = torch.randn(sd["model.embed_tokens.weight"].shape, generator=g) * 0.05
+    names = _write_pair(comfyui, "llama31_tiny", sd, "llama", "Q8_0",
                         cfg["num_attention_heads"], cfg["num_key_value_heads"], permute_qk=True,
-                        exact_in_half=True)
+                        exact_in_half=True, extra_tensors={"rope_freqs.weight": np.linspace(1, 8, 64)})
     gguf_name, deq_name, nq = names
     try:
         clip, (a, ea), (b, eb) = _encode_against_core(comfyui, gguf_name, deq_name, "hidream")
@@ -99,8 +105,9 @@ def test_llama3_gguf_with_llama_cpp_names_matches_core_cliploader(comfyui, ops_m
     te = clip.cond_stage_model
     assert te.llama is not None and te.clip_l is None and te.t5xxl is None
     layers = dict(ops_mod.gguf_modules(te))
-    # every Linear of the two blocks (q, k, v, o, gate, up, down) and the embedding stay Q8_0
-    assert len(layers) == nq == 7 * cfg["num_hidden_layers"] + 1, (len(layers), nq)
+    # every Linear of the two blocks (q, k, v, o, gate, up, down) and the embedding stay Q8_0 (the LM head
+    # in the file is not part of the encoder)
+    assert len(layers) == nq - 1 == 7 * cfg["num_hidden_layers"] + 1, (len(layers), nq)
     assert {m.gguf_qtype for m in layers.values()} == {"Q8_0"}
     ll_a, ll_b = ea["conditioning_llama3"], eb["conditioning_llama3"]
     # HiDream's conditioning_llama3: the hidden states of every layer, without the start token
