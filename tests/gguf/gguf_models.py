@@ -99,23 +99,27 @@ def exact_in_half_q8_0(a: np.ndarray) -> np.ndarray:
     return (blocks * np.where(amax > 0, target / np.where(amax > 0, amax, 1), 1)).reshape(a.shape)
 
 
-def write_llama_cpp_decoder(path, sd: dict, arch: str, qtype: str, n_head: int, n_head_kv: int,
-                            permute_qk: bool, exact_in_half: bool = False, extra_tensors=None) -> tuple[dict, int]:
-    """A decoder text model (Hugging Face names: model.layers.N.self_attn.q_proj ...) written as llama.cpp's
-    convert_hf_to_gguf.py writes it: tensor names from the gguf package's own name map for `arch`, the
-    q/k rows permuted (permute_qk: Llama; Qwen2/Qwen3 keep Hugging Face's order), 2-D weights whose rows are
-    whole blocks quantised (the embedding too), norms and biases F32, the head counts as metadata.
+def write_llama_cpp_text_encoder(path, sd: dict, arch: str, qtype: str, heads: tuple[int, int] | None = None,
+                                 permute_qk: bool = False, exact_in_half: bool = False,
+                                 extra_tensors=None) -> tuple[dict, int]:
+    """A text encoder in Hugging Face names (Llama / Qwen decoders: model.layers.N.self_attn.q_proj ...; T5:
+    encoder.block.N.layer.0.SelfAttention.q ...) written as llama.cpp's convert_hf_to_gguf.py writes it:
+    tensor names from the gguf package's own name map for `arch`, the q/k rows permuted (permute_qk: Llama;
+    Qwen2/Qwen3 keep Hugging Face's order), 2-D weights whose rows are whole blocks quantised (the embedding
+    too), norms and biases F32, heads = (head count, KV head count) as metadata.
     Returns (Hugging Face name -> the values the file holds, dequantised by the gguf package and in Hugging
     Face's row order; number of quantised tensors). Quantisation is per row, so quantising the unpermuted
     weight gives the same rows as quantising the permuted one: checked for every permuted tensor.
     exact_in_half (Q8_0): the weights are first snapped with exact_in_half_q8_0. extra_tensors: llama.cpp
     name -> array written F32 as is (tensors the converter makes up, such as Llama-3.1's rope_freqs)."""
-    layers = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("model.layers."))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
+    blocks = [int(p) for k in sd for a, p in zip(k.split("."), k.split(".")[1:]) if a in ("layers", "block")]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], 1 + max(blocks))
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(layers)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
+    w.add_block_count(1 + max(blocks))
+    n_head, n_head_kv = heads or (None, None)
+    if heads:
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_head_kv)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "Q8_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M)
     values, nq = {}, 0
     for key, t in sd.items():
@@ -128,12 +132,11 @@ def write_llama_cpp_decoder(path, sd: dict, arch: str, qtype: str, n_head: int, 
             permute = (n_head, n_head)
         elif permute_qk and ".self_attn.k_proj." in key:
             permute = (n_head, n_head_kv)
-        stored = llama_cpp_permute(a, *permute) if permute else a
         if quantisable(key, t, qtype):
             if exact_in_half:
                 assert qtype == "Q8_0", qtype
                 a = exact_in_half_q8_0(a)
-                stored = llama_cpp_permute(a, *permute) if permute else a
+            stored = llama_cpp_permute(a, *permute) if permute else a
             raw = quantize(stored, qtype)
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=Q[qtype])
             hf_order = np_dequantize(quantize(a, qtype), Q[qtype]).reshape(t.shape)
@@ -145,7 +148,7 @@ def write_llama_cpp_decoder(path, sd: dict, arch: str, qtype: str, n_head: int, 
             values[key] = torch.from_numpy(hf_order.copy())
             nq += 1
         else:
-            w.add_tensor(name, stored)
+            w.add_tensor(name, llama_cpp_permute(a, *permute) if permute else a)
             values[key] = torch.from_numpy(a.copy())
     for name, a in (extra_tensors or {}).items():
         w.add_tensor(name, np.asarray(a, dtype=np.float32))

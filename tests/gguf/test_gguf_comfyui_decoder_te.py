@@ -5,10 +5,15 @@ files made by llama.cpp's convert_hf_to_gguf.py (llama.cpp tensor names `blk.0.a
 in llama.cpp's rotary order). Here: ComfyUI's own encoder classes at tiny widths (workflow_models's
 `<model>_model_config` entries; Llama-3 keeps its real 128256-token vocabulary and uses the stand-in
 Llama-3 tokenizer where the ComfyUI archive lacks the real one), written as llama.cpp writes them
-(gguf_models.write_llama_cpp_decoder: the gguf package's own name map, llama.cpp's permutation of the Llama
+(gguf_models.write_llama_cpp_text_encoder: the gguf package's own name map, llama.cpp's permutation of the Llama
 q/k rows, 2-D weights quantised with the gguf package, norms F32). Load Text Encoder (GGUF, Metal) and
 CLIPTextEncode run through ComfyUI's executor in one prompt with the oracle: core's CLIPLoader on a
 .safetensors of the same weights dequantised by the gguf package, in Hugging Face names and row order.
+HiDream's whole set (CLIP-L/G .safetensors + T5 and Llama GGUFs) runs the same way through Load 4 Text
+Encoders (GGUF, Metal) against core's QuadrupleCLIPLoader.
+The Q8_0 weights are exact in fp16 (see EXACT_TOL), so both loaders hold identical weights: a Llama file
+whose q/k rows stayed in llama.cpp's order measures about 0.4 relative here, a Qwen file without its q
+biases about 6e-2.
 """
 from __future__ import annotations
 
@@ -37,13 +42,12 @@ def ops_mod(comfyui):
     return importlib.import_module(comfyui.pack_module.__name__ + ".nodes.gguf.ops")
 
 
-def _write_pair(comfyui, stem: str, sd: dict, arch: str, qtype: str, n_head: int, n_head_kv: int,
-                permute_qk: bool, exact_in_half: bool = False, extra_tensors=None) -> tuple[str, str, int]:
-    """(the llama.cpp-named .gguf, the oracle .safetensors, quantised tensors) in models/text_encoders."""
+def _write_pair(comfyui, stem: str, sd: dict, arch: str, qtype: str, **kwargs) -> tuple[str, str, int]:
+    """(the llama.cpp-named .gguf, the oracle .safetensors, quantised tensors) in models/text_encoders;
+    kwargs: gguf_models.write_llama_cpp_text_encoder's."""
     folder = comfyui.models_dir("text_encoders")
     gguf_name, deq_name = f"{stem}_{qtype}.gguf", f"{stem}_{qtype}_dequantized.safetensors"
-    values, nq = gm.write_llama_cpp_decoder(folder / gguf_name, sd, arch, qtype, n_head, n_head_kv, permute_qk,
-                                            exact_in_half, extra_tensors)
+    values, nq = gm.write_llama_cpp_text_encoder(folder / gguf_name, sd, arch, qtype, **kwargs)
     save_file({k: v.contiguous() for k, v in values.items()}, str(folder / deq_name))
     comfyui.refresh_models()
     return gguf_name, deq_name, nq
@@ -95,7 +99,7 @@ def test_llama3_gguf_with_llama_cpp_names_matches_core_cliploader(comfyui, ops_m
     g = torch.Generator().manual_seed(12)
     sd["lm_head.weight"] = torch.randn(sd["model.embed_tokens.weight"].shape, generator=g) * 0.05
     names = _write_pair(comfyui, "llama31_tiny", sd, "llama", "Q8_0",
-                        cfg["num_attention_heads"], cfg["num_key_value_heads"], permute_qk=True,
+                        heads=(cfg["num_attention_heads"], cfg["num_key_value_heads"]), permute_qk=True,
                         exact_in_half=True, extra_tensors={"rope_freqs.weight": np.linspace(1, 8, 64)})
     gguf_name, deq_name, nq = names
     try:
@@ -126,8 +130,8 @@ def test_qwen25_vl_gguf_with_llama_cpp_names_matches_core_cliploader(comfyui, op
     wm.shrink_text_encoders(monkeypatch, comfy.sd)
     cfg = wm.QWEN25_7B
     gguf_name, deq_name, nq = _write_pair(comfyui, "qwen25vl_tiny", wm.qwen25_7b_text_state_dict(), "qwen2vl",
-                                          "Q8_0", cfg["num_attention_heads"], cfg["num_key_value_heads"],
-                                          permute_qk=False, exact_in_half=True)
+                                          "Q8_0", heads=(cfg["num_attention_heads"], cfg["num_key_value_heads"]),
+                                          exact_in_half=True)
     try:
         clip, (a, _), (b, _) = _encode_against_core(comfyui, gguf_name, deq_name, "qwen_image")
     finally:
@@ -141,3 +145,53 @@ def test_qwen25_vl_gguf_with_llama_cpp_names_matches_core_cliploader(comfyui, op
     rel = _rel(a, b)
     print(f"qwen2.5-vl Q8_0 GGUF (llama.cpp names) vs CLIPLoader(dequantised): rel {rel:.2e}")
     assert rel < EXACT_TOL, rel
+
+
+def test_hidream_quadruple_with_gguf_t5_and_llama_matches_core_quadrupleclip_loader(comfyui, ops_mod, monkeypatch,
+                                                                                     tmp_path):
+    """HiDream's set as GGUF users load it: CLIP-L and CLIP-G .safetensors (bf16), T5-XXL and Llama-3.1-8B as
+    llama.cpp-named Q8_0 GGUFs (arch t5encoder / llama, the Llama's q/k rows permuted). Load 4 Text Encoders
+    (GGUF, Metal) sends each file to its encoder; the T5 conditioning, the Llama's conditioning_llama3 and the
+    pooled output match core's QuadrupleCLIPLoader on the dequantised files."""
+    import comfy.sd
+
+    wm.shrink_text_encoders(monkeypatch, comfy.sd, clip_g=True, t5xxl=wm.T5XXL_24)
+    wm.use_llama3_tokenizer_stand_in(monkeypatch, tmp_path / "llama_tokenizer")
+    folder = comfyui.models_dir("text_encoders")
+    clip_files = []
+    for role, sd in (("clip_l", wm.clip_l_state_dict(over=wm.CLIP_LG)), ("clip_g", wm.clip_g_state_dict())):
+        name = f"hidream_gguf_set_{role}_bf16.safetensors"
+        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}, str(folder / name))
+        clip_files.append(name)
+    cfg = wm.LLAMA3_8B
+    t5 = _write_pair(comfyui, "hidream_gguf_set_t5xxl", wm.t5_state_dict("t5_config_xxl.json", wm.T5XXL_24),
+                     "t5encoder", "Q8_0", exact_in_half=True)
+    llama = _write_pair(comfyui, "hidream_gguf_set_llama", wm.llama3_state_dict(), "llama", "Q8_0",
+                        heads=(cfg["num_attention_heads"], cfg["num_key_value_heads"]), permute_qk=True,
+                        exact_in_half=True)
+    ours = dict(zip(("clip_name1", "clip_name2", "clip_name3", "clip_name4"), clip_files + [t5[0], llama[0]]))
+    core = dict(zip(("clip_name1", "clip_name2", "clip_name3", "clip_name4"), clip_files + [t5[1], llama[1]]))
+    prompt = {"1": {"class_type": "MetalGGUFQuadrupleTextEncoderLoader", "inputs": {**ours, "device": "cpu"}},
+              "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": TEXT}},
+              "3": {"class_type": "QuadrupleCLIPLoader", "inputs": core},
+              "4": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["3", 0], "text": TEXT}}}
+    try:
+        res = comfyui.run_prompt(prompt, execute=["1", "2", "3", "4"])
+    finally:
+        _remove(comfyui, *clip_files, *t5[:2], *llama[:2])
+    clip = res.node_outputs["1"][0]
+    te = (clip[0] if isinstance(clip, list) else clip).cond_stage_model
+    assert None not in (te.clip_l, te.clip_g, te.t5xxl, te.llama)
+    # the GGUF files' quantised tensors stay Q8_0 in their encoders (the CLIP files have none)
+    for encoder, (_, _, nq) in ((te.t5xxl, t5), (te.llama, llama)):
+        layers = dict(ops_mod.gguf_modules(encoder))
+        assert len(layers) == nq and {m.gguf_qtype for m in layers.values()} == {"Q8_0"}, (len(layers), nq)
+    assert not dict(ops_mod.gguf_modules(te.clip_l)) and not dict(ops_mod.gguf_modules(te.clip_g))
+    (a, ea), (b, eb) = _conditioning(res.node_outputs["2"][0]), _conditioning(res.node_outputs["4"][0])
+    assert a.shape == (1, 128, wm.T5XXL_24["d_model"]), a.shape
+    assert ea["conditioning_llama3"].shape[:2] == (1, cfg["num_hidden_layers"])
+    rel, rell = _rel(a, b), _rel(ea["conditioning_llama3"], eb["conditioning_llama3"])
+    relp = _rel(ea["pooled_output"], eb["pooled_output"])
+    print(f"hidream quad, T5 + Llama Q8_0 GGUFs (llama.cpp names) vs QuadrupleCLIPLoader(dequantised): "
+          f"T5 cond rel {rel:.2e}, llama rel {rell:.2e}, pooled rel {relp:.2e}")
+    assert rel < EXACT_TOL and rell < EXACT_TOL and relp < EXACT_TOL
