@@ -121,17 +121,24 @@ def test_llama3_gguf_with_llama_cpp_names_matches_core_cliploader(comfyui, ops_m
     assert rel < EXACT_TOL, rel
 
 
-def test_qwen25_vl_gguf_with_llama_cpp_names_matches_core_cliploader(comfyui, ops_mod, monkeypatch):
-    """Qwen-Image's Qwen2.5-VL-7B text part as a llama.cpp Q8_0 GGUF (arch qwen2vl: llama.cpp keeps Hugging
-    Face's q/k row order; q/k/v biases F32): ComfyUI detects it as Qwen2.5-VL-7B (type qwen_image) and our
-    encoding matches core's on the dequantised weights."""
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_qwen25_vl_gguf_with_llama_cpp_names_matches_core_cliploader(comfyui, ops_mod, monkeypatch, qtype):
+    """Qwen-Image's Qwen2.5-VL-7B text part as a llama.cpp GGUF (arch qwen2vl: llama.cpp keeps Hugging Face's
+    q/k row order; q/k/v biases F32): ComfyUI detects it as Qwen2.5-VL-7B (type qwen_image) and our encoding
+    matches core's on the dequantised weights. Q8_0 at width 32 (weights exact in fp16, ComfyUI's text
+    encoder dtype on a CPU); Q4_K at width 256 (rows of whole 256-value blocks), whose dequantised values are
+    not exact in fp16: both encoders run in fp32 (ComfyUI's own --fp32-text-enc)."""
+    import comfy.model_management
     import comfy.sd
 
-    wm.shrink_text_encoders(monkeypatch, comfy.sd)
-    cfg = wm.QWEN25_7B
-    gguf_name, deq_name, nq = _write_pair(comfyui, "qwen25vl_tiny", wm.qwen25_7b_text_state_dict(), "qwen2vl",
-                                          "Q8_0", heads=(cfg["num_attention_heads"], cfg["num_key_value_heads"]),
-                                          exact_in_half=True)
+    cfg = wm.QWEN25_7B if qtype == "Q8_0" else wm.QWEN25_7B_256
+    wm.shrink_text_encoders(monkeypatch, comfy.sd, qwen25_7b=cfg)
+    if qtype == "Q4_K":
+        monkeypatch.setattr(comfy.model_management.args, "fp32_text_enc", True)
+    gguf_name, deq_name, nq = _write_pair(comfyui, "qwen25vl_tiny", wm.qwen25_7b_text_state_dict(cfg=cfg),
+                                          "qwen2vl", qtype,
+                                          heads=(cfg["num_attention_heads"], cfg["num_key_value_heads"]),
+                                          exact_in_half=qtype == "Q8_0")
     try:
         clip, (a, _), (b, _) = _encode_against_core(comfyui, gguf_name, deq_name, "qwen_image")
     finally:
@@ -140,10 +147,12 @@ def test_qwen25_vl_gguf_with_llama_cpp_names_matches_core_cliploader(comfyui, op
     assert type(te).__name__ == "QwenImageTEModel_"
     layers = dict(ops_mod.gguf_modules(te))
     assert len(layers) == nq == 7 * cfg["num_hidden_layers"] + 1, (len(layers), nq)
-    assert {m.gguf_qtype for m in layers.values()} == {"Q8_0"}
+    assert {m.gguf_qtype for m in layers.values()} == {qtype}
     assert a.shape[0] == 1 and a.shape[-1] == cfg["hidden_size"]
+    if qtype == "Q4_K":
+        assert te.qwen25_7b.transformer.dtype == torch.float32
     rel = _rel(a, b)
-    print(f"qwen2.5-vl Q8_0 GGUF (llama.cpp names) vs CLIPLoader(dequantised): rel {rel:.2e}")
+    print(f"qwen2.5-vl {qtype} GGUF (llama.cpp names) vs CLIPLoader(dequantised): rel {rel:.2e}")
     assert rel < EXACT_TOL, rel
 
 

@@ -53,6 +53,7 @@ LLAMA3_VOCAB = 128256                                 # what HiDream's encoder s
 # of 128); the real vocabulary (the Qwen2.5 tokenizer's ids go up to 151664)
 QWEN25_7B = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=4)
+QWEN25_7B_256 = dict(QWEN25_7B, hidden_size=256, intermediate_size=256)   # every Linear row whole K-quant blocks
 UMT5_VOCAB = 320
 UMT5XXL = dict(d_model=16, d_ff=10240, d_kv=8, num_heads=2, num_layers=24, vocab_size=UMT5_VOCAB)
 
@@ -69,25 +70,27 @@ WAN_CFG = dict(model_type="t2v", patch_size=(1, 2, 2), in_dim=16, dim=128, ffn_d
 WAN22_5B_CFG = dict(WAN_CFG, in_dim=48, out_dim=48, text_dim=4096)
 
 
-def tiny_text_encoder_configs(clip_g: bool = False, t5xxl: dict = T5XXL) -> dict:
+def tiny_text_encoder_configs(clip_g: bool = False, t5xxl: dict = T5XXL, qwen25_7b: dict = QWEN25_7B) -> dict:
     """The model_options entries that shrink ComfyUI's text encoders. clip_g: the set has a CLIP-G (sd3,
-    hidream; CLIP-L and CLIP-G then share CLIP_LG). t5xxl: the T5-XXL config (T5XXL, T5XXL_SD3, T5XXL_24)."""
+    hidream; CLIP-L and CLIP-G then share CLIP_LG). t5xxl: the T5-XXL config (T5XXL, T5XXL_SD3, T5XXL_24).
+    qwen25_7b: the Qwen2.5-VL-7B text config (QWEN25_7B, QWEN25_7B_256)."""
     # "model_config": ComfyUI's long-CLIP handling (text_encoders/long_clipl.py) rebuilds
     # clip_l_model_config / clip_g_model_config from it (adding max_position_embeddings from the file)
     # whenever a CLIP-L or CLIP-G is loaded.
     clip = CLIP_LG if clip_g else CLIP_L
     return {"model_config": dict(clip), "clip_l_model_config": dict(clip), "clip_g_model_config": dict(CLIP_LG),
             "t5xxl_model_config": dict(t5xxl), "umt5xxl_model_config": dict(UMT5XXL),
-            "llama_model_config": dict(LLAMA3_8B), "qwen25_7b_model_config": dict(QWEN25_7B)}
+            "llama_model_config": dict(LLAMA3_8B), "qwen25_7b_model_config": dict(qwen25_7b)}
 
 
-def shrink_text_encoders(monkeypatch, comfy_sd, clip_g: bool = False, t5xxl: dict = T5XXL) -> None:
+def shrink_text_encoders(monkeypatch, comfy_sd, clip_g: bool = False, t5xxl: dict = T5XXL,
+                         qwen25_7b: dict = QWEN25_7B) -> None:
     """Every text encoder ComfyUI builds during the test uses the tiny configs above."""
     original = comfy_sd.load_text_encoder_state_dicts
 
     def load_text_encoder_state_dicts(state_dicts=[], embedding_directory=None, clip_type=None,
                                       model_options={}, **kwargs):
-        opts = {**tiny_text_encoder_configs(clip_g, t5xxl), **(model_options or {})}
+        opts = {**tiny_text_encoder_configs(clip_g, t5xxl, qwen25_7b), **(model_options or {})}
         if clip_type is None:
             return original(state_dicts, embedding_directory, model_options=opts, **kwargs)
         return original(state_dicts, embedding_directory, clip_type, model_options=opts, **kwargs)
@@ -257,13 +260,13 @@ def llama3_state_dict(seed=10) -> dict:
     return {k: v.detach() for k, v in net.state_dict().items()}
 
 
-def qwen25_7b_text_state_dict(seed=11) -> dict:
+def qwen25_7b_text_state_dict(seed=11, cfg: dict = QWEN25_7B) -> dict:
     """Qwen2.5-VL-7B's text part (the `model.*` tensors of ComfyUI's Qwen25_7BVLI, whose vision tower a
-    text encoder file does not carry) at QWEN25_7B's sizes, with q/k/v biases."""
+    text encoder file does not carry) at `cfg`'s sizes, with q/k/v biases."""
     import comfy.ops
     import comfy.text_encoders.llama as llama
 
-    net = llama.Llama2_(llama.Qwen25_7BVLI_Config(**QWEN25_7B), device="cpu", dtype=torch.float32,
+    net = llama.Llama2_(llama.Qwen25_7BVLI_Config(**cfg), device="cpu", dtype=torch.float32,
                         ops=comfy.ops.manual_cast)
     _fill(net, seed, std=0.05)
     return {"model." + k: v.detach() for k, v in net.state_dict().items()}
