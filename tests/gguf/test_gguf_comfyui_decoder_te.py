@@ -204,3 +204,31 @@ def test_hidream_quadruple_with_gguf_t5_and_llama_matches_core_quadrupleclip_loa
     print(f"hidream quad, T5 + Llama Q8_0 GGUFs (llama.cpp names) vs QuadrupleCLIPLoader(dequantised): "
           f"T5 cond rel {rel:.2e}, llama rel {rell:.2e}, pooled rel {relp:.2e}")
     assert rel < EXACT_TOL and rell < EXACT_TOL and relp < EXACT_TOL
+
+
+def test_qwen3_gguf_with_llama_cpp_names_matches_core_cliploader(comfyui, ops_mod, monkeypatch):
+    """Qwen3 (Anima's Qwen3-0.6B; Z-Image's Qwen3-4B has the same tensors) as a llama.cpp Q8_0 GGUF (arch
+    qwen3: Hugging Face's q/k row order, per-head q/k norms `attn_q_norm` / `attn_k_norm` F32): ComfyUI
+    detects it as Qwen3-0.6B and our encoding matches core's on the dequantised weights."""
+    import comfy.sd
+
+    wm.shrink_text_encoders(monkeypatch, comfy.sd)
+    cfg = wm.QWEN3_06B
+    sd = wm.qwen3_06b_state_dict()
+    assert "model.layers.0.self_attn.q_norm.weight" in sd
+    gguf_name, deq_name, nq = _write_pair(comfyui, "qwen3_06b_tiny", sd, "qwen3", "Q8_0",
+                                          heads=(cfg["num_attention_heads"], cfg["num_key_value_heads"]),
+                                          exact_in_half=True)
+    try:
+        clip, (a, _), (b, _) = _encode_against_core(comfyui, gguf_name, deq_name, "stable_diffusion")
+    finally:
+        _remove(comfyui, gguf_name, deq_name)
+    te = clip.cond_stage_model
+    assert type(te).__name__ == "AnimaTEModel_"
+    layers = dict(ops_mod.gguf_modules(te))
+    assert len(layers) == nq == 7 * cfg["num_hidden_layers"] + 1, (len(layers), nq)
+    assert {m.gguf_qtype for m in layers.values()} == {"Q8_0"}
+    assert a.shape[0] == 1 and a.shape[-1] == cfg["hidden_size"]
+    rel = _rel(a, b)
+    print(f"qwen3 Q8_0 GGUF (llama.cpp names, q/k norms) vs CLIPLoader(dequantised): rel {rel:.2e}")
+    assert rel < EXACT_TOL, rel

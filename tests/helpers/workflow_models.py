@@ -54,6 +54,11 @@ LLAMA3_VOCAB = 128256                                 # what HiDream's encoder s
 QWEN25_7B = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=4)
 QWEN25_7B_256 = dict(QWEN25_7B, hidden_size=256, intermediate_size=256)   # every Linear row whole K-quant blocks
+# Qwen3-0.6B (Anima's encoder; Z-Image's Qwen3-4B is the same architecture wider): ComfyUI finds it by its q_norm
+# and its width of 1024, which stays; no chat template, so the first 32768 embedding rows cover the ids the
+# Qwen2 tokenizer gives English words (a rarer word fails loudly: index out of range)
+QWEN3_06B = dict(hidden_size=1024, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=32768)
 UMT5_VOCAB = 320
 UMT5XXL = dict(d_model=16, d_ff=10240, d_kv=8, num_heads=2, num_layers=24, vocab_size=UMT5_VOCAB)
 
@@ -80,7 +85,8 @@ def tiny_text_encoder_configs(clip_g: bool = False, t5xxl: dict = T5XXL, qwen25_
     clip = CLIP_LG if clip_g else CLIP_L
     return {"model_config": dict(clip), "clip_l_model_config": dict(clip), "clip_g_model_config": dict(CLIP_LG),
             "t5xxl_model_config": dict(t5xxl), "umt5xxl_model_config": dict(UMT5XXL),
-            "llama_model_config": dict(LLAMA3_8B), "qwen25_7b_model_config": dict(qwen25_7b)}
+            "llama_model_config": dict(LLAMA3_8B), "qwen25_7b_model_config": dict(qwen25_7b),
+            "qwen3_06b_model_config": dict(QWEN3_06B)}
 
 
 def shrink_text_encoders(monkeypatch, comfy_sd, clip_g: bool = False, t5xxl: dict = T5XXL,
@@ -270,6 +276,16 @@ def qwen25_7b_text_state_dict(seed=11, cfg: dict = QWEN25_7B) -> dict:
                         ops=comfy.ops.manual_cast)
     _fill(net, seed, std=0.05)
     return {"model." + k: v.detach() for k, v in net.state_dict().items()}
+
+
+def qwen3_06b_state_dict(seed=13) -> dict:
+    """Qwen3-0.6B (ComfyUI's Qwen3_06B: q_norm / k_norm, no biases) at QWEN3_06B's sizes."""
+    import comfy.ops
+    import comfy.text_encoders.llama as llama
+
+    net = llama.Qwen3_06B(dict(QWEN3_06B), torch.float32, "cpu", comfy.ops.manual_cast)
+    _fill(net, seed, std=0.05)
+    return {k: v.detach() for k, v in net.state_dict().items()}
 
 
 # Llama-3's pre-tokenizer split (its tokenizer.json's Split regex, which ComfyUI's BPE tokenizer implements)
