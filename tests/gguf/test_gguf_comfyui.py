@@ -395,12 +395,9 @@ def test_llama_rows_restored_after_llama_cpp_permutation(comfyui):
     ops = importlib.import_module(comfyui.pack_module.__name__ + ".nodes.gguf.ops")
     from gguf.quants import dequantize, quantize
 
-    def llama_cpp_permute(w, n_head):     # as convert_hf_to_gguf.py's LlamaModel.permute
-        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
     w = np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32)
     for heads in (4, 8):
-        p = llama_cpp_permute(w, heads)
+        p = gm.llama_cpp_permute(w, heads)
         assert not np.array_equal(p, w)
         back = reader_mod.unpermute_rows(torch.from_numpy(p), heads)
         assert torch.equal(back, torch.from_numpy(w))
