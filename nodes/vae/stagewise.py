@@ -218,6 +218,8 @@ class StagewiseDecode:
                 o = (s.conv2.out_channels, h, w)
             elif s.kind == "upsample":
                 o = (s.conv.out_channels, 2 * h, 2 * w)
+            elif s.kind == "down":                      # the encoder's downsample (stagewise_encode.py)
+                o = (s.conv.out_channels, h // 2, w // 2)
             else:
                 o = (s.conv.out_channels, h, w)
             out.append((s, (c, h, w), o))

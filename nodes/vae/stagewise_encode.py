@@ -99,20 +99,6 @@ class StagewiseEncode(StagewiseDecode):
         super().__init__(stages, device, dtype, workspace_factor)
         self.prepare = prepare or (lambda t: t)
 
-    def _shapes(self, shape):
-        n, c, h, w = shape
-        out = []
-        for s in self.stages:
-            if s.kind == "resnet":
-                o = (s.conv2.out_channels, h, w)
-            elif s.kind == "down":
-                o = (s.conv.out_channels, h // 2, w // 2)
-            else:
-                o = (s.conv.out_channels, h, w)
-            out.append((s, (c, h, w), o))
-            c, h, w = o
-        return out
-
     def plan(self, shape, budget: float) -> StagePlan | None:
         """As StagewiseDecode.plan: fp32 buffers when the chain fits with them, else 2-byte ones; band rows
         (of each stage's output) the most that fit next to its buffers. The input pixels are not counted
