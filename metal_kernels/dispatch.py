@@ -439,13 +439,14 @@ SMALL_TENSOR_ELEMENTS = 4096
 
 def call_shape_class(args, kwargs) -> tuple:
     """What a kernel's measured choice is remembered under: for each tensor argument its dtype and the
-    power of two at or above its element count (at least SMALL_TENSOR_ELEMENTS: a sampler's per-step flags
-    or a small table do not decide a kernel's speed); strings, bools, dtypes and None by value (the options that pick
-    a kernel variant); numbers by type only (a sampler passes each step's sigmas and index: by value every
-    step would be a new class, timed with syncs inside the loop)."""
+    power of two at or above its element count (at least SMALL_TENSOR_ELEMENTS: a sampler's per-step
+    flags or a small table do not decide a kernel's speed); strings, bools, dtypes and None by value (the
+    options that pick a kernel variant); numbers by type only (a sampler passes each step's sigmas and
+    index: by value every step would be a new class, timed with syncs inside the loop)."""
     def one(a):
         if isinstance(a, torch.Tensor):
-            return (str(a.dtype).replace("torch.", ""), 1 << max(SMALL_TENSOR_ELEMENTS - 1, a.numel() - 1).bit_length())
+            size = max(SMALL_TENSOR_ELEMENTS, a.numel())
+            return (str(a.dtype).replace("torch.", ""), 1 << (size - 1).bit_length())
         if isinstance(a, (bool, str)) or a is None:
             return a
         if isinstance(a, torch.dtype):                  # an output dtype picks a kernel variant
@@ -472,8 +473,8 @@ def _copies(args, kwargs):
 def measured_backend(spec: KernelSpec, args, kwargs, device) -> str:
     """"metal" or "reference" for a self-checked kernel on MPS: the Metal kernel and its reference (the
     platform's own torch ops) are timed once per shape class (`call_shape_class`) with
-    `measured_choice`, on a copy of the arguments (one candidate's at a time), and the Metal kernel runs only where it was
-    strictly faster, so no kernel makes a Mac slower than the torch ops it replaces. The timing
+    `measured_choice`, on a copy of the arguments (one candidate's at a time), and the Metal kernel runs
+    only where it was strictly faster, so no kernel makes a Mac slower than the torch ops it replaces. The timing
     synchronises the device, once per kernel and shape class per process. Calls too large to copy
     (MEASURE_MAX_BYTES) follow the choice made for their class, or run the kernel (logged once)."""
     shape_class = call_shape_class(args, kwargs)
