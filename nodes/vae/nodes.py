@@ -110,6 +110,33 @@ def quality_note(info) -> str:
     return ("auto: " if info.auto else "") + info.mode + (", OVER BUDGET" if info.over_budget else "")
 
 
+def _run_tiled(vae, codec, x, encode: bool, options):
+    """The tiled engine over `x` within the node's budget (auto: from the device's free memory), recorded
+    for the node's badge with its quality note, and the node's one log line: how it ran, its quality class
+    against the untiled run, auto's reason."""
+    options.budget_bytes = options.budget_bytes or memory.auto_budget(codec.device)
+    _load(vae, options.budget_bytes)
+    engine = TiledVAE(codec, options)
+    node = "MetalVAEEncodeTiled" if encode else "MetalVAEDecodeTiled"
+    with _device_context(vae), recording_kernels(node, VAE_KERNELS, note=lambda: quality_note(engine.info)):
+        out = engine.encode(x) if encode else engine.decode(x)
+    info = engine.info
+    path = "the down path stage by stage" if encode else "stage by stage"
+    how = (f"{path} over the whole image in row bands ({info.bands} band forwards), 1 pass"
+           if info.scheme == "stages" else
+           f"{info.tiles} tiles of {info.tile} latent px (overlap {info.overlap}), {info.passes} pass(es)")
+    log.info(f"comfy_metal: VAE {'encode' if encode else 'decode'} {tuple(x.shape)} -> {tuple(out.shape)} in "
+             f"{info.seconds:.1f}s: " + how
+             + (", shared GroupNorm statistics" if info.shared_stats else "")
+             + (", mid block untiled" if (info.untiled_tail if encode else info.untiled_head) else "")
+             + f"; quality vs untiled: {info.mode}"
+             + (f"; {info.auto}" if info.auto else "")
+             + (f"; OVER BUDGET, expected peak {info.expected_peak / GIB:.3f} GiB" if info.over_budget else "")
+             + (f", {info.retries} OOM retries" if info.retries else "")
+             + (", CPU fallback" if info.cpu_fallback else ""))
+    return out
+
+
 class MetalVAEDecodeTiled:
     @classmethod
     def INPUT_TYPES(cls):
@@ -121,8 +148,10 @@ class MetalVAEDecodeTiled:
     RETURN_TYPES = ("IMAGE",)
     FUNCTION = "decode"
     CATEGORY = "Comfy Metal/VAE"
-    DESCRIPTION = ("Decodes in one pass of overlapping feathered tiles within a memory budget; video VAEs "
-                   "decode causally chunk by chunk with a temporal cache per tile (memory flat in frames).")
+    DESCRIPTION = ("Decodes within a memory budget: image KL VAEs run their mid block over the whole latent, then "
+                   "(seam mode auto) the up path stage by stage over the whole image where the budget holds it -- "
+                   "the untiled decode's image -- else in overlapping feathered tiles; video VAEs decode causally "
+                   "chunk by chunk with a temporal cache per tile (memory flat in frames).")
 
     def decode(self, samples, vae, memory_budget_gb=0.0, overlap=0, temporal_chunk=0, temporal_overlap=0,
                seam_mode=AUTO):
@@ -139,27 +168,7 @@ class MetalVAEDecodeTiled:
         if latent.shape[1] != codec.latent_channels:
             raise ValueError(f"VAE Decode (Low Memory, Metal): the latent has {latent.shape[1]} channels "
                              f"(shape {tuple(latent.shape)}) but this VAE expects {codec.latent_channels}")
-        opt = _options(memory_budget_gb, overlap, seam_mode)
-        budget = opt.budget_bytes or memory.auto_budget(codec.device)
-        opt.budget_bytes = budget
-        _load(vae, budget)
-        engine = TiledVAE(codec, opt)
-        with _device_context(vae), recording_kernels("MetalVAEDecodeTiled", VAE_KERNELS,
-                                                     note=lambda: quality_note(engine.info)):
-            out = engine.decode(latent)
-        info = engine.info
-        how = (f"stage by stage over the whole image in row bands ({info.bands} band forwards), 1 pass"
-               if info.scheme == "stages" else
-               f"{info.tiles} tiles of {info.tile} latent px (overlap {info.overlap}), {info.passes} pass(es)")
-        log.info(f"comfy_metal: VAE decode {tuple(latent.shape)} -> {tuple(out.shape)} in {info.seconds:.1f}s: "
-                 + how
-                 + (", shared GroupNorm statistics" if info.shared_stats else "")
-                 + (", mid block untiled" if info.untiled_head else "")
-                 + f"; quality vs untiled: {info.mode}"
-                 + (f"; {info.auto}" if info.auto else "")
-                 + (f"; OVER BUDGET, expected peak {info.expected_peak / GIB:.3f} GiB" if info.over_budget else "")
-                 + (f", {info.retries} OOM retries" if info.retries else "")
-                 + (", CPU fallback" if info.cpu_fallback else ""))
+        out = _run_tiled(vae, codec, latent, encode=False, options=_options(memory_budget_gb, overlap, seam_mode))
         out = vae.process_output(out)
         out = out.to(device=getattr(vae, "output_device", out.device),
                      dtype=vae.vae_output_dtype() if hasattr(vae, "vae_output_dtype") else torch.float32)
@@ -218,25 +227,7 @@ class MetalVAEEncodeTiled:
         if stages:
             codec.encode_stages = (lambda t: stages[0](vae.process_input(t)), *stages[1:])
         codec.encode_input = vae.process_input
-        opt = _options(memory_budget_gb, overlap, seam_mode)
-        opt.budget_bytes = opt.budget_bytes or memory.auto_budget(codec.device)
-        _load(vae, opt.budget_bytes)
-        engine = TiledVAE(codec, opt)
-        with _device_context(vae), recording_kernels("MetalVAEEncodeTiled", VAE_KERNELS,
-                                                     note=lambda: quality_note(engine.info)):
-            out = engine.encode(x)
-        info = engine.info
-        how = (f"the down path stage by stage over the whole image in row bands ({info.bands} band forwards), 1 pass"
-               if info.scheme == "stages" else
-               f"{info.tiles} tiles of {info.tile} latent px (overlap {info.overlap}), {info.passes} pass(es)")
-        log.info(f"comfy_metal: VAE encode {tuple(x.shape)} -> {tuple(out.shape)} in {info.seconds:.1f}s: " + how
-                 + (", shared GroupNorm statistics" if info.shared_stats else "")
-                 + (", mid block untiled" if info.untiled_tail else "")
-                 + f"; quality vs untiled: {info.mode}"
-                 + (f"; {info.auto}" if info.auto else "")
-                 + (f"; OVER BUDGET, expected peak {info.expected_peak / GIB:.3f} GiB" if info.over_budget else "")
-                 + (f", {info.retries} OOM retries" if info.retries else "")
-                 + (", CPU fallback" if info.cpu_fallback else ""))
+        out = _run_tiled(vae, codec, x, encode=True, options=_options(memory_budget_gb, overlap, seam_mode))
         out = out.to(device=getattr(vae, "output_device", out.device),
                      dtype=vae.vae_output_dtype() if hasattr(vae, "vae_output_dtype") else torch.float32)
         if getattr(vae, "format_encoded", None) is not None:

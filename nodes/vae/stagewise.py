@@ -198,6 +198,17 @@ class StagePlan:
     work: float                   # predicted time in plain passes of the tail (>= 1)
 
 
+def _resnet_cost(s, ci, co, h, w, n, sb, esize, in_place_ok: bool):
+    """(resident bytes, working bytes per band row, multiply-adds) of a ResNet stage: its input and output
+    buffers (one when it writes in place: same width, no shortcut, an input it may overwrite) and a band's
+    working set of its two halves."""
+    in_place = in_place_ok and ci == co and s.shortcut is None
+    resident = n * h * w * sb * (ci + co + (0 if in_place else co))
+    per_row = max(sum(f * c for f, c in zip(BAND_FACTOR["resnet_a"], (ci, co))),
+                  BAND_FACTOR["resnet_b"][1] * co + ci) * n * w * esize
+    return resident, per_row, h * w * (ci * co + co * co) * 9
+
+
 class StagewiseDecode:
     """Runs `stages` over a whole-image head output `h` [N, C, H, W] (see the module docstring)."""
 
@@ -235,35 +246,35 @@ class StagewiseDecode:
         for store in ((self.dtype, torch.float16) if self.dtype == torch.float32 else (self.dtype,)):
             sb = torch.empty(0, dtype=store).element_size()
             rows, peak, work, flops = [], 0.0, 0.0, 0.0
-            for i, (s, (ci, h, w), (co, ho, wo)) in enumerate(self._shapes(shape)):
-                if s.kind == "resnet":
-                    in_place = ci == co and s.shortcut is None and i > 0
-                    resident = n * h * w * sb * (ci + co + (0 if in_place else co))
-                    per_row = max(sum(f * c for f, c in zip(BAND_FACTOR["resnet_a"], (ci, co))),
-                                  BAND_FACTOR["resnet_b"][1] * co + ci) * n * w * esize
-                    cost = h * w * (ci * co + co * co) * 9
-                elif s.kind == "upsample":
-                    resident = n * sb * (ci * h * w + co * ho * wo)
-                    per_row = sum(f * c for f, c in zip(BAND_FACTOR["upsample"], (ci, co))) * n * w * esize
-                    cost = ho * wo * ci * co * 9
-                else:
-                    resident = n * h * w * sb * ci
-                    per_row = sum(f * c for f, c in zip(BAND_FACTOR["out"], (ci, co))) * n * w * esize
-                    cost = h * w * ci * co * 9
+            for i, (s, inp, out) in enumerate(self._shapes(shape)):
+                resident, per_row, cost, band_rows = self._stage_cost(i, s, inp, out, n, sb, esize)
                 per_row *= self.workspace
-                free = budget - resident
-                r = int(free // per_row) - 2 if per_row > 0 else h
+                r = int((budget - resident) // per_row) - 2 if per_row > 0 else band_rows
                 if r < 1:
                     break
-                r = min(r, h)
-                r = math.ceil(h / math.ceil(h / r))          # balanced bands
+                r = min(r, band_rows)
+                r = math.ceil(band_rows / math.ceil(band_rows / r))          # balanced bands
                 rows.append(r)
                 peak = max(peak, resident + per_row * (r + 2))
                 flops += cost
-                work += cost * (1 + 2 * math.ceil(h / r) / h)
+                work += cost * (1 + 2 * math.ceil(band_rows / r) / band_rows)
             else:
                 return StagePlan(store, rows, int(peak), STATS_OVERHEAD * work / max(flops, 1.0))
         return None
+
+    def _stage_cost(self, i, s, inp, out, n, sb, esize):
+        """(resident bytes, working bytes per band row, multiply-adds, rows the bands split) of stage i with
+        input (C, H, W) `inp` and output `out`, buffers of `sb` bytes and compute of `esize` bytes an element
+        (bands of an upsample count its input rows)."""
+        (ci, h, w), (co, ho, wo) = inp, out
+        if s.kind == "resnet":
+            return (*_resnet_cost(s, ci, co, h, w, n, sb, esize, in_place_ok=i > 0), h)
+        if s.kind == "upsample":
+            return (n * sb * (ci * h * w + co * ho * wo),
+                    sum(f * c for f, c in zip(BAND_FACTOR["upsample"], (ci, co))) * n * w * esize,
+                    ho * wo * ci * co * 9, h)
+        return (n * h * w * sb * ci, sum(f * c for f, c in zip(BAND_FACTOR["out"], (ci, co))) * n * w * esize,
+                h * w * ci * co * 9, h)
 
     # ---- running
 

@@ -18,14 +18,13 @@ engine uses tiles.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.nn.functional as F
 
 from .shared_stats import GroupMoments
-from .stagewise import BAND_FACTOR, STATS_OVERHEAD, StagePlan, StagewiseDecode, _bands, _Buffer, _checked, \
-    _same_conv_halo, comfy_resnet_stage, diffusers_resnet_stage
+from .stagewise import StagePlan, StagewiseDecode, _bands, _Buffer, _checked, _resnet_cost, _same_conv_halo, \
+    comfy_resnet_stage, diffusers_resnet_stage
 
 
 @dataclasses.dataclass
@@ -99,43 +98,19 @@ class StagewiseEncode(StagewiseDecode):
         super().__init__(stages, device, dtype, workspace_factor)
         self.prepare = prepare or (lambda t: t)
 
-    def plan(self, shape, budget: float) -> StagePlan | None:
-        """As StagewiseDecode.plan: fp32 buffers when the chain fits with them, else 2-byte ones; band rows
-        (of each stage's output) the most that fit next to its buffers. The input pixels are not counted
-        (they exist before the encode); the last buffer is (the rest of the encoder reads it)."""
-        n = shape[0]
-        esize = torch.empty(0, dtype=self.dtype).element_size()
-        for store in ((self.dtype, torch.float16) if self.dtype == torch.float32 else (self.dtype,)):
-            sb = torch.empty(0, dtype=store).element_size()
-            rows, peak, work, flops = [], 0.0, 0.0, 0.0
-            for i, (s, (ci, h, w), (co, ho, wo)) in enumerate(self._shapes(shape)):
-                if s.kind == "resnet":
-                    in_place = ci == co and s.shortcut is None
-                    resident = n * h * w * sb * (ci + co + (0 if in_place else co))
-                    per_row = max(sum(f * c for f, c in zip(BAND_FACTOR["resnet_a"], (ci, co))),
-                                  BAND_FACTOR["resnet_b"][1] * co + ci) * n * w * esize
-                    cost = h * w * (ci * co + co * co) * 9
-                elif s.kind == "down":
-                    resident = n * sb * (ci * h * w + co * ho * wo)
-                    per_row = (2 * 2 * ci + 2 * co) * n * wo * esize      # 2 input rows (padded copy) + output
-                    cost = ho * wo * ci * co * 9
-                else:
-                    resident = n * co * h * w * sb
-                    per_row = (2 * ci + 2 * co) * n * w * esize
-                    cost = h * w * ci * co * 9
-                per_row *= self.workspace
-                r = int((budget - resident) // per_row) - 2 if per_row > 0 else ho
-                if r < 1:
-                    break
-                r = min(r, ho)
-                r = math.ceil(ho / math.ceil(ho / r))
-                rows.append(r)
-                peak = max(peak, resident + per_row * (r + 2))
-                flops += cost
-                work += cost * (1 + 2 * math.ceil(ho / r) / ho)
-            else:
-                return StagePlan(store, rows, int(peak), STATS_OVERHEAD * work / max(flops, 1.0))
-        return None
+    def _stage_cost(self, i, s, inp, out, n, sb, esize):
+        """As StagewiseDecode._stage_cost (whose plan() this chain uses: fp32 buffers when the chain fits with
+        them, else 2-byte ones; band rows of each stage's output the most that fit next to its buffers). The
+        input pixels are not counted (they exist before the encode); the last buffer is (the rest of the
+        encoder reads it)."""
+        (ci, h, w), (co, ho, wo) = inp, out
+        if s.kind == "resnet":
+            return (*_resnet_cost(s, ci, co, h, w, n, sb, esize, in_place_ok=True), ho)
+        if s.kind == "down":
+            return (n * sb * (ci * h * w + co * ho * wo),
+                    (2 * 2 * ci + 2 * co) * n * wo * esize,      # 2 input rows (padded copy) + output
+                    ho * wo * ci * co * 9, ho)
+        return n * co * h * w * sb, (2 * ci + 2 * co) * n * w * esize, h * w * ci * co * 9, ho
 
     def run(self, x: torch.Tensor, plan: StagePlan, out_device=None) -> torch.Tensor:
         buf = _Buffer.wrap(x.to(self.device))          # the pixels: read only

@@ -13,6 +13,7 @@ import importlib
 
 import pytest
 import torch
+from fake_clock import FakeClock
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -184,16 +185,6 @@ def test_node_patches_a_clone_through_comfyui(comfyui, pack):
     assert info["category"].startswith("Comfy Metal/")
     for name, spec in info["input"]["required"].items():
         assert spec[1].get("tooltip"), f"input {name} has no tooltip"
-
-
-class FakeClock:
-    """A fake device timing source: candidates advance it by their cost."""
-
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def test_measured_choice_never_picks_the_slow_kernel(pack):

@@ -5,19 +5,12 @@ import json
 
 from comfy_metal.metal_kernels import dispatch
 from comfy_metal.nodes import status
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+from fake_clock import FakeClock
 
 
 def test_measured_choice_in_status_payload_and_report(monkeypatch):
     dispatch.reset()
-    clock = Clock()
+    clock = FakeClock()
 
     def cost(s):
         def run():
@@ -43,7 +36,7 @@ def test_measured_choice_in_status_payload_and_report(monkeypatch):
 def test_measured_choice_times_slow_calls_once():
     """Warm-up over MEASURE_SLOW_SECONDS: one timed call (a long video's attention is not run 4 times)."""
     dispatch.reset()
-    clock = Clock()
+    clock = FakeClock()
     calls = {"fast": 0, "slow": 0}
 
     def run(name, s):

@@ -9,6 +9,7 @@ import torch
 import fp8_models as fm
 from comfy_metal.metal_kernels import dispatch
 from comfy_metal.nodes.fp8 import ops as fp8_ops
+from fake_clock import FakeClock
 
 
 def _linear(n=24, k=40, seed=0):
@@ -20,17 +21,10 @@ def _linear(n=24, k=40, seed=0):
     return lin, fm.dequant_ref(q, scale)
 
 
-class Clock:
-    t = 0.0
-
-    def __call__(self):
-        return self.t
-
-
 @pytest.fixture
 def fake_mps(monkeypatch):
     dispatch.reset()
-    clock = Clock()
+    clock = FakeClock()
     monkeypatch.setattr(dispatch, "measuring_enabled", lambda device: True)
     monkeypatch.setattr(dispatch, "_clock", clock)
     yield clock

@@ -7,6 +7,7 @@ import torch
 
 from comfy_metal import metal_kernels
 from comfy_metal.metal_kernels import dispatch, registry
+from fake_clock import FakeClock
 
 
 @pytest.fixture(autouse=True)
@@ -167,13 +168,6 @@ def test_status_without_running_pending_mps_self_checks(monkeypatch):
     assert set(kernels) == set(registry.REGISTRY)
     # CPU decisions need no self-check: reported as usual
     assert dispatch.kernel_status("cpu", run_pending=False)["fp8_decode"]["backend"] == "reference"
-
-
-class FakeClock:
-    t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 @pytest.fixture
