@@ -121,6 +121,8 @@ function injectStyle() {
     .comfy-metal-switch { display: flex; gap: 6px; align-items: center; cursor: pointer; margin: 4px 0; }
     .comfy-metal-group { margin: 4px 0 6px; }
     .comfy-metal-group-head { display: flex; gap: 6px; align-items: baseline; flex-wrap: wrap; }
+    .comfy-metal-group-head strong { display: inline-block; }
+    .comfy-metal-group-head strong::first-letter { text-transform: uppercase; }
     .comfy-metal-names { margin: 2px 0 0; opacity: .7; font-family: ui-monospace, Menlo, monospace; font-size: 10px; }
     .comfy-metal-small { font-size: 11px; }
     .comfy-metal-table td, .comfy-metal-table th { border-bottom: 1px solid rgba(127,127,127,.25); padding: 2px 4px; text-align: left; vertical-align: top; }

@@ -266,9 +266,10 @@ def plain_summary(payload: dict) -> dict:
             "backend": backend_words(payload)}
 
 
-def short_report(summary: dict, memory: dict | None = None) -> str:
+def short_report(summary: dict, memory: dict | None = None,
+                 more: str = "The Metal tab (lightning icon, left) has the details.") -> str:
     """The summary as a few short lines that fit a node: the verdict, what it saved, what to do, one line per
-    state of the features."""
+    state of the features, memory, then `more` (where the details are)."""
     lines = [summary["verdict"] + "."]
     if summary["saved"]:
         lines += ["", "What Comfy Metal saved:"] + [f"- {s}" for s in summary["saved"]]
@@ -285,5 +286,6 @@ def short_report(summary: dict, memory: dict | None = None) -> str:
     if mem.get("in_use") is not None:
         of = f" of {human_bytes(mem['recommended_max'])}" if mem.get("recommended_max") else ""
         lines.append(f"- Memory: {human_bytes(mem['in_use'])} in use{of}")
-    lines += ["", "The Metal tab (lightning icon, left) has the details."]
+    if more:
+        lines += ["", more]
     return "\n".join(lines)
