@@ -427,8 +427,10 @@ async def _frontend(url: str, chromium: str, workflows: dict, shots: pathlib.Pat
     import headless_chromium
 
     async with headless_chromium.open_page(chromium, 1600, 1000, profile_prefix="comfy-metal-wf-chromium-") as cdp:
-        for domain in ("Page", "Runtime", "Log"):
+        for domain in ("Page", "Runtime", "Log", "Network"):
             await cdp.call(f"{domain}.enable")
+        # the Missing Models list asks the model hosts for file sizes: nothing leaves this machine
+        await cdp.call("Network.setBlockedURLs", urls=["*huggingface.co*", "*civitai.com*"])
         await cdp.call("Page.navigate", url=url)
         deadline = time.monotonic() + 120
         while not await cdp.evaluate("!!(window.comfyAPI?.app?.app?.graph && window.comfyAPI.app.app.canvas"
