@@ -115,8 +115,16 @@ SAMPLER_LINE = ("{title}, sampler {sampler}: ComfyUI's {base} sampler with each 
                 "(any sampler ending in _metal does this)")
 DECODE_LINE = ("VAE Decode (Low Memory, Metal): turns the result into the {what} within a memory budget, so a "
                "large {what} does not run out of memory")
-FLUX_LINES = ("Flux.1 needs cfg 1 with FluxGuidance 3.5: leave them as they are. The picture is saved in "
-              "ComfyUI/output/comfy_metal/.")
+
+
+def flux_note(models: str, files, loader_lines: list[str], extra: str) -> str:
+    """The Note of a Flux text-to-image workflow whose loaders read `models` (the KSampler and the decode are
+    the same in each)."""
+    return note(f"Flux text to image with {models}, made for Macs with Apple Silicon. Write your prompt in CLIP "
+                "Text Encode, then press Run. Flux.1 needs cfg 1 with FluxGuidance 3.5: leave them as they are. "
+                "The picture is saved in ComfyUI/output/comfy_metal/.", files,
+                loader_lines + [SAMPLER_LINE.format(title="KSampler", sampler="euler_metal", base="euler"),
+                                DECODE_LINE.format(what="picture")], extra)
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -148,16 +156,12 @@ def fp8_flux_t2i() -> tuple[dict, list[str], dict]:
         {"class_type": "MetalFP8DualTextEncoderLoader",
          "inputs": {"clip_name1": CLIP_L[1], "clip_name2": T5XXL_FP8[1], "type": "flux", "device": "gpu"}},
         "comfy_metal/flux_fp8")
-    notes = [note(
-        "Flux text to image with FP8 models, made for Macs with Apple Silicon. Write your prompt in CLIP Text "
-        "Encode, then press Run. " + FLUX_LINES,
-        [FLUX_MODEL, CLIP_L, T5XXL_FP8, FLUX_VAE],
+    notes = [flux_note(
+        "FP8 models", [FLUX_MODEL, CLIP_L, T5XXL_FP8, FLUX_VAE],
         ["Load Diffusion Model (FP8, Metal): keeps the FP8 model at its file size in the GPU's memory (stock "
          "ComfyUI on a Mac doubles it, or fails, before torch 2.15)",
          "Load 2 Text Encoders (FP8, Metal): runs both text encoders on the GPU (stock ComfyUI uses the CPU "
-         "on a Mac)",
-         SAMPLER_LINE.format(title="KSampler", sampler="euler_metal", base="euler"),
-         DECODE_LINE.format(what="picture")],
+         "on a Mac)"],
         "Another Flux.1-dev FP8 file works too; the T5 may be t5xxl_fp16.safetensors.")]
     titles = {"1": "Load Diffusion Model (FP8, Metal)", "2": "Load 2 Text Encoders (FP8, Metal)",
               "9": "VAE Decode (Low Memory, Metal)"}
@@ -170,15 +174,11 @@ def gguf_flux_t2i() -> tuple[dict, list[str], dict]:
         {"class_type": "MetalGGUFDualTextEncoderLoader",
          "inputs": {"clip_name1": T5XXL_GGUF[1], "clip_name2": CLIP_L[1], "type": "flux", "device": "gpu"}},
         "comfy_metal/flux_gguf")
-    notes = [note(
-        "Flux text to image with GGUF models (the files ComfyUI-GGUF uses), made for Macs with Apple Silicon. "
-        "Write your prompt in CLIP Text Encode, then press Run. " + FLUX_LINES,
-        [FLUX_GGUF, T5XXL_GGUF, CLIP_L, FLUX_VAE],
+    notes = [flux_note(
+        "GGUF models (the files ComfyUI-GGUF uses)", [FLUX_GGUF, T5XXL_GGUF, CLIP_L, FLUX_VAE],
         ["Load Diffusion Model (GGUF, Metal): keeps the model compressed in memory (Q4_K_S: 6.8 GB for "
          "Flux.1-dev, where bf16 needs 24 GB) and unpacks each layer on the GPU as it runs",
-         "Load 2 Text Encoders (GGUF, Metal): the compressed T5 with CLIP-L, on the GPU",
-         SAMPLER_LINE.format(title="KSampler", sampler="euler_metal", base="euler"),
-         DECODE_LINE.format(what="picture")],
+         "Load 2 Text Encoders (GGUF, Metal): the compressed T5 with CLIP-L, on the GPU"],
         "GGUF files already in models/unet or models/clip work from there. Any other quantization works "
         "(Q8_0 ... Q2_K: smaller files, lower quality).")]
     titles = {"1": "Load Diffusion Model (GGUF, Metal)", "2": "Load 2 Text Encoders (GGUF, Metal)",
