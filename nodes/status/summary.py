@@ -85,8 +85,9 @@ def _ratio_text(ratios: list[float]) -> str:
 
 def feature_groups(payload: dict) -> list[dict]:
     """Per feature (FEATURES order): its name, state (the kernels' common state, or "mixed"), the state in words,
-    the kernels per state (`counts`), its kernels, and what was measured: `speedups` (how many times faster the pack's code was, per size timed)
-    and `kept` (sizes where PyTorch's or ComfyUI's own code was faster and runs instead)."""
+    the kernels per state (`counts`), its kernels, those that failed their check, and what was measured:
+    `speedups` (how many times faster the pack's code was, per size timed) and `kept` (sizes where PyTorch's or
+    ComfyUI's own code was faster and runs instead)."""
     forced = bool(payload.get("force_reference")) or payload.get("backend_setting") == "reference"
     by_feature: dict[str, list] = {}
     for name, k in sorted((payload.get("kernels") or {}).items()):
@@ -117,7 +118,7 @@ def feature_groups(payload: dict) -> list[dict]:
             words = STATE_WORDS[state]
         else:
             state = "mixed"
-            words = "; ".join(f"{n} of {len(kernels)} parts {STATE_WORDS[s]}" for s, n in sorted(counts.items()))
+            words = "; ".join(f"{n} of {len(kernels)} parts: {STATE_WORDS[s]}" for s, n in sorted(counts.items()))
         groups.append({"feature": feature, "state": state, "counts": counts, "words": words,
                        "kernels": [n for n, _, _ in kernels],
                        "failed": [{"kernel": n, "reason": k.get("reason", "")} for n, s, k in kernels if s == "failed"],

@@ -112,7 +112,7 @@ const macSummary = {
   todo: ["PyTorch 2.13.0: upgrade to 2.15 or newer (pip install --upgrade torch)"],
   features: [
     { feature: "attention", state: "metal", words: "uses the Apple GPU", kernels: ["flash_attention"], failed: [] },
-    { feature: "FP8 models", state: "mixed", words: "1 of 2 parts uses the Apple GPU; 1 of 2 parts plain PyTorch code",
+    { feature: "FP8 models", state: "mixed", words: "1 of 2 parts: uses the Apple GPU; 1 of 2 parts: plain PyTorch code",
       kernels: ["fp8_decode", "gemv"], failed: [{ kernel: "gemv", reason: "self-check case 0 failed: <x>" }] },
   ],
   runs: [{ node: "#7 MetalKSampler", backend: "metal", words: "uses the Apple GPU", note: "metal_flash 1.9x sub_quad" }],
