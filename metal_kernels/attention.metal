@@ -337,9 +337,9 @@ kernel void NAME(device const T* q [[buffer(0)]],                               
                  uint tid [[thread_index_in_threadgroup]],                                         \
                  uint lane [[thread_index_in_simdgroup]],                                          \
                  uint simd_id [[simdgroup_index_in_threadgroup]]) {                                \
-    threadgroup float kv[ATTN_MMA_KV_FLOATS];                                                          \
-    threadgroup float ps[ATTN_MMA_SIMDS * 8 * ATTN_MMA_BK_MAX];                                            \
-    threadgroup float sq[ATTN_MMA_SIMDS * 64];                                                         \
+    threadgroup float kv[ATTN_MMA_KV_FLOATS];                                                      \
+    threadgroup float ps[ATTN_MMA_SIMDS * 8 * ATTN_MMA_BK_MAX];                                    \
+    threadgroup float sq[ATTN_MMA_SIMDS * 64];                                                     \
     attention_mma_rows<T, ND8>(q, k, v, mask, out, Lq, Lk, D, Hq, Hk, scale_log2, has_mask,        \
                                mask_sb, mask_sh, mask_sq, mask_sk, group_base, q_blocks, kv, ps,   \
                                sq, tgid, tid, lane, simd_id);                                      \
