@@ -68,7 +68,13 @@ def doctor(args) -> int:
 
 def bench(args) -> int:
     tables: list[Table] = []
-    for module in _modules(BENCH_MODULES):
+    if args.predict is not None:    # the performance model's table instead of the timed sections
+        from .bench import predict
+
+        for table in predict.bench(args.quick, chip=args.predict or None, only=args.only):
+            print(table.render() + "\n", flush=True)
+            tables.append(table)
+    for module in _modules(BENCH_MODULES if args.predict is None else ()):
         name = "bench_" + module.__name__.rpartition(".")[2]    # --only matches e.g. "vae" or "bench_vae"
         wanted = [o for o in args.only or () if o.partition(":")[0] in name]
         if args.only and not wanted:
@@ -102,6 +108,10 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", help="only bench modules whose name contains one of these; MODULE:PART "
                                              "for one part of a module that has parts (vae:encode)")
     p.add_argument("--json", metavar="FILE", help="also save the tables as JSON")
+    p.add_argument("--predict", nargs="?", const="", default=None, metavar="CHIP",
+                   help="predicted times of every kernel at real model shapes from the emulator's performance model "
+                        "(model predictions, not measurements; measured times beside them on a Mac); CHIP (e.g. "
+                        "'M4 Max') picks the chip of the roofline / bound / inefficiency columns")
     p.set_defaults(fn=bench)
     for module in _modules((".run_workflow",)):
         module.add_parser(sub)
