@@ -42,7 +42,9 @@ from .schedule import _parse_schedule, get_schedule
 from .toolchain import _FLAGS, _atomic_write, _cache_dir, _run
 
 PROFILE_FLAGS = ["-D__EMU_PROFILE=1", "-fsanitize-coverage=trace-pc-guard", "-mllvm",
-                 "-sanitizer-coverage-prune-blocks=0", "-gline-tables-only"]
+                 "-sanitizer-coverage-prune-blocks=0", "-gline-tables-only",
+                 # keep 32-bit loop counters 32-bit (the CPU pipeline widens them to 64 bits for addressing)
+                 "-mllvm", "-indvars-widen-indvars=false"]
 KINDS = ("device_load", "device_store", "threadgroup_load", "threadgroup_store", "constant_load")
 COLLECTIVES = ("simd_shuffle", "simd_reduce", "quad_shuffle", "quad_reduce", "simdgroup_barrier")
 MACS_PER_MMA = 512

@@ -42,7 +42,7 @@ GEMV_SHAPES = [("3072x3072", 3072, 3072), ("4096->14336", 14336, 4096)]
 
 
 def _gemv_cases():
-    from .. import linear
+    from ..linear import gemv_metal
 
     def case(n, k, weight):
         def run(lib, device):
@@ -50,9 +50,9 @@ def _gemv_cases():
             x = torch.randn(1, k, generator=gen).to(device=device, dtype=torch.bfloat16)
             if weight == "e4m3fn":
                 w = _fp8_bytes((n, k), gen).to(device)
-                return linear.gemv_metal(lib, x, w, fmt="e4m3fn", scale=(torch.rand(n, generator=gen) + .5).to(device))
+                return gemv_metal(lib, x, w, fmt="e4m3fn", scale=(torch.rand(n, generator=gen) + .5).to(device))
             w = torch.randn(n, k, generator=gen).to(device=device, dtype=torch.bfloat16)
-            return linear.gemv_metal(lib, x, w)
+            return gemv_metal(lib, x, w)
         return run
     out = [PredictCase(f"FP8 e4m3fn row-scaled M=1 {lbl}", case(n, k, "e4m3fn"), quick=lbl == "3072x3072")
            for lbl, n, k in GEMV_SHAPES]
@@ -61,23 +61,23 @@ def _gemv_cases():
 
 
 def _fp8_decode_cases():
-    from .. import fp8
+    from ..fp8 import fp8_decode_metal
 
     def run(lib, device):
         gen = _gen(2)
         raw = _fp8_bytes((3072, 3072), gen).to(device)
-        return fp8.fp8_decode_metal(lib, raw, "e4m3fn", scale=(torch.rand(3072, 1, generator=gen) + .5).to(device),
+        return fp8_decode_metal(lib, raw, "e4m3fn", scale=(torch.rand(3072, 1, generator=gen) + .5).to(device),
                                     out_dtype=torch.bfloat16)
     return [PredictCase("e4m3fn 3072x3072 -> bf16, row scale", run, quick=True)]
 
 
 def _fp8_encode_cases():
-    from .. import fp8
+    from ..fp8 import fp8_encode_metal
 
     def run(lib, device):
         gen = _gen(3)
         x = torch.randn(3072, 3072, generator=gen).to(device=device, dtype=torch.bfloat16)
-        return fp8.fp8_encode_metal(lib, x, "e4m3fn", scale=(torch.rand(3072, 1, generator=gen) + .5).to(device))
+        return fp8_encode_metal(lib, x, "e4m3fn", scale=(torch.rand(3072, 1, generator=gen) + .5).to(device))
     return [PredictCase("bf16 3072x3072 -> e4m3fn, row scale", run)]
 
 
@@ -87,33 +87,32 @@ GGUF_GEMV_TYPES = ("Q8_0", "Q4_K", "Q6_K", "Q5_K", "IQ4_XS")
 
 
 def _gguf_weight(qtype, n, k, gen, device):
-    from .. import gguf
+    from ..gguf import GGUF_QUANTS, random_blocks
 
-    bs, ts = gguf.GGUF_QUANTS[qtype]
-    return gguf.random_blocks(qtype, n, k // bs, gen, scale=0.002).to(device)
+    return random_blocks(qtype, n, k // GGUF_QUANTS[qtype][0], gen, scale=0.002).to(device)
 
 
 def _gguf_gemv_cases():
-    from .. import gguf
+    from ..gguf import gguf_gemv_metal
 
     def case(qtype, n, k):
         def run(lib, device):
             gen = _gen(4)
             w = _gguf_weight(qtype, n, k, gen, device)
             x = torch.randn(1, k, generator=gen).to(device=device, dtype=torch.bfloat16)
-            return gguf.gguf_gemv_metal(lib, x, w, qtype)
+            return gguf_gemv_metal(lib, x, w, qtype)
         return run
     return [PredictCase(f"{q} M=1 {lbl}", case(q, n, k), quick=(q, lbl) == ("Q4_K", "3072x3072"))
             for q in GGUF_GEMV_TYPES for lbl, n, k in GEMV_SHAPES]
 
 
 def _gguf_dequant_cases():
-    from .. import gguf
+    from ..gguf import gguf_dequantize_metal
 
     def case(qtype):
         def run(lib, device):
             w = _gguf_weight(qtype, 3072, 3072, _gen(5), device)
-            return gguf.gguf_dequantize_metal(lib, w, qtype, torch.float16)
+            return gguf_dequantize_metal(lib, w, qtype, torch.float16)
         return run
     return [PredictCase(f"{q} 3072x3072 -> fp16", case(q), quick=q == "Q4_K") for q in ("Q8_0", "Q4_K", "Q6_K")]
 
@@ -128,23 +127,23 @@ ATTENTION_SHAPES = [("Flux 1024x1024: 24 heads x 4608 tokens, D128, bf16", 24, 2
 
 
 def _attention_cases():
-    from .. import attention
+    from ..attention import flash_attention_metal
 
     def case(h, tokens, d, dtype):
         def run(lib, device):
             gen = _gen(6)
             q, k, v = (torch.randn(1, h, tokens, d, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
-            return attention.flash_attention_metal(lib, q, k, v)
+            return flash_attention_metal(lib, q, k, v)
         return run
     return [PredictCase(lbl, case(hp, n, d, dt), quick=lbl.startswith("SDXL"), repeat=h // hp)
             for lbl, hp, h, n, d, dt in ATTENTION_SHAPES]
 
 
 def _softmax_cases():
-    from .. import softmax
+    from ..softmax import softmax_metal
 
     def run(lib, device):
-        return softmax.softmax_metal(lib, torch.randn(1, 151936, generator=_gen(7)).to(device), 0.7)
+        return softmax_metal(lib, torch.randn(1, 151936, generator=_gen(7)).to(device), 0.7)
     return [PredictCase("Qwen3 logits 1x151936 fp32, temperature 0.7", run)]
 
 
@@ -156,19 +155,19 @@ PREFILL_TOKENS = 512
 
 
 def _moe_route_cases():
-    from .. import moe
+    from ..moe import moe_route_metal
 
     def case(tokens):
         def run(lib, device):
             logits = torch.randn(tokens, MOE_EXPERTS, generator=_gen(8)).to(device=device, dtype=torch.bfloat16)
-            return moe.moe_route_metal(lib, logits, MOE_TOP_K)
+            return moe_route_metal(lib, logits, MOE_TOP_K)
         return run
     return [PredictCase("Qwen3-30B-A3B decode: 1 token, 128 experts, top-8", case(1), quick=True, sample=None),
             PredictCase(f"Qwen3-30B-A3B prefill: {PREFILL_TOKENS} tokens", case(PREFILL_TOKENS))]
 
 
 def _moe_experts_gemm_cases():
-    from .. import moe
+    from ..moe import moe_experts_gemm_metal
 
     def case(n, k, x_div):
         def run(lib, device):
@@ -179,7 +178,7 @@ def _moe_experts_gemm_cases():
             rows = MOE_TOP_K // x_div
             x = torch.randn(rows, k, generator=gen).to(device=device, dtype=torch.bfloat16)
             scale = (torch.rand(MOE_EXPERTS, n, generator=gen) + 0.5).to(device)
-            return moe.moe_experts_gemm_metal(lib, x, experts.to(device), bank.to(device), scale, x_div=x_div,
+            return moe_experts_gemm_metal(lib, x, experts.to(device), bank.to(device), scale, x_div=x_div,
                                               fmt="e4m3fn")
         return run
     return [PredictCase("Qwen3-30B-A3B decode gate+up: 8 experts x 1536x2048 FP8", case(2 * MOE_INTER, MOE_HIDDEN, 8),
@@ -188,7 +187,7 @@ def _moe_experts_gemm_cases():
 
 
 def _moe_grouped_gemm_cases():
-    from .. import moe
+    from ..moe import moe_grouped_gemm_metal
 
     experts = 16                        # profiled: 16 of the 128 experts with their share of the rows, x 8
     rows = PREFILL_TOKENS * MOE_TOP_K * experts // MOE_EXPERTS
@@ -201,7 +200,7 @@ def _moe_grouped_gemm_cases():
             bank = _fp8_bytes((experts, n, k), gen).to(device)
             xs = torch.randn(rows, k, generator=gen).to(device=device, dtype=torch.bfloat16)
             scale = (torch.rand(experts, n, generator=gen) + 0.5).to(device)
-            return moe.moe_grouped_gemm_metal(lib, xs, offsets, bank, scale, fmt="e4m3fn")
+            return moe_grouped_gemm_metal(lib, xs, offsets, bank, scale, fmt="e4m3fn")
         return run
     # the tile table leaves some tiles empty: profile an evenly spaced sample of 16 groups, not 3
     return [PredictCase(f"Qwen3-30B-A3B prefill gate+up: {PREFILL_TOKENS} tokens, FP8", case(2 * MOE_INTER, MOE_HIDDEN),
@@ -238,12 +237,12 @@ def _sampler_cases(spec: KernelSpec):
 
 
 def _vae_pad_cases():
-    from .. import vae
+    from ..vae import vae_pad_metal
 
     def case(shape, pad, dtype, mode):
         def run(lib, device):
             x = torch.randn(shape, generator=_gen(12)).to(device=device, dtype=dtype)
-            return vae.vae_pad_metal(lib, x, pad, mode)
+            return vae_pad_metal(lib, x, pad, mode)
         return run
     return [PredictCase("SDXL VAE decoder conv input (1, 512, 128, 128) fp16, pad 1", case(
                 (1, 512, 128, 128), (1, 1, 1, 1), torch.float16, "constant"), quick=True),
@@ -252,7 +251,7 @@ def _vae_pad_cases():
 
 
 def _vae_blend_cases():
-    from .. import vae
+    from ..vae import vae_blend_accumulate_metal
 
     def case(acc_shape, tile_shape, offset):
         def run(lib, device):
@@ -260,7 +259,7 @@ def _vae_blend_cases():
             acc = torch.empty(acc_shape, device=device)     # accumulated into; its values do not matter here
             tile = torch.randn(tile_shape, generator=gen).to(device=device, dtype=torch.float16)
             wy, wx = torch.rand(tile_shape[-2], generator=gen).to(device), torch.rand(tile_shape[-1], generator=gen).to(device)
-            return vae.vae_blend_accumulate_metal(lib, acc, tile, wy, wx, offset)
+            return vae_blend_accumulate_metal(lib, acc, tile, wy, wx, offset)
         return run
     return [PredictCase("SDXL decode: 512x512 tile into a 1024x1024 image", case(
                 (1, 3, 1024, 1024), (1, 3, 512, 512), (256, 256)), quick=True),

@@ -47,7 +47,7 @@ class Prediction:
 
     @property
     def top(self) -> str:
-        return self.inefficiencies[0][1] if self.inefficiencies else "none found"
+        return self.inefficiencies[0][1] if self.inefficiencies else "none above 2% of the time"
 
 
 def occupancy(p: Profile, chip: C.Chip) -> float:
@@ -112,6 +112,11 @@ def _launch(p: Profile, chip: C.Chip, locate: Callable[[int], str] | None):
             waste = (1 - x.sector_efficiency) * x.sectors / dev_sectors
             items.append(("l1", waste, f"{what} use {100 * x.sector_efficiency:.0f}% of each 32-byte sector they touch"
                           + at(lambda s, k=kind: s.kind == k, lambda s: s.sectors * 32 - s.distinct_bytes)))
+    if dram_bytes and p.unique_bytes < 0.9 * dram_bytes:
+        items.append(("dram", 1 - p.unique_bytes / dram_bytes,
+                      f"DRAM traffic is {dram_bytes / p.unique_bytes:.1f}x the bytes used: whole 32-byte sectors are "
+                      f"fetched for {100 * p.unique_bytes / dram_bytes:.0f}% of their bytes"
+                      + at(lambda s: s.kind.startswith("device"), lambda s: s.sectors * 32 - s.distinct_bytes)))
     traffic = 32.0 * sum(x.sectors for x in dev)
     if p.unique_bytes and traffic > 1.5 * p.unique_bytes:
         red = traffic / p.unique_bytes
@@ -135,7 +140,7 @@ def _launch(p: Profile, chip: C.Chip, locate: Callable[[int], str] | None):
         if limit == bound:          # modelled saving: the binding limit shrinks, down to the next one at most
             score = (t - max(second, limits[limit] * (1 - waste))) / t if t else 0.0
             found.append((1.0 + score, score, text))
-        elif t:                     # a limit that does not bind: listed after, by its share of the time
+        elif t and limits[limit] >= 0.5 * t:   # a limit close to binding: listed after, by its share of the time
             found.append((waste * limits[limit] / t, waste * limits[limit] / t, text))
     idle = 1 - min(busy, groups / chip.gpu_cores)
     if idle > 0.1:

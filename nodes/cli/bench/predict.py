@@ -28,6 +28,18 @@ def _measure(case, device, reps: int) -> float | str:
         return f"error: {type(e).__name__}: {str(e)[:60]}"
 
 
+def _hot_lines(profiles, locate, n: int = 3) -> str:
+    """The source lines with the most issue cycles, with their share."""
+    lines: dict[int, float] = {}
+    for p in profiles:
+        for line, cycles in p.lines.items():
+            if line:
+                lines[line] = lines.get(line, 0.0) + cycles
+    total = sum(lines.values()) or 1.0
+    top = sorted(lines.items(), key=lambda kv: -kv[1])[:n]
+    return ", ".join(f"{locate(line)} {100 * c / total:.0f}%" for line, c in top)
+
+
 def predict_tables(chip_name: str | None = None, quick: bool = False, only=None) -> list[Table]:
     from ....metal_kernels import dispatch, perf
     from ....metal_kernels.emulator import profiler
@@ -45,7 +57,7 @@ def predict_tables(chip_name: str | None = None, quick: bool = False, only=None)
                           "top inefficiency"] + (["measured µs (MPS)"] if on_mps else []))
     detail = Table(f"Predicted limits on {ref.name} (µs; model predictions)",
                    ["kernel", "case", "dram", "l1", "issue", "threadgroup", "mma", "ideal", "groups/core",
-                    "inefficiencies"])
+                    "hottest lines (issue cycles)", "inefficiencies"])
     for spec, cases in perf.all_cases(quick):
         if only and not any(o in spec.name for o in only):
             continue
@@ -55,6 +67,7 @@ def predict_tables(chip_name: str | None = None, quick: bool = False, only=None)
                          *([""] if on_mps else []))
             continue
         for case in cases:
+            t_case = time.perf_counter()
             try:
                 profiles = perf.profile_case(case, lib)
             except Exception as e:  # one broken case is one row, not a crashed bench
@@ -62,6 +75,7 @@ def predict_tables(chip_name: str | None = None, quick: bool = False, only=None)
                 main.add(spec.name, case.label, *[""] * len(columns), "", "error", f"{type(e).__name__}: {str(e)[:80]}",
                          *([""] if on_mps else []))
                 continue
+            log.info("bench --predict: %s / %s profiled in %.1f s", spec.name, case.label, time.perf_counter() - t_case)
             preds = {c: perf.predict(profiles, c, locate) for c in columns}
             r = preds[ref.name]
             pct = 100 * r.roofline
@@ -73,7 +87,8 @@ def predict_tables(chip_name: str | None = None, quick: bool = False, only=None)
             main.add(*row)
             lim = r.limits_us
             detail.add(spec.name, case.label, lim["dram"], lim["l1"], lim["issue"], lim["threadgroup"], lim["mma"],
-                       r.ideal_us, r.groups_per_core, "; ".join(t for _, t in r.inefficiencies) or "none found")
+                       r.ideal_us, r.groups_per_core, _hot_lines(profiles, locate), "; ".join(t for _, t in r.inefficiencies)
+                       or "none above 2% of the time")
     main.note = (f"predicted = max(DRAM, L1 lines, issue slots, threadgroup banks, simdgroup_matrix) + "
                  f"{C.LAUNCH_OVERHEAD_US:g} µs launch overhead (assumed), per chip from metal_kernels/perf/chips.py "
                  f"(M3-M5 clocks unpublished: assumed); % roofline = ideal time (unique bytes, FLOPs) / predicted "
