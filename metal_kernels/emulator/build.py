@@ -72,6 +72,23 @@ def _clang_or_raise() -> str:
     return clang
 
 
+def cached_build(key: str, build) -> tuple[Path, object]:
+    """The cached shared object of `key` and its JSON metadata; `build(so_path) -> metadata` makes them when
+    they are missing or unreadable."""
+    cache = _cache_dir()
+    so, meta = cache / f"{key}.so", cache / f"{key}.json"
+    info = None
+    if so.exists() and meta.exists():
+        try:
+            info = json.loads(meta.read_text())
+        except (OSError, ValueError):
+            info = None
+    if info is None:
+        info = build(so)
+        _atomic_write(meta, json.dumps(info).encode())
+    return so, info
+
+
 def compile_library(src: str) -> "Library":
     """Compile MSL source (several .metal files may be concatenated) like torch.mps.compile_shader."""
     if not isinstance(src, str):
@@ -82,17 +99,7 @@ def compile_library(src: str) -> "Library":
         lib = _libs.get(key)
     if lib is not None:
         return lib
-    cache = _cache_dir()
-    so, meta = cache / f"{key}.so", cache / f"{key}.json"
-    table = None
-    if so.exists() and meta.exists():
-        try:
-            table = json.loads(meta.read_text())
-        except (OSError, ValueError):
-            table = None
-    if table is None:
-        table = _build(src, clang, so)
-        _atomic_write(meta, json.dumps(table).encode())
+    so, table = cached_build(key, lambda out_so: _build(src, clang, out_so))
     lib = Library(ctypes.CDLL(str(so)), table, key)
     lib.source = src                      # the profiling variant (profiler.py) is built from it on demand
     with _libs_lock:

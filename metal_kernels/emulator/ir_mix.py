@@ -64,7 +64,7 @@ _FREE = {"getelementptr", "zext", "sext", "trunc", "bitcast", "ptrtoint", "intto
          "extractelement", "insertelement", "shufflevector", "extractvalue", "insertvalue", "phi", "br",
          "switch", "ret", "unreachable", "freeze", "alloca", "load", "store", "fence", "fneg", "va_arg",
          "indirectbr", "landingpad", "resume", "atomicrmw", "cmpxchg", "invoke", "callbr"}
-# libm / intrinsic name (without the llvm. prefix and type suffix) -> (class, cost key)
+# libm / intrinsic name (without the llvm. prefix and type suffix) -> cost key (all transcendental)
 _MATH = {
     "exp": "exp", "exp2": "exp", "exp10": "exp", "log": "exp", "log2": "exp", "log10": "exp",
     "sqrt": "sqrt", "sin": "sin", "cos": "sin", "pow": "pow", "powi": "pow", "tan": "tan", "tanh": "tanh",

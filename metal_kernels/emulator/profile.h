@@ -316,7 +316,11 @@ static void prof_group_end() {
 }
 
 static void prof_barrier(uint32_t nsg) {
-  if (g_prof) g_prof->ev[EV_TG_BARRIER] += g_prof->weight * nsg;
+  if (!g_prof) return;
+  g_prof->ev[EV_TG_BARRIER] += g_prof->weight * nsg;
+  // every lane has reached this barrier: the instructions before it are complete; fold them early when
+  // they take memory (k keeps counting, so a later instruction never meets an earlier one's records)
+  if (g_prof->recs.size() > (1u << 22)) prof_flush_memory();
 }
 
 // the threadgroup to run at position gi of a sampled launch (false: the sample is done)

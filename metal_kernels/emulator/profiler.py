@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import json
 import math
 import tempfile
 import threading
@@ -36,10 +35,11 @@ from pathlib import Path
 import torch
 
 from . import ir_mix
+from .build import _cache_key, _clang_or_raise, _translate, cached_build
 from .errors import BarrierDivergence, DataRace, EmulatorError, KernelCrash
-from .launch import RACE_MAX_BYTES, SIMD_WIDTH, _launch_lock, _pack_scalar, _tensor_span, checks_enabled
+from .launch import RACE_MAX_BYTES, SIMD_WIDTH, Library, _launch_lock, _tensor_span, checks_enabled
 from .schedule import _parse_schedule, get_schedule
-from .toolchain import _FLAGS, _atomic_write, _cache_dir, _run
+from .toolchain import _FLAGS, _atomic_write, _run
 
 PROFILE_FLAGS = ["-D__EMU_PROFILE=1", "-fsanitize-coverage=trace-pc-guard", "-mllvm",
                  "-sanitizer-coverage-prune-blocks=0", "-gline-tables-only",
@@ -184,17 +184,10 @@ class Profile:
         every count and every buffer times k."""
         def mul(d):
             return {c: [x * k for x in v] if isinstance(v, list) else v * k for c, v in d.items()}
-        mem = {}
-        for kind, m in self.memory.items():
-            mem[kind] = MemoryStats()
-            mem[kind].add(m, k)
-        sites = []
-        for s in self.sites:
-            t = dataclasses.replace(s, by_width={})
-            for f in _SITE_FIELDS:
-                setattr(t, f, 0.0)
-            t.add(s, k)
-            sites.append(t)
+
+        def stats(m):
+            return dataclasses.replace(m, **{f: getattr(m, f) * k for f in _SITE_FIELDS},
+                                       by_width={w: n * k for w, n in m.by_width.items()})
         bufs = [dataclasses.replace(b, size=b.size * k, read_bytes=b.read_bytes * k, written_bytes=b.written_bytes * k,
                                     read_sectors=b.read_sectors * k, written_sectors=b.written_sectors * k)
                 for b in self.buffers]
@@ -203,7 +196,8 @@ class Profile:
         return dataclasses.replace(self, groups=self.groups * k, issue=mul(self.issue), blocks=blocks,
                                    lane_instructions=mul(self.lane_instructions), flops=self.flops * k,
                                    mma=self.mma * k, collectives=mul(self.collectives), barriers=self.barriers * k,
-                                   memory=mem, sites=sites, buffers=bufs, lines=mul(self.lines),
+                                   memory={kind: stats(m) for kind, m in self.memory.items()},
+                                   sites=[stats(s) for s in self.sites], buffers=bufs, lines=mul(self.lines),
                                    repeat=self.repeat * k)
 
     def summary(self) -> str:
@@ -264,45 +258,41 @@ _builds: dict[str, ProfileBuild] = {}
 _builds_lock = threading.Lock()
 
 
+def _build_profile(src: str, clang: str, out_so: Path) -> dict:
+    """Compile the profiling variant to LLVM IR, number its blocks and sites (ir_mix), build the .so from
+    that IR; returns the metadata (launcher table, blocks, sites)."""
+    here = Path(__file__).parent
+    with tempfile.TemporaryDirectory(prefix="comfy_metal_emu_prof_") as tmp:
+        cpp, table = _translate(src, clang, tmp, check=False)
+        ll, ll2, tmp_so = Path(tmp) / "translated.ll", Path(tmp) / "profiled.ll", Path(tmp) / "lib.so"
+        what = "MSL compilation (emulator profiling build, clang-19)"
+        _run([clang, "-x", "c++", *[f for f in _FLAGS if f != "-shared"], *PROFILE_FLAGS, "-I", str(here),
+              "-include", str(here / "shim.h"), str(cpp), "-S", "-emit-llvm", "-o", str(ll)], tmp, what)
+        rw = ir_mix.rewrite(ll.read_text())
+        ll2.write_text(rw.ir)
+        _run([clang, "-x", "ir", str(ll2), "-O1", "-fPIC", "-shared", "-Xclang", "-disable-llvm-passes",
+              "-o", str(tmp_so)], tmp, what)
+        _atomic_write(out_so, tmp_so.read_bytes())
+    return {"table": table, "blocks": [dataclasses.asdict(b) for b in rw.blocks],
+            "sites": [dataclasses.asdict(s) for s in rw.sites]}
+
+
+def _profile_key(clang: str, src: str) -> str:
+    return _cache_key(clang, src, "profile " + " ".join(PROFILE_FLAGS))
+
+
 def profile_build(lib) -> ProfileBuild:
     """The profiling variant of `lib` (built once per source, cached on disk next to the normal build)."""
-    from .build import _cache_key, _clang_or_raise, _translate
-
     src = getattr(lib, "source", None)
     if src is None:
         raise EmulatorError("this library was not made by compile_library: no source to build a profile from")
     clang = _clang_or_raise()
-    key = _cache_key(clang, src, "profile " + " ".join(PROFILE_FLAGS))
+    key = _profile_key(clang, src)
     with _builds_lock:
         hit = _builds.get(key)
         if hit is not None:
             return hit
-        cache = _cache_dir()
-        so, meta = cache / f"{key}.so", cache / f"{key}.json"
-        info = None
-        if so.exists() and meta.exists():
-            try:
-                info = json.loads(meta.read_text())
-            except (OSError, ValueError):
-                info = None
-        if info is None:
-            with tempfile.TemporaryDirectory(prefix="comfy_metal_emu_prof_") as tmp:
-                cpp, table = _translate(src, clang, tmp, check=False)
-                ll = Path(tmp) / "translated.ll"
-                flags = [f for f in _FLAGS if f != "-shared"]
-                _run([clang, "-x", "c++", *flags, *PROFILE_FLAGS, "-I", str(Path(__file__).parent), "-include",
-                      str(Path(__file__).parent / "shim.h"), str(cpp), "-S", "-emit-llvm", "-o", str(ll)], tmp,
-                     "MSL compilation (emulator profiling build, clang-19)")
-                rw = ir_mix.rewrite(ll.read_text())
-                ll2 = Path(tmp) / "profiled.ll"
-                ll2.write_text(rw.ir)
-                tmp_so = Path(tmp) / "lib.so"
-                _run([clang, "-x", "ir", str(ll2), "-O1", "-fPIC", "-shared", "-Xclang", "-disable-llvm-passes",
-                      "-o", str(tmp_so)], tmp, "MSL compilation (emulator profiling build, clang-19)")
-                _atomic_write(so, tmp_so.read_bytes())
-            info = {"table": table, "blocks": [dataclasses.asdict(b) for b in rw.blocks],
-                    "sites": [dataclasses.asdict(s) for s in rw.sites]}
-            _atomic_write(meta, json.dumps(info).encode())
+        so, info = cached_build(key, lambda out_so: _build_profile(src, clang, out_so))
         blocks = [ir_mix.Block(**{**b, "lines": {int(k): v for k, v in b["lines"].items()}}) for b in info["blocks"]]
         build = ProfileBuild(ctypes.CDLL(str(so)), info["table"], blocks, [ir_mix.Site(**s) for s in info["sites"]])
         _builds[key] = build
@@ -312,13 +302,8 @@ def profile_build(lib) -> ProfileBuild:
 def compile_profile_library(src: str):
     """A Library over the profiling build alone (no normal build needed): its kernels profile with
     `kernel.profile(...)`; a plain call runs them unprofiled."""
-    from .build import _cache_key, _clang_or_raise
-    from .launch import Library
-
-    holder = type("_Source", (), {"source": src})()
-    build = profile_build(holder)
-    key = _cache_key(_clang_or_raise(), src, "profile " + " ".join(PROFILE_FLAGS))
-    lib = Library(build.dll, build.table, key)
+    build = profile_build(type("_Source", (), {"source": src})())
+    lib = Library(build.dll, build.table, _profile_key(_clang_or_raise(), src))
     lib.source = src
     return lib
 

@@ -71,7 +71,7 @@ def bench(args) -> int:
     if args.predict is not None:    # the performance model's table instead of the timed sections
         from .bench import predict
 
-        for table in predict.bench(args.quick, chip=args.predict or None, only=args.only):
+        for table in predict.predict_tables(args.predict or None, quick=args.quick, only=args.only):
             print(table.render() + "\n", flush=True)
             tables.append(table)
     for module in _modules(BENCH_MODULES if args.predict is None else ()):
@@ -106,7 +106,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("bench", help="print benchmark tables")
     p.add_argument("--quick", action="store_true", help="small sizes only")
     p.add_argument("--only", nargs="*", help="only bench modules whose name contains one of these; MODULE:PART "
-                                             "for one part of a module that has parts (vae:encode)")
+                                             "for one part of a module that has parts (vae:encode); with "
+                                             "--predict: only kernels whose name contains one of these")
     p.add_argument("--json", metavar="FILE", help="also save the tables as JSON")
     p.add_argument("--predict", nargs="?", const="", default=None, metavar="CHIP",
                    help="predicted times of every kernel at real model shapes from the emulator's performance model "

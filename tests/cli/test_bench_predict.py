@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from comfy_metal.metal_kernels import emulator as emu
 
@@ -37,3 +38,18 @@ def test_bench_predict_takes_a_chip(capsys):
     text = capsys.readouterr().out
     assert "M1 µs" in text and "% roofline (M1)" in text and "sampler_euler_step" in text
     assert "Kernels: Metal vs reference" not in text          # --predict replaces the timed sections
+
+
+def test_measured_times_print_beside_the_predictions(monkeypatch, capsys):
+    """On a Mac the same call is timed on MPS; here the emulator stands in for the Metal library."""
+    from comfy_metal.metal_kernels import dispatch
+    from comfy_metal.metal_kernels.emulator import compile_library
+    from comfy_metal.nodes.cli.bench import predict
+
+    lib = compile_library(dispatch.library_source())
+    monkeypatch.setattr(predict, "_measure_target", lambda: (lib, torch.device("cpu")))
+    main_table, _ = predict.predict_tables(quick=True, only=["sampler_euler_step"])
+    assert main_table.columns[-1] == "measured µs (MPS)"
+    (row,) = main_table.rows
+    assert isinstance(row[-1], float) and row[-1] > 0
+    assert "No MPS here" not in main_table.note

@@ -11,98 +11,14 @@ import torch
 
 from comfy_metal.metal_kernels import emulator as emu
 from comfy_metal.metal_kernels.emulator import compile_library, set_checks
+from synthetic_kernels import SRC, aligned
 
 pytestmark = pytest.mark.skipif(not emu.available(), reason="clang-19 not installed: the MSL emulator needs it")
-
-SRC = r"""
-#include <metal_stdlib>
-#include <metal_simdgroup>
-#include <metal_simdgroup_matrix>
-using namespace metal;
-
-kernel void copy4(device float4* out [[buffer(0)]], const device float4* a [[buffer(1)]],
-                  uint tid [[thread_position_in_grid]]) {
-  out[tid] = a[tid];
-}
-
-kernel void stride8(device float* out [[buffer(0)]], const device float* a [[buffer(1)]],
-                    uint tid [[thread_position_in_grid]]) {
-  out[tid] = a[tid * 8];
-}
-
-kernel void tg_stride(device float* out [[buffer(0)]], constant int& stride [[buffer(1)]],
-                      uint lid [[thread_position_in_threadgroup]]) {
-  threadgroup float t[32 * 32];
-  t[lid * stride] = (float)lid;
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  out[lid] = t[lid * stride];
-}
-
-kernel void half_branch(device float* out [[buffer(0)]], uint tid [[thread_position_in_grid]]) {
-  if (tid % 2 == 0) {
-    float v = out[tid];
-    v = v * 1.5f + 0.25f;
-    out[tid] = v;  // BRANCH BODY
-  }
-}
-
-kernel void mma_loop(device float* out [[buffer(0)]], const device float* a [[buffer(1)]],
-                     constant int& n [[buffer(2)]], uint sg [[simdgroup_index_in_threadgroup]]) {
-  simdgroup_float8x8 A, B;
-  simdgroup_float8x8 C = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-  simdgroup_load(A, a, 8);
-  simdgroup_load(B, a + 64, 8);
-  for (int i = 0; i < n; i++) simdgroup_multiply_accumulate(C, A, B, C);
-  simdgroup_store(C, out + sg * 64, 8);
-}
-
-kernel void div64(device long* out [[buffer(0)]], constant long& n [[buffer(1)]],
-                  uint tid [[thread_position_in_grid]]) {
-  long acc = 0;
-  for (long i = 1; i <= n; i++) acc += ((long)tid + 1000) / i;
-  out[tid] = acc;
-}
-
-kernel void div32(device int* out [[buffer(0)]], constant int& n [[buffer(1)]],
-                  uint tid [[thread_position_in_grid]]) {
-  int acc = 0;
-  for (int i = 1; i <= n; i++) acc += ((int)tid + 1000) / i;
-  out[tid] = acc;
-}
-
-kernel void reduce_loop(device float* out [[buffer(0)]], constant int& n [[buffer(1)]],
-                        uint tid [[thread_position_in_grid]]) {
-  float v = (float)tid;
-  for (int i = 0; i < n; i++) v = simd_sum(v) * 0.5f;
-  out[tid] = v;
-}
-
-// rows of a matrix times a vector every group reads whole: one thread per row
-kernel void rows(device float* y [[buffer(0)]], const device float* w [[buffer(1)]],
-                 const device float* x [[buffer(2)]], constant int& n [[buffer(3)]], constant int& k [[buffer(4)]],
-                 uint row [[thread_position_in_grid]]) {
-  if ((int)row >= n) return;
-  float acc = 0.0f;
-  for (int j = 0; j < k; j++) acc += w[row * k + j] * x[j];
-  y[row] = acc;
-}
-"""
 
 
 @pytest.fixture(scope="module")
 def lib():
     return compile_library(SRC)
-
-
-def aligned(n: int, dtype=torch.float32, fill=None) -> torch.Tensor:
-    """A tensor of n elements whose data starts on a 128-byte line."""
-    es = torch.empty(0, dtype=dtype).element_size()
-    buf = torch.empty(n + 256 // es, dtype=dtype)
-    off = (-buf.data_ptr() % 128) // es
-    t = buf[off:off + n]
-    if fill is not None:
-        t.copy_(fill)
-    return t
 
 
 def test_coalesced_float4_copy_uses_every_byte(lib):
@@ -216,3 +132,26 @@ def test_scaled_profile_multiplies_counts(lib):
     assert q.groups == 3 * p.groups and q.memory["device_load"].sectors == 3 * p.memory["device_load"].sectors
     assert q.unique_bytes == 3 * p.unique_bytes and q.repeat == 3
     assert q.memory["device_load"].sector_efficiency == p.memory["device_load"].sector_efficiency
+
+
+@pytest.mark.parametrize("ir,want", [
+    ("%5 = fadd <4 x float> %a, %b", [("fp32", "f_simple", 4, 1.0)]),
+    ("%5 = fmul half %a, %b", [("fp16", "f_simple", 1, 1.0)]),
+    ("%5 = tail call <2 x float> @llvm.fma.v2f32(<2 x float> %a, <2 x float> %b, <2 x float> %c)",
+     [("fp32", "f_simple", 2, 2.0)]),
+    ("%5 = sdiv i64 %a, %b", [("idiv64", "idiv64", 1, 0.0)]),
+    ("%5 = urem i32 %a, %b", [("idiv32", "idiv32", 1, 0.0)]),
+    ("%5 = mul nsw i64 %a, %b", [("int64", "i64_mul", 1, 0.0)]),
+    ("%5 = shl nuw i32 %a, 3", [("int32", "i_shift", 1, 0.0)]),
+    ("%5 = icmp slt i64 %a, %b", [("int64", "i64_simple", 1, 0.0)]),
+    ("%5 = sitofp i32 %a to float", [("conversion", "cvt32", 1, 0.0)]),
+    ("%5 = fdiv float 1.000000e+00, %a", [("transcendental", "div", 1, 1.0)]),
+    ("%5 = tail call noundef float @expf(float %a)", [("transcendental", "exp", 1, 0.0)]),
+    ("%5 = select i1 %c, <4 x half> %a, <4 x half> %b", [("fp16", "f_simple", 4, 0.0)]),
+    ("%5 = fpext half %a to float", []),                    # a free operand modifier on Apple GPUs
+    ("%5 = getelementptr inbounds float, ptr %p, i64 %i", []),
+    ("%5 = load <4 x float>, ptr %p, align 16", []),        # counted as a memory instruction instead
+])
+def test_instruction_classes(ir, want):
+    from comfy_metal.metal_kernels.emulator.ir_mix import classify
+    assert classify("  " + ir) == want

@@ -8,41 +8,7 @@ import torch
 from comfy_metal.metal_kernels import emulator as emu
 from comfy_metal.metal_kernels.perf import CHIPS, chip, predict
 from comfy_metal.metal_kernels.perf import chips as C
-
-SRC = r"""
-#include <metal_stdlib>
-using namespace metal;
-
-kernel void copy4(device float4* out [[buffer(0)]], const device float4* a [[buffer(1)]],
-                  uint tid [[thread_position_in_grid]]) {
-  out[tid] = a[tid];
-}
-
-kernel void stride8(device float* out [[buffer(0)]], const device float* a [[buffer(1)]],
-                    uint tid [[thread_position_in_grid]]) {
-  out[tid] = a[tid * 8];
-}
-
-kernel void tg_loop(device float* out [[buffer(0)]], constant int& stride [[buffer(1)]], constant int& n [[buffer(2)]],
-                    uint lid [[thread_position_in_threadgroup]], uint gid [[thread_position_in_grid]]) {
-  threadgroup float t[32 * 33];
-  float acc = 0.0f;
-  for (int i = 0; i < n; i++) {
-    t[lid * stride + (i & 1)] = acc;
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    acc += t[((lid + 1) % 32) * stride + (i & 1)];
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-  out[gid] = acc;
-}
-
-kernel void div64(device long* out [[buffer(0)]], constant long& n [[buffer(1)]],
-                  uint tid [[thread_position_in_grid]]) {
-  long acc = 0;
-  for (long i = 1; i <= n; i++) acc += ((long)tid + 1000) / i;
-  out[tid] = acc;
-}
-"""
+from synthetic_kernels import SRC
 
 pytestmark = pytest.mark.skipif(not emu.available(), reason="clang-19 not installed: the MSL emulator needs it")
 

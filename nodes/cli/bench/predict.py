@@ -17,12 +17,23 @@ log = logging.getLogger("comfy_metal")
 HEADER = ("Predicted kernel times: MODEL PREDICTIONS from the emulator's performance model, not measurements")
 
 
-def _measure(case, device, reps: int) -> float | str:
-    """Median µs of the case's launch code on MPS (Metal library of dispatch), or why not."""
+def _measure_target():
+    """(compiled Metal library, MPS device) to time the cases on, or None without MPS."""
     from ....metal_kernels import dispatch
+    from ....metal_kernels.probe import mps_available
 
+    if not mps_available():
+        return None
     try:
-        lib = dispatch.compile_library("metal")
+        return dispatch.compile_library("metal"), torch.device("mps")
+    except Exception as e:  # no measured column then, and one line saying why
+        log.warning("bench --predict: no measured column: %s", e)
+        return None
+
+
+def _measure(case, lib, device, reps: int) -> float | str:
+    """Median µs of the case's launch code on `device`, or why not."""
+    try:
         return median_seconds(lambda: case.run(lib, device), device, repeat=reps) * 1e6
     except Exception as e:  # a measured cell never stops the table
         return f"error: {type(e).__name__}: {str(e)[:60]}"
@@ -44,11 +55,11 @@ def predict_tables(chip_name: str | None = None, quick: bool = False, only=None)
     from ....metal_kernels import dispatch, perf
     from ....metal_kernels.emulator import profiler
     from ....metal_kernels.perf import chips as C
-    from ....metal_kernels.probe import mps_available
 
     ref = C.chip(chip_name) if chip_name else C.chip(C.REFERENCE_CHIP)
     columns = list(C.DEFAULT_COLUMNS) + ([ref.name] if ref.name not in C.DEFAULT_COLUMNS else [])
-    on_mps = mps_available()
+    target = _measure_target()
+    on_mps = target is not None
     src = dispatch.library_source()
     t0 = time.perf_counter()
     lib = profiler.compile_profile_library(src)
@@ -83,7 +94,7 @@ def predict_tables(chip_name: str | None = None, quick: bool = False, only=None)
                    f"{pct:.1f}%", r.bound,
                    r.top]
             if on_mps:
-                row.append(_measure(case, torch.device("mps"), 3 if quick else 10))
+                row.append(_measure(case, *target, 3 if quick else 10))
             main.add(*row)
             lim = r.limits_us
             detail.add(spec.name, case.label, lim["dram"], lim["l1"], lim["issue"], lim["threadgroup"], lim["mma"],
@@ -97,7 +108,3 @@ def predict_tables(chip_name: str | None = None, quick: bool = False, only=None)
                  f"(`python -m comfy_metal bench --predict{' --quick' if quick else ''}`)."
                  + ("" if on_mps else " No MPS here: no measured column."))
     return [main, detail]
-
-
-def bench(quick: bool, chip: str | None = None, only=None) -> list[Table]:
-    return predict_tables(chip, quick, only)
