@@ -61,6 +61,9 @@ struct attention_params {
     long mask_sk;
     long group_base;
     long q_blocks;
+    long splits;
+    long split_keys;
+    long pairs;
 };
 
 // Keys per block of attention_mma: the largest of 128, 64, 32, 16 whose padded block fits ATTN_KV_BYTES.
@@ -237,8 +240,11 @@ kernel void attention_mma(device const T* q [[buffer(0)]],
 }
 
 // ---------------------------------------------------------------------------------------------
-// The vector kernel. Threadgroup g covers pairs [chunk * ATTN_VEC_ROWS, ...) of the G * Lq
-// (head in the GQA group, query row) pairs of one (b, hk): pair n is head hk * G + n / Lq, row n % Lq.
+// The vector kernel. Threadgroup g covers key split g % p.splits of pairs [chunk * ATTN_VEC_ROWS, ...)
+// of the G * Lq (head in the GQA group, query row) pairs of one (b, hk), chunk = g / p.splits % p.q_blocks:
+// pair n is head hk * G + n / Lq, row n % Lq. With one split it writes out; with more, each split writes
+// its unnormalised O, max and sum to `part` (fp32, pair-major: O at (pair * splits + split) * D, then
+// (max, sum) at 2 * (pair * splits + split) after all O) and attention_vec_merge combines them.
 
 template <typename T, int NT>
 kernel void attention_vec(device const T* q [[buffer(0)]],
@@ -248,6 +254,7 @@ kernel void attention_vec(device const T* q [[buffer(0)]],
                           device T* out [[buffer(4)]],
                           constant attention_params& p [[buffer(5)]],
                           constant float& scale_log2 [[buffer(6)]],
+                          device float* part [[buffer(7)]],
                           uint tgid [[threadgroup_position_in_grid]],
                           ushort lane [[thread_index_in_simdgroup]],
                           ushort sg [[simdgroup_index_in_threadgroup]]) {
@@ -256,12 +263,15 @@ kernel void attention_vec(device const T* q [[buffer(0)]],
     threadgroup float part_ml[2 * R];
 
     const ulong g = ulong(p.group_base) + tgid;
-    const ulong bhk = g / ulong(p.q_blocks);                // b * Hk + hk
-    const int n0 = int(g - bhk * ulong(p.q_blocks)) * R;
+    const ulong gs = g / ulong(p.splits);
+    const int split = int(g - gs * ulong(p.splits));
+    const ulong bhk = gs / ulong(p.q_blocks);               // b * Hk + hk
+    const int n0 = int(gs - bhk * ulong(p.q_blocks)) * R;
     const ulong b = bhk / ulong(p.Hk);
     const int G = int(p.Hq / p.Hk);
-    const int Lq = int(p.Lq), Lk = int(p.Lk), D = int(p.D);
+    const int Lq = int(p.Lq), D = int(p.D);
     const int pairs = min(R, G * Lq - n0);
+    const int j_end = min(int(p.Lk), (split + 1) * int(p.split_keys));
     device const T* kh = k + bhk * ulong(p.Lk * p.D);
     device const T* vh = v + bhk * ulong(p.Lk * p.D);
     const bool has_mask = p.has_mask != 0;
@@ -272,43 +282,52 @@ kernel void attention_vec(device const T* q [[buffer(0)]],
     float m_run[R];
     float l_run[R];
     device const float* mrow[R];
-    device T* orow[R];
+    ulong prow[R];                                          // the pair's index in (B, Hq, Lq)
     for (int r = 0; r < R; ++r) {
         const int n = min(n0 + r, G * Lq - 1);              // pairs past the end repeat the last one, unwritten
         const ulong h = (bhk - b * ulong(p.Hk)) * ulong(G) + ulong(n / Lq);
         const int i = n - (n / Lq) * Lq;
-        const ulong row = ((b * ulong(p.Hq) + h) * ulong(p.Lq) + ulong(i)) * ulong(p.D);
-        orow[r] = out + row;
+        prow[r] = (b * ulong(p.Hq) + h) * ulong(p.Lq) + ulong(i);
         mrow[r] = has_mask ? mask + b * ulong(p.mask_sb) + h * ulong(p.mask_sh) + ulong(i) * ulong(p.mask_sq) : mask;
+        ATTN_UNROLL
         for (int t = 0; t < NT; ++t) {
             const int d = lane + 32 * t;
-            qv[r][t] = d < D ? float(q[row + d]) * scale_log2 : 0.0f;
+            qv[r][t] = d < D ? float(q[prow[r] * ulong(p.D) + ulong(d)]) * scale_log2 : 0.0f;
             acc[r][t] = 0.0f;
         }
         m_run[r] = -INFINITY;
         l_run[r] = 0.0f;
     }
 
-    for (int j = sg; j < Lk; j += ATTN_VEC_SIMDS) {
+    for (int j = split * int(p.split_keys) + sg; j < j_end; j += ATTN_VEC_SIMDS) {
         float kd[NT];
         float vd[NT];
+        ATTN_UNROLL
         for (int t = 0; t < NT; ++t) {
             const int d = lane + 32 * t;
             kd[t] = d < D ? float(kh[j * D + d]) : 0.0f;
             vd[t] = d < D ? float(vh[j * D + d]) : 0.0f;
         }
+        ATTN_UNROLL
         for (int r = 0; r < R; ++r) {
+            if (r >= pairs) break;                          // uniform
             float s = 0.0f;
+            ATTN_UNROLL
             for (int t = 0; t < NT; ++t) s = fma(qv[r][t], kd[t], s);
             s = simd_sum(s);
             if (has_mask) s += mrow[r][j * msk] * ATTN_LOG2E;
-            const float m_new = max(m_run[r], s);
-            if (m_new == -INFINITY) continue;                // uniform: every key so far masked
-            const float alpha = exp2(m_run[r] - m_new);
-            const float e = exp2(s - m_new);
-            l_run[r] = l_run[r] * alpha + e;
-            m_run[r] = m_new;
-            for (int t = 0; t < NT; ++t) acc[r][t] = fma(e, vd[t], acc[r][t] * alpha);
+            if (s == -INFINITY) continue;                   // uniform (s is the simdgroup's): a masked key
+            if (s > m_run[r]) {                             // uniform: a new max rescales the row
+                const float alpha = exp2(m_run[r] - s);     // 0 for the first key
+                l_run[r] *= alpha;
+                ATTN_UNROLL
+                for (int t = 0; t < NT; ++t) acc[r][t] *= alpha;
+                m_run[r] = s;
+            }
+            const float e = exp2(s - m_run[r]);
+            l_run[r] += e;
+            ATTN_UNROLL
+            for (int t = 0; t < NT; ++t) acc[r][t] = fma(e, vd[t], acc[r][t]);
         }
     }
 
@@ -316,7 +335,8 @@ kernel void attention_vec(device const T* q [[buffer(0)]],
     for (int s = 1; s < ATTN_VEC_SIMDS; ++s) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
         if (sg == s) {
-            for (int r = 0; r < R; ++r) {
+            for (int r = 0; r < pairs; ++r) {
+                ATTN_UNROLL
                 for (int t = 0; t < NT; ++t) part_o[(r * NT + t) * 32 + lane] = acc[r][t];
                 if (lane == 0) {
                     part_ml[2 * r] = m_run[r];
@@ -326,7 +346,7 @@ kernel void attention_vec(device const T* q [[buffer(0)]],
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
         if (sg == 0) {
-            for (int r = 0; r < R; ++r) {
+            for (int r = 0; r < pairs; ++r) {
                 const float m2 = part_ml[2 * r];
                 const float m_new = max(m_run[r], m2);
                 if (m_new == -INFINITY) continue;
@@ -334,17 +354,65 @@ kernel void attention_vec(device const T* q [[buffer(0)]],
                 const float a2 = exp2(m2 - m_new);
                 l_run[r] = l_run[r] * a1 + part_ml[2 * r + 1] * a2;
                 m_run[r] = m_new;
+                ATTN_UNROLL
                 for (int t = 0; t < NT; ++t) acc[r][t] = acc[r][t] * a1 + part_o[(r * NT + t) * 32 + lane] * a2;
             }
         }
     }
     if (sg != 0) return;
+    const ulong S = ulong(p.splits);
     for (int r = 0; r < pairs; ++r) {
+        if (S > 1) {                                        // unnormalised, for attention_vec_merge
+            device float* po = part + (prow[r] * S + ulong(split)) * ulong(p.D);
+            ATTN_UNROLL
+            for (int t = 0; t < NT; ++t) {
+                const int d = lane + 32 * t;
+                if (d < D) po[d] = acc[r][t];
+            }
+            if (lane == 0) {
+                device float* pml = part + ulong(p.pairs) * S * ulong(p.D);
+                pml[2 * (prow[r] * S + ulong(split))] = m_run[r];
+                pml[2 * (prow[r] * S + ulong(split)) + 1] = l_run[r];
+            }
+            continue;
+        }
         const float inv = l_run[r] > 0.0f ? 1.0f / l_run[r] : 0.0f;
+        device T* orow = out + prow[r] * ulong(p.D);
+        ATTN_UNROLL
         for (int t = 0; t < NT; ++t) {
             const int d = lane + 32 * t;
-            if (d < D) orow[r][d] = T(acc[r][t] * inv);
+            if (d < D) orow[d] = T(acc[r][t] * inv);
         }
+    }
+}
+
+// out = the splits of attention_vec combined: one simdgroup per (b, h, query row) pair, lane l holds
+// d = l + 32 t. The splits' maxima are rebased on their common max; a pair with every key masked gives 0.
+template <typename T>
+kernel void attention_vec_merge(device const float* part [[buffer(0)]],
+                                device T* out [[buffer(1)]],
+                                constant attention_params& p [[buffer(2)]],
+                                uint gid [[threadgroup_position_in_grid]],
+                                ushort lane [[thread_index_in_simdgroup]],
+                                ushort sg [[simdgroup_index_in_threadgroup]]) {
+    const ulong pair = ulong(p.group_base) + ulong(gid) * ATTN_VEC_SIMDS + sg;
+    if (pair >= ulong(p.pairs)) return;
+    const int S = int(p.splits), D = int(p.D);
+    device const float* pml = part + ulong(p.pairs) * ulong(S) * ulong(p.D) + 2 * pair * ulong(S);
+    float m = -INFINITY;
+    for (int s = 0; s < S; ++s) m = max(m, pml[2 * s]);
+    float l = 0.0f;
+    if (m != -INFINITY) {
+        for (int s = 0; s < S; ++s) l += pml[2 * s + 1] * exp2(pml[2 * s] - m);
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    device const float* po = part + pair * ulong(S) * ulong(p.D);
+    for (int d = lane; d < D; d += 32) {
+        float o = 0.0f;
+        if (m != -INFINITY) {
+            for (int s = 0; s < S; ++s) o += po[s * D + d] * exp2(pml[2 * s] - m);
+        }
+        out[pair * ulong(p.D) + ulong(d)] = T(o * inv);
     }
 }
 
@@ -381,3 +449,6 @@ template [[host_name("attention_mma96_bfloat")]] [[kernel]] decltype(attention_m
 template [[host_name("attention_mma128_bfloat")]] [[kernel]] decltype(attention_mma<bfloat, 128>) attention_mma<bfloat, 128>;
 template [[host_name("attention_mma160_bfloat")]] [[kernel]] decltype(attention_mma<bfloat, 160>) attention_mma<bfloat, 160>;
 template [[host_name("attention_mma256_bfloat")]] [[kernel]] decltype(attention_mma<bfloat, 256>) attention_mma<bfloat, 256>;
+template [[host_name("attention_vec_merge_float")]] [[kernel]] decltype(attention_vec_merge<float>) attention_vec_merge<float>;
+template [[host_name("attention_vec_merge_half")]] [[kernel]] decltype(attention_vec_merge<half>) attention_vec_merge<half>;
+template [[host_name("attention_vec_merge_bfloat")]] [[kernel]] decltype(attention_vec_merge<bfloat>) attention_vec_merge<bfloat>;

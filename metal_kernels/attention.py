@@ -31,6 +31,7 @@ __all__ = ["flash_attention", "attention_shape_class", "ATTENTION_HEAD_DIMS"]
 DMAX = 256                      # the largest head dim of the kernels
 QUERY_BLOCK = 32                # ATTN_BQ in attention.metal: query rows per threadgroup of attention_mma
 VEC_ROWS = 8                    # ATTN_VEC_ROWS: (query row, head) pairs per threadgroup of attention_vec
+VEC_SIMDS = 4                   # ATTN_VEC_SIMDS
 GROUP_THREADS = 128             # ATTN_THREADS, ATTN_VEC_THREADS
 MAX_LAUNCH_GROUPS = (1 << 31) // GROUP_THREADS // 2   # [[threadgroup_position_in_grid]] is 32-bit
 VEC_MAX_QUERIES = 8             # "auto" takes the vector kernel up to this many query rows (decode)
@@ -42,7 +43,11 @@ ATTENTION_HEAD_DIMS = (40, 64, 72, 80, 96, 128, 160, 256)
 VEC_SLOTS = (2, 4, 8)           # attention_vec<T, NT> holds NT elements a lane: D <= 32 NT
 # attention_params in attention.metal: the int64 fields, in order
 PARAMS_FIELDS = ("Lq", "Lk", "D", "Hq", "Hk", "has_mask", "mask_sb", "mask_sh", "mask_sq", "mask_sk",
-                 "group_base", "q_blocks")
+                 "group_base", "q_blocks", "splits", "split_keys", "pairs")
+# attention_vec splits the keys over more threadgroups (merged by attention_vec_merge) until the grid has
+# VEC_TARGET_GROUPS of them, each split holding at least VEC_MIN_SPLIT_KEYS keys
+VEC_TARGET_GROUPS = 128
+VEC_MIN_SPLIT_KEYS = 256
 LOG2E = 1.4426950408889634
 
 
@@ -186,22 +191,41 @@ def flash_attention_metal(lib, q, k, v, mask=None, scale=None, variant="auto"):
         add = _additive(m4).contiguous()
         has_mask, strides = 1, _mask_strides(add)
     t = MSL_TYPE[q.dtype]
+    fields = dict(Lq=Lq, Lk=Lk, D=D, Hq=Hq, Hk=Hk, has_mask=has_mask, mask_sb=strides[0], mask_sh=strides[1],
+                  mask_sq=strides[2], mask_sk=strides[3], pairs=B * Hq * Lq)
     if use_mma:
-        kernel = getattr(lib, f"attention_mma{bucket}_{t}")
         q_blocks = -(-Lq // QUERY_BLOCK)
-        groups = B * Hq * q_blocks
-    else:
-        kernel = getattr(lib, f"attention_vec{vec_slots(D)}_{t}")
-        q_blocks = -(-(Hq // Hk) * Lq // VEC_ROWS)
-        groups = B * Hk * q_blocks
+        fields.update(q_blocks=q_blocks, splits=1, split_keys=Lk)
+        _launch(getattr(lib, f"attention_mma{bucket}_{t}"), B * Hq * q_blocks, fields,
+                (qc, kc, vc, add, out), (float(scale * LOG2E),))
+        return out
+    q_blocks = -(-(Hq // Hk) * Lq // VEC_ROWS)
+    groups = B * Hk * q_blocks
+    splits = 1
+    if groups < VEC_TARGET_GROUPS:
+        splits = max(1, min(-(-VEC_TARGET_GROUPS // groups), Lk // VEC_MIN_SPLIT_KEYS))
+    split_keys = -(-Lk // splits)
+    splits = -(-Lk // split_keys)                            # no empty split
+    fields.update(q_blocks=q_blocks, splits=splits, split_keys=split_keys)
+    part = torch.empty(B * Hq * Lq * splits * (D + 2) if splits > 1 else 1, dtype=torch.float32, device=q.device)
+    _launch(getattr(lib, f"attention_vec{vec_slots(D)}_{t}"), groups * splits, fields, (qc, kc, vc, add, out),
+            (float(scale * LOG2E), part))
+    if splits > 1:
+        pairs = B * Hq * Lq
+        merge = getattr(lib, f"attention_vec_merge_{t}")
+        for g0 in range(0, -(-pairs // VEC_SIMDS), MAX_LAUNCH_GROUPS):
+            n = min(MAX_LAUNCH_GROUPS, -(-pairs // VEC_SIMDS) - g0)
+            merge(part, out, pack_params(**{**fields, "q_blocks": 1, "group_base": g0 * VEC_SIMDS}),
+                  threads=n * GROUP_THREADS, group_size=GROUP_THREADS)
+    return out
+
+
+def _launch(kernel, groups: int, fields: dict, tensors: tuple, rest: tuple) -> None:
+    """kernel(*tensors, params, *rest) over `groups` threadgroups, in launches of at most MAX_LAUNCH_GROUPS."""
     for g0 in range(0, groups, MAX_LAUNCH_GROUPS):
         n = min(MAX_LAUNCH_GROUPS, groups - g0)
-        params = pack_params(Lq=Lq, Lk=Lk, D=D, Hq=Hq, Hk=Hk, has_mask=has_mask, mask_sb=strides[0],
-                             mask_sh=strides[1], mask_sq=strides[2], mask_sk=strides[3], group_base=g0,
-                             q_blocks=q_blocks)
-        kernel(qc, kc, vc, add, out, params, float(scale * LOG2E), threads=n * GROUP_THREADS,
+        kernel(*tensors, pack_params(**fields, group_base=g0), *rest, threads=n * GROUP_THREADS,
                group_size=GROUP_THREADS)
-    return out
 
 
 def attention_shape_class(q, k, mask=None) -> tuple:
@@ -248,10 +272,11 @@ flash_attention = register(KernelSpec(
     name="flash_attention",
     measured_by_caller=True,
     source="attention.metal",
-    entry_points={name: ("tensor",) * 5 + ("int[]", "float")
-                  for t in MSL_TYPE.values()
-                  for name in [f"attention_vec{n}_{t}" for n in VEC_SLOTS]
-                  + [f"attention_mma{d}_{t}" for d in ATTENTION_HEAD_DIMS]},
+    entry_points={**{f"attention_mma{d}_{t}": ("tensor",) * 5 + ("int[]", "float")
+                     for t in MSL_TYPE.values() for d in ATTENTION_HEAD_DIMS},
+                  **{f"attention_vec{n}_{t}": ("tensor",) * 5 + ("int[]", "float", "tensor")
+                     for t in MSL_TYPE.values() for n in VEC_SLOTS},
+                  **{f"attention_vec_merge_{t}": ("tensor", "tensor", "int[]") for t in MSL_TYPE.values()}},
     reference=flash_attention_reference,
     metal=flash_attention_metal,
     self_check_cases=_cases,

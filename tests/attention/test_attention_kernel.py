@@ -178,6 +178,34 @@ def test_vector_kernel_any_head_dim(lib, D):
     assert_matches(A.flash_attention_metal(lib, q, k, v), oracle(q, k, v), torch.float16)
 
 
+@pytest.mark.parametrize("Lk, splits", [(300, 1), (1000, 3), (2049, 8)])
+def test_vector_kernel_splits_long_key_ranges(lib, monkeypatch, Lk, splits):
+    """A small decode grid splits the keys over more threadgroups (VEC_MIN_SPLIT_KEYS each at least); the
+    merge kernel combines the splits: splits that see masked keys only, and a fully masked row (0)."""
+    monkeypatch.setattr(A, "VEC_MIN_SPLIT_KEYS", 256)
+    launched = []
+
+    class Spy:
+        def __getattr__(self, name):
+            kernel = getattr(lib, name)
+
+            def run(*args, **kw):
+                launched.append((name, list(args[5]) if name.startswith("attention_vec") and "merge" not in name
+                                 else None))
+                return kernel(*args, **kw)
+            return run
+
+    q, k, v = make(1, 2, 1, 2, Lk, 64, torch.float16, seed=Lk)
+    mask = make_mask("4d_bool", 1, 2, 2, Lk, torch.float16)
+    mask[0, 0, 0, :Lk // 2] = False              # the first splits of one row see masked keys only
+    got = A.flash_attention_metal(Spy(), q, k, v, mask=mask)
+    assert_matches(got, oracle(q, k, v, mask), torch.float16)
+    assert torch.equal(got[:, :, 1], torch.zeros_like(got[:, :, 1]))
+    vec = [p for name, p in launched if p is not None]
+    assert vec[0][A.PARAMS_FIELDS.index("splits")] == splits
+    assert any("merge" in name for name, _ in launched) == (splits > 1)
+
+
 @pytest.mark.parametrize("Hq, Hk, Lq", [(4, 1, 1), (8, 2, 3), (3, 3, 8), (6, 1, 2)])
 def test_vector_kernel_decode_with_gqa(lib, Hq, Hk, Lq):
     """Decode shapes: the (head, query row) pairs of one k/v head share a threadgroup, 8 at a time (6 heads x
@@ -280,7 +308,7 @@ def test_kernel_launched_in_chunks_of_groups(lib, monkeypatch, variant):
 
 def params(L, D, H, group_base, q_blocks):
     return A.pack_params(Lq=L, Lk=L, D=D, Hq=H, Hk=H, has_mask=0, mask_sb=0, mask_sh=0, mask_sq=0, mask_sk=0,
-                         group_base=group_base, q_blocks=q_blocks)
+                         group_base=group_base, q_blocks=q_blocks, splits=1, split_keys=L, pairs=H * L)
 
 
 def test_emulator_window_binds_a_byte_range(lib):
@@ -323,6 +351,7 @@ def test_kernel_offsets_past_2_to_the_31(lib, kernel):
     shape = (1, H, L, D)
     getattr(lib, kernel)(q.view(shape), k.view(shape), v.view(shape), torch.zeros(1), out.view(shape),
                          params(L, D, H, H - 1, 1), A.LOG2E / 8,
+                         *([torch.zeros(1)] if kernel.startswith("attention_vec") else []),
                          threads=128, group_size=128, windows={0: win, 1: win, 2: win, 4: win})
     got = out[first:].view(1, 1, L, D)
     assert_matches(got, oracle(small_q, small_k, small_v), torch.float16)
