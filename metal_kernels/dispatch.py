@@ -458,17 +458,18 @@ def _time_candidates(candidates: dict, device, sync, clock, before) -> tuple[dic
     failed: dict[str, str] = {}
     alone: dict[str, float] = {}
     for name in candidates:
-        if guarded(name, 1) is not None:
-            t = guarded(name, 1)
-            if t is not None:
-                alone[name] = t
+        if guarded(name, 1) is None:                # the warm-up
+            continue
+        t = guarded(name, 1)                        # one call alone
+        if t is not None:
+            alone[name] = t
     rounds: dict[str, list[float]] = {name: [] for name in alone}
     for order in (list(alone), list(reversed(alone))):
         for name in order:
             if name in failed or alone[name] > MEASURE_SLOW_SECONDS:
                 continue
-            calls = min(MEASURE_MAX_CALLS, max(MEASURE_CALLS, math.ceil(MEASURE_TARGET_SECONDS / max(alone[name], 1e-9))))
-            t = guarded(name, calls)
+            calls = math.ceil(MEASURE_TARGET_SECONDS / max(alone[name], 1e-9))
+            t = guarded(name, min(MEASURE_MAX_CALLS, max(MEASURE_CALLS, calls)))
             if t is not None:
                 rounds[name].append(t)
     return {n: min(rounds[n] or [alone[n]]) * 1e3 for n in alone if n not in failed}, failed
