@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, Mapping
 
 import torch
@@ -36,6 +37,10 @@ class KernelSpec:
         its reference (see dispatch.measured_backend).
     predict_cases: `predict_cases() -> list[perf.PredictCase]`, the kernel at real model shapes for
         `bench --predict` (None: its entry in metal_kernels/perf/cases.py's CASES, if any).
+    writes: the parameters (the reference's names) of the tensors the kernel writes into, e.g. ("acc",)
+        for an accumulation, ("flags",) for a sampler step's NaN flags. The measured dispatch times a
+        kernel on the call's own inputs and copies only these; the self-check fails a kernel that writes
+        into any other argument.
     """
 
     name: str
@@ -49,8 +54,15 @@ class KernelSpec:
     compare: Callable[[Any, Any], str | None] | None = None
     measured_by_caller: bool = False
     predict_cases: Callable[[], list] | None = None
+    writes: tuple[str, ...] = ()
 
     def __post_init__(self):
+        if self.writes:
+            params = inspect.signature(self.reference).parameters
+            unknown = [w for w in self.writes if w not in params]
+            if unknown:
+                raise ValueError(f"kernel {self.name}: writes names {unknown}, which are not parameters of its "
+                                 f"reference {list(params)}")
         for entry, kinds in self.entry_points.items():
             bad = [k for k in kinds if k not in ARG_KINDS]
             if bad:
