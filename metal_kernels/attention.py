@@ -265,7 +265,23 @@ def _cases(device):
     for i, (n, dtype) in enumerate((n, t) for n in VEC_SLOTS for t in MSL_TYPE):
         add(2 if i % 2 else 1, 4, 2 if i % 3 else 4, 1 + i % 5, 17 + 3 * i, 32 * n - 4 * (i % 3), dtype,
             kinds[i % 3], "simd")
+    for i, dtype in enumerate(MSL_TYPE):             # keys split over threadgroups: attention_vec_merge
+        add(1, 2, 1, 2, 2 * VEC_MIN_SPLIT_KEYS + 37 * i, 64, dtype, kinds[(i + 1) % 3], "simd")
     return out
+
+
+def _predict_cases():
+    """bench --predict: the model shapes of perf/cases.py (Flux, SDXL, Wan prefill: attention_mma) and a decode
+    shape for attention_vec (Qwen3-4B's 32 query heads over 8 k/v heads, one query row, 4096 cached keys)."""
+    from .perf.cases import CASES, PredictCase
+
+    def decode(lib, device):
+        gen = torch.Generator().manual_seed(6)
+        q = torch.randn(1, 32, 1, 128, generator=gen).to(device=device, dtype=torch.bfloat16)
+        k, v = (torch.randn(1, 8, 4096, 128, generator=gen).to(device=device, dtype=torch.bfloat16) for _ in range(2))
+        return flash_attention_metal(lib, q, k, v)
+    return CASES["flash_attention"]() + [PredictCase("decode: 32 heads / 8 k/v heads, 1 x 4096 tokens, D128, bf16",
+                                                     decode, sample=None)]
 
 
 flash_attention = register(KernelSpec(
@@ -282,4 +298,5 @@ flash_attention = register(KernelSpec(
     self_check_cases=_cases,
     atol=2e-5,
     rtol=1e-4,
+    predict_cases=_predict_cases,
 ))
