@@ -29,9 +29,7 @@ def _check_params(k: KernelDecl) -> None:
                 raise MSLCompileError(f"{where}: buffer index {i} used twice")
             seen[i] = p
         elif p.attr == "threadgroup":
-            raise MSLCompileError(f"{where}: [[threadgroup({p.attr_arg})]] parameters are not supported "
-                                  f"(torch.mps.compile_shader cannot size dynamic threadgroup memory); "
-                                  f"declare a kernel-scope `threadgroup T name[N];` array instead")
+            pass  # compiles; a launch refuses it (launch.py): torch cannot size it, specialise the source
         elif p.attr not in _POS_ATTRS:
             raise MSLCompileError(f"{where}: unsupported attribute [[{p.attr}]] (compute kernels launched by "
                                   f"torch.mps.compile_shader only get buffers and thread positions)")
@@ -47,6 +45,8 @@ def generate_launchers(kernels: list[KernelDecl]) -> tuple[str, list[dict]]:
         for p in k.params:
             if p.attr == "buffer":
                 args.append(_buffer_arg(p, int(p.attr_arg)))
+            elif p.attr == "threadgroup":
+                args.append(f"({p.type})nullptr")
             else:
                 ptype = re.sub(r"\b(const|thread)\b", "", p.type).replace("&", "").strip()
                 args.append(f"__emu::pos<{ptype}>({_POS_ATTRS[p.attr]})")
@@ -73,6 +73,8 @@ def generate_launchers(kernels: list[KernelDecl]) -> tuple[str, list[dict]]:
             f'  return __emu::launch("{k.host}", &{entry}, b, dims, sched, seed, err, errlen);\n}}')
         buffers = {int(p.attr_arg): {"type": p.type, "name": p.name} for p in k.params if p.attr == "buffer"}
         table.append({"host": k.host, "symbol": sym, "buffers": {str(b): v for b, v in buffers.items()},
-                      "max_threads": k.max_threads, "name": k.name})
+                      "max_threads": k.max_threads, "name": k.name,
+                      "threadgroup_params": [f"{p.type} {p.name} [[threadgroup({p.attr_arg})]]" for p in k.params
+                                             if p.attr == "threadgroup"]})
     lines.append("}  // namespace __emu_gen\n")
     return "\n".join(lines), table

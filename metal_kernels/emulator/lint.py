@@ -18,7 +18,9 @@
   ``int64_t``/``uint64_t`` (Python int) or ``float`` (Python float);
 * with ``arg_kinds`` ({host name: ["tensor", "int", "float", "int[]", "float[]", ...]}),
   every buffer parameter must match what the Python side passes, and the counts agree;
-* ``[[threadgroup(n)]]`` parameters are rejected (compile_shader cannot size them);
+* ``[[threadgroup(n)]]`` parameters are rejected (compile_shader cannot size them: specialise the source,
+  ``metal_kernels/specialize.py``); ``[[function_constant(n)]]`` is accepted (the source is specialised
+  before it is compiled);
 * everything the strict MSL 3.1 front end rejects (``strict.check``: address spaces, C++ features Metal
   lacks, recursion, standard-library overloads MSL 3.1 does not have...).
 
@@ -41,7 +43,7 @@ __all__ = ["lint_source", "TG_MEMORY_LIMIT", "MAX_GROUP_THREADS"]
 
 TG_MEMORY_LIMIT = 32 * 1024
 MAX_GROUP_THREADS = 1024
-_ALLOWED_ATTRS = {"buffer", "host_name", "kernel", "max_total_threads_per_threadgroup",
+_ALLOWED_ATTRS = {"buffer", "host_name", "kernel", "max_total_threads_per_threadgroup", "function_constant",
                   "maybe_unused", "fallthrough", "likely", "unlikely"} | set(POSITION_ATTRIBUTES)
 _INT64 = {"long", "ulong", "int64_t", "uint64_t", "unsigned long", "signed long", "long long", "unsigned long long"}
 _SCALAR_SIZES = {
@@ -230,7 +232,8 @@ def lint_source(src: str, arg_kinds: dict[str, list[str]] | None = None) -> list
             if name == "threadgroup":
                 problems.append(f"{at(m.start())}: [[threadgroup({arg})]] parameter: torch.mps.compile_shader "
                                 f"cannot size dynamic threadgroup memory; declare a kernel-scope "
-                                f"`threadgroup T name[N];` array instead")
+                                f"`threadgroup T name[N];` array, or size it in the source with "
+                                f"metal_kernels.specialize (threadgroup_memory=...)")
             elif name not in _ALLOWED_ATTRS:
                 problems.append(f"{at(m.start())}: unknown or unsupported attribute [[{a}]]")
             elif name == "max_total_threads_per_threadgroup":

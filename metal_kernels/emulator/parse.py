@@ -72,6 +72,7 @@ def parse_kernels(pp: str) -> tuple[list[KernelDecl], list[tuple[int, int]]]:
         name, targs = sig.name, sig.template_args
         params = sig.parameters()
         attrs, before = leading_attributes(strip_line_markers(text[:sig.start]))
+        attrs = [a.strip() for group in attrs for a in split_top_level(group)] + list(sig.attributes)
         host_attr = None
         for a in attrs:
             hm = re.match(r'host_name\s*\(((?:\s*"[^"]*")+)\s*\)', a)
@@ -102,7 +103,10 @@ def parse_kernels(pp: str) -> tuple[list[KernelDecl], list[tuple[int, int]]]:
         kernels.append(KernelDecl(host_attr or name, name, params, attrs=attrs, kind="plain"))
     # decltype-form instantiations: template [[host_name("x")]] kernel decltype(foo<T>) foo<T>;
     # and instantiations without the `kernel` keyword: template [[host_name("x")]] void foo<T>(...);
+    seen = {a for a, _ in remove}  # `template [[host_name("x")]] [[kernel]] void f<T>(...)` was found above
     for m in list(_DECLTYPE_INST_RE.finditer(text)) + list(_NOKW_INST_RE.finditer(text)):
+        if m.start() in seen:
+            continue
         host, name = "".join(re.findall(r'"([^"]*)"', m.group(1))), m.group(2)
         lt = m.end() - 1
         close = match_close(text, lt, "<", ">")

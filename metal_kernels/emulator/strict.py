@@ -28,12 +28,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import tempfile
 from pathlib import Path
 
-from .msl_scan import LINE_MARKER_RE, scan_kernel_signatures
-from .rewrite import TG_DECL_RE, keep_newlines, rewrite_literals_and_vectors
+from .msl_scan import LINE_MARKER_RE, match_close, scan_kernel_signatures, split_top_level
+from .rewrite import METHOD_AS_RE, TG_DECL_RE, keep_newlines, rewrite_shared
 from .toolchain import clang_path
 
 __all__ = ["check", "STRICT_FLAGS", "STRICT_HEADER"]
@@ -43,7 +44,8 @@ STRICT_HEADER = _HERE / "strict.h"
 STRICT_FLAGS = ["-x", "clcpp", "-cl-std=clc++2021", "-cl-no-stdinc", "-nostdinc", "-fno-exceptions", "-fno-rtti",
                 "-Xclang", "-cl-ext=-__opencl_c_program_scope_global_variables,"
                 "-cl_khr_fp64,-__opencl_c_fp64,-__opencl_c_pipes,-__opencl_c_device_enqueue,+cl_khr_fp16",
-                "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-unused-value", "-ferror-limit=50",
+                "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-unused-value", "-Wno-invalid-constexpr",
+                "-Wno-duplicate-decl-specifier", "-Wimplicit-float-conversion", "-ferror-limit=50",
                 "--analyze", "--analyzer-no-default-checks", "-Xanalyzer", "-analyzer-checker=debug.DumpCallGraph"]
 _ANALYZE = {"--analyze", "--analyzer-no-default-checks", "-Xanalyzer", "-analyzer-checker=debug.DumpCallGraph"}
 _SRC = "msl_source.metal"
@@ -71,15 +73,23 @@ _RULES = [
     (r"'std'", f"{_SPEC}: the C++ standard library (std::) is not available; use the metal:: standard library"),
     (r"undeclared identifier '(?:malloc|calloc|realloc|free|printf|memcpy|memset|abort|exit)'",
      f"{_SPEC}: the C standard library (malloc, free, printf, memcpy...) is not available"),
+    (r"implicit conversion loses floating-point precision: '[^']*' to '[^']*bfloat",
+     f"{_SPEC} (Scalar Data Types, bfloat): float and half do not convert implicitly to bfloat, and the math "
+     f"functions have no bfloat overload (a bfloat argument converts to float, so the result is float): "
+     f"convert explicitly, e.g. bfloat(exp(x))"),
     (r"deleted function", f"{_SPEC} (Metal Standard Library): this function has no bfloat overload in MSL 3.1 "
-                          f"(the math functions take float or half): convert explicitly, e.g. exp(float(x))"),
+                          f"(the math functions take float or half, a bfloat vector does not convert, and "
+                          f"abs/min/max/clamp also take integers, so a bfloat argument is ambiguous): convert "
+                          f"explicitly, e.g. max(float(a), float(b))"),
     (r"no matching function for call to '(simd|quad)_",
      f"{_SPEC} (SIMD-group functions): reductions and shuffles exist for types of at most 32 bits, and "
      f"reductions not for bfloat"),
     (r"no matching function", f"{_SPEC} (Metal Standard Library): no overload of this standard-library "
                               f"function takes these argument types"),
 ]
-_DIAG_RE = re.compile(r"^(?P<loc>[^\s:][^:\n]*:\d+:\d+): (?P<kind>error|fatal error): (?P<msg>.*)$", re.M)
+_DIAG_RE = re.compile(r"^(?P<loc>[^\s:][^:\n]*:\d+:\d+): (?P<kind>error|fatal error|warning): (?P<msg>.*)$", re.M)
+# the warnings that are errors in Metal: an implicit float/half -> bfloat conversion
+_ERROR_WARNINGS = re.compile(r"implicit conversion loses floating-point precision: '[^']*' to '[^']*bfloat")
 _ADDRESS_SPACES = ("device", "constant", "threadgroup", "thread", "threadgroup_imageblock", "ray_data",
                    "object_data")
 # A pointer or reference to a built-in scalar/vector type (`float* p`, `const half4& v`, `(uint*)q`).
@@ -126,6 +136,33 @@ def _rewrite_kernel_threadgroup(s: str) -> str:
             return (f"__local {typ} (&{name}){dims} = *(__local {typ} (*){dims})__emu::tg_storage();"
                     + keep_newlines(m.group(0)))
         s = s[:a] + TG_DECL_RE.sub(tg, body) + s[b:]
+    return s
+
+
+def _method_qualifiers(s: str) -> str:
+    """`) thread` -> `)` (clang's unqualified member is generic: it also constructs temporaries, which Metal puts
+    in thread memory and clang in none), `) constant` -> `) __constant` (no `const`: not allowed on constructors)."""
+    return METHOD_AS_RE.sub(lambda m: m.group(1) + {"constant": "__constant", "thread": ""}.get(m.group(2), m.group(2)),
+                            s)
+
+
+_BRACE_VEC_RE = re.compile(r"(?<![\w.:>])(?:metal::)?(?:float|half|bfloat|int|uint|short|ushort|char|uchar|long|ulong|"
+                           r"bool)([234])\s+[A-Za-z_]\w*\s*=\s*\{")
+
+
+def _pad_vector_braces(s: str) -> str:
+    """`float4 a = {0.f};` -> `float4 a = {0.f, 0, 0, 0};`: Metal zero-fills the missing components (C++
+    aggregate rules), clang's OpenCL mode rejects the short list."""
+    edits = []
+    for m in _BRACE_VEC_RE.finditer(s):
+        close = match_close(s, m.end() - 1, "{", "}")
+        if close < 0:
+            continue
+        n = len(split_top_level(s[m.end():close]))
+        if 0 < n < int(m.group(1)):
+            edits.append((close, ", 0" * (int(m.group(1)) - n)))
+    for at, text in reversed(edits):
+        s = s[:at] + text + s[at:]
     return s
 
 
@@ -282,6 +319,23 @@ def _callgraph_rules(dump: str, pp: str, precise) -> list[str]:
     return out
 
 
+_cc1: dict[str, list[str]] = {}
+
+
+def _analyzer_command(clang: str, src: str) -> list[str]:
+    """The front-end (cc1) command the driver runs for `clang --analyze`, without the `-w` the driver adds in
+    analyzer mode: one pass gives the errors, the warnings Metal makes errors, and the call graph."""
+    args = _cc1.get(clang)
+    if args is None:
+        driver = [clang, *STRICT_FLAGS, "-include", str(STRICT_HEADER), src, "-o", os.devnull]
+        r = subprocess.run([driver[0], "-###", *driver[1:]], capture_output=True, text=True, timeout=60)
+        line = next((ln for ln in r.stderr.splitlines() if '"-cc1"' in ln), None)
+        if line is None:  # pragma: no cover - a driver that prints no cc1 line: warnings stay hidden
+            return driver
+        args = _cc1[clang] = ["\0src" if a == src else a for a in shlex.split(line) if a != "-w"]
+    return [src if a == "\0src" else a for a in args]
+
+
 def check(pp: str, clang: str | None = None) -> list[str]:
     """Problems Apple's compiler would report for the preprocessed MSL `pp` (empty list = clean)."""
     clang = clang or clang_path()
@@ -289,18 +343,18 @@ def check(pp: str, clang: str | None = None) -> list[str]:
         return []
     problems = _token_rules(pp) + _param_rules(pp)
     s = _strip_instantiation_attributes(pp)
-    s = rewrite_literals_and_vectors(s)
+    s = _pad_vector_braces(_method_qualifiers(rewrite_shared(s)))
     s = _rewrite_kernel_threadgroup(s)
     with tempfile.TemporaryDirectory(prefix="comfy_metal_strict_") as tmp:
         path = Path(tmp) / "strict_input.metal"
         path.write_text(s)
         try:
-            r = subprocess.run([clang, *STRICT_FLAGS, "-include", str(STRICT_HEADER), str(path), "-o", os.devnull],
-                               capture_output=True, text=True, timeout=600, cwd=tmp)
+            r = subprocess.run(_analyzer_command(clang, str(path)), capture_output=True, text=True, timeout=600,
+                               cwd=tmp)
         except OSError as e:  # pragma: no cover
             return [f"cannot run {clang}: {e}"]
         err = r.stderr.replace(tmp + os.sep, "").replace(str(_HERE) + os.sep, "")
-    diags = list(_DIAG_RE.finditer(err))
+    diags = [m for m in _DIAG_RE.finditer(err) if m.group("kind") != "warning" or _ERROR_WARNINGS.search(m.group("msg"))]
     for k, m in enumerate(diags):
         tail = err[m.end():diags[k + 1].start() if k + 1 < len(diags) else len(err)]
         notes = [n.strip() for n in re.findall(r": note: (.*)", tail)]

@@ -1,0 +1,311 @@
+"""MSL 3.1 idioms of real kernel libraries (MLX, llama.cpp/ggml, PyTorch's MPS kernels) that Apple's compiler
+accepts: each one a minimal kernel written for this project that passes the strict front end, compiles in the
+C++ backend and runs against a torch reference (values checked where the construct's semantics matter).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfy_metal.metal_kernels import emulator as emu
+from comfy_metal.metal_kernels.emulator.lint import lint_source
+from comfy_metal.metal_kernels.specialize import SpecializationError, specialize
+
+pytestmark = pytest.mark.skipif(not emu.available(), reason="clang-19 not installed: the MSL emulator needs it")
+
+HDR = "#include <metal_stdlib>\nusing namespace metal;\n"
+
+
+def _lane_layout():
+    """(row, col) of element j of lane l in an 8x8 simdgroup matrix (the fixed hardware layout)."""
+    out = []
+    for lane in range(32):
+        q = lane // 4
+        r = (q & 4) + (lane // 2) % 4
+        c = 2 * (q & 2) + 2 * (lane % 2)
+        out.append([(r, c), (r, c + 1)])
+    return out
+
+
+SIMDGROUP = HDR + """
+kernel void te_read(device float* out [[buffer(0)]], const device float* a [[buffer(1)]],
+                    ushort l [[thread_index_in_simdgroup]]) {
+  simdgroup_float8x8 m;
+  simdgroup_load(m, a, 8);
+  vec<float, 2> e = m.thread_elements();
+  out[2 * l] = e[0];
+  out[2 * l + 1] = e[1];
+}
+kernel void te_write(device float* out [[buffer(0)]], ushort l [[thread_index_in_simdgroup]]) {
+  simdgroup_float8x8 m;
+  m.thread_elements()[0] = float(2 * l);
+  m.thread_elements()[1] = float(2 * l + 1);
+  simdgroup_store(m, out, 8);
+}
+kernel void te_mma(device float* d [[buffer(0)]], const device half* a [[buffer(1)]],
+                   const device float* b [[buffer(2)]], const device float* c [[buffer(3)]],
+                   uint l [[thread_index_in_simdgroup]]) {
+  simdgroup_half8x8 ma;
+  simdgroup_float8x8 mb, mc, md;
+  simdgroup_load(ma, a, 8);
+  simdgroup_load(mb, b, 8, ulong2(0, 0), true);
+  simdgroup_load(mc, c, 8);
+  simdgroup_multiply_accumulate(md, ma, mb, mc);
+  // scale this lane's elements: d = 2 (a b^T + c)
+  thread auto& e = md.thread_elements();
+  e *= 2.0f;
+  simdgroup_store(md, d, 8);
+}
+kernel void filled(device float* out [[buffer(0)]], constant float& v [[buffer(1)]], uint l [[thread_index_in_simdgroup]]) {
+  simdgroup_float8x8 m = make_filled_simdgroup_matrix<float, 8>(v);   // Rows defaults to Cols
+  simdgroup_store(m, out, 8);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def sg():
+    return emu.compile_library(SIMDGROUP)
+
+
+def test_thread_elements_layout_matches_simdgroup_load(sg):
+    a = torch.arange(64, dtype=torch.float32)
+    out = torch.zeros(64)
+    sg.te_read(out, a, threads=32, group_size=32)
+    want = torch.tensor([float(r * 8 + c) for lane in _lane_layout() for r, c in lane])
+    assert torch.equal(out, want)
+
+
+def test_thread_elements_writes_are_what_simdgroup_store_stores(sg):
+    out = torch.full((64,), -1.0)
+    sg.te_write(out, threads=32, group_size=32)
+    want = torch.empty(8, 8)
+    for lane, elems in enumerate(_lane_layout()):
+        for j, (r, c) in enumerate(elems):
+            want[r, c] = 2 * lane + j
+    assert torch.equal(out.view(8, 8), want)
+
+
+def test_simdgroup_multiply_accumulate_and_thread_elements_values(sg):
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(8, 8, generator=g).half()
+    b = torch.randn(8, 8, generator=g)
+    c = torch.randn(8, 8, generator=g)
+    d = torch.zeros(64)
+    sg.te_mma(d, a, b, c, threads=32, group_size=32)
+    want = 2 * (a.double() @ b.double().T + c.double())
+    torch.testing.assert_close(d.view(8, 8).double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_make_filled_simdgroup_matrix_rows_default_to_cols(sg):
+    out = torch.zeros(64)
+    sg.filled(out, 2.5, threads=32, group_size=32)
+    assert torch.equal(out, torch.full((64,), 2.5))
+
+
+def test_simdgroup_product_of_a_partial_simdgroup_is_undefined():
+    """Fewer than 32 lanes at a simdgroup matrix product: undefined on the GPU, NaN here (never a silent value)."""
+    lib = emu.compile_library(HDR + """
+kernel void part(device float* d [[buffer(0)]], const device float* a [[buffer(1)]]) {
+  simdgroup_float8x8 m, r;
+  simdgroup_load(m, a, 8);
+  simdgroup_multiply(r, m, m);
+  simdgroup_store(r, d, 8);
+}""")
+    d = torch.zeros(64)
+    with emu.schedule("forward"):
+        emu.set_checks(False)
+        try:
+            lib.part(d, torch.ones(64), threads=16, group_size=16)
+        finally:
+            emu.set_checks(None)
+    assert torch.isnan(d[:16]).any()
+
+
+# ---------------------------------------------------------------- function constants
+
+FC_SRC = HDR + """
+constant bool has_bias [[function_constant(0)]];
+constant int scale [[function_constant(1)]];
+constant float offset [[function_constant(2)]];
+constant bool has_clamp [[function_constant(3)]];        // optional: asked with is_function_constant_defined
+constant bool do_clamp = is_function_constant_defined(has_clamp) && has_clamp;
+
+kernel void fc(device float* out [[buffer(0)]], const device float* x [[buffer(1)]],
+               const device float* bias [[buffer(2), function_constant(has_bias)]],
+               uint i [[thread_position_in_grid]]) {
+  float v = x[i] * scale + offset;
+  if (has_bias) v += bias[i];
+  if (do_clamp) v = min(v, 1.0f);
+  out[i] = v;
+}
+"""
+
+
+def test_function_constants_specialised_values_are_used():
+    x, bias = torch.arange(6, dtype=torch.float32), torch.full((6,), 0.25)
+    lib = emu.compile_library(specialize(FC_SRC, {0: True, "scale": 3, 2: 0.5}))
+    out = torch.zeros(6)
+    lib.fc(out, x, bias)
+    assert torch.equal(out, x * 3 + 0.5 + 0.25)
+    lib = emu.compile_library(specialize(FC_SRC, {"has_bias": False, 1: -2, "offset": 1.0, "has_clamp": True}))
+    out = torch.zeros(6)
+    lib.fc(out, x, x)            # bias unused (has_bias false): any buffer, or none
+    assert torch.equal(out, torch.clamp(x * -2 + 1.0, max=1.0))
+
+
+def test_function_constants_without_values_compile_but_do_not_launch():
+    lib = emu.compile_library(FC_SRC)   # Apple's compiler builds the library; the pipeline needs the values
+    assert lib.kernel_names == ["fc"]
+    with pytest.raises(emu.EmulatorError, match=r"has_bias \[\[function_constant\(0\)\]\].*specialise"):
+        lib.fc(torch.zeros(2), torch.zeros(2), torch.zeros(2))
+
+
+def test_specialize_rejects_what_metal_would():
+    with pytest.raises(SpecializationError, match=r"without a value: scale"):
+        specialize(FC_SRC, {0: True, 2: 0.5})                 # a required constant left out
+    with pytest.raises(SpecializationError, match=r"no function constant 7"):
+        specialize(FC_SRC, {0: True, 1: 1, 2: 0.5, 7: 1})
+    with pytest.raises(SpecializationError, match=r"give True/False"):
+        specialize(FC_SRC, {0: 1, 1: 1, 2: 0.5})
+    with pytest.raises(SpecializationError, match=r"give an int"):
+        specialize(FC_SRC, {0: True, 1: 1.5, 2: 0.5})
+    assert "[[function_constant" not in specialize(FC_SRC, {0: True, 1: 1, 2: 0.5}).split("kernel void")[1]
+
+
+# ---------------------------------------------------------------- [[threadgroup(n)]] sized at specialisation
+
+TG_SRC = HDR + """
+kernel void tg_sum(device float* out [[buffer(0)]], const device float* x [[buffer(1)]],
+                   threadgroup float* scratch [[threadgroup(0)]],
+                   uint l [[thread_position_in_threadgroup]], uint n [[threads_per_threadgroup]],
+                   uint g [[threadgroup_position_in_grid]]) {
+  scratch[l] = x[g * n + l];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint s = n / 2; s > 0; s /= 2) {
+    if (l < s) scratch[l] += scratch[l + s];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (l == 0) out[g] = scratch[0];
+}
+"""
+
+
+def test_threadgroup_parameter_sized_by_specialisation():
+    lib = emu.compile_library(specialize(TG_SRC, threadgroup_memory={"tg_sum": {0: 64 * 4}}))
+    x = torch.randn(3 * 64, generator=torch.Generator().manual_seed(2))
+    out = torch.zeros(3)
+    lib.tg_sum(out, x, threads=3 * 64, group_size=64)
+    torch.testing.assert_close(out, x.view(3, 64).sum(1), atol=1e-5, rtol=1e-5)
+    with pytest.raises(SpecializationError, match="multiple of 16"):
+        specialize(TG_SRC, threadgroup_memory={"tg_sum": {0: 100}})
+    with pytest.raises(SpecializationError, match=r"no \[\[threadgroup\(n\)\]\] pointer parameter for n = \[1\]"):
+        specialize(TG_SRC, threadgroup_memory={"tg_sum": {1: 64}})
+
+
+# ---------------------------------------------------------------- types, construction, casts
+
+IDIOMS = """
+// as_type is an operator: usable before `using namespace metal`
+kernel void bits(device uint* o [[buffer(0)]], const device float* x [[buffer(1)]], uint i [[thread_position_in_grid]]) {
+  o[i] = as_type<uint>(x[i]);
+}
+#include <metal_stdlib>
+using namespace metal;
+
+#if defined(__METAL__)
+constant constexpr float kMetalBranch = 1.0f;
+#else
+constant constexpr float kMetalBranch = -1.0f;
+#endif
+
+template <class V> V make2(float a, float b) { return V(a, b); }   // vector construction through a parameter
+typedef float4 my_float4;
+struct Pair { float a; float b; };
+constexpr float2 twice(float2 v) { return float2(v.x * 2.0f, v.y * 2.0f); }  // vector constructor, constexpr
+
+kernel void vectors(device float* o [[buffer(0)]], const device int* k [[buffer(1)]], uint i [[thread_position_in_grid]]) {
+  float4 brace = {o[0]};                        // fewer elements: the rest are zero
+  int2 direct(3, 4);                            // direct-initialisation
+  float2 viaparam = make2<float2>(5.0f, 6.0f);
+  int4 iv = int4(k[0], k[1], k[2], k[3]);
+  my_float4 conv = (my_float4)iv;               // a cast through a typedef converts element-wise
+  metal::vec<float, 4> v4 = metal::vec<float, 4>(iv);
+  metal::array<float, 3> arr = {7.0f, 8.0f, 9.0f};
+  float2 ce = twice(float2(1.0f, 1.5f));
+  o[0] = brace.x; o[1] = brace.y + brace.z + brace.w;
+  o[2] = float(direct.x); o[3] = float(direct.y);
+  o[4] = viaparam.x; o[5] = viaparam.y;
+  o[6] = conv.x; o[7] = conv.w; o[8] = v4.y;
+  o[9] = arr[2] + float(arr.size());
+  o[10] = ce.y;
+  o[11] = kMetalBranch;
+}
+
+[[kernel, max_total_threads_per_threadgroup(64)]] void attr_list(device float* o [[buffer(0)]],
+                                                                  uint l [[thread_position_in_threadgroup]]) {
+  threadgroup float t[64];
+  t[l] = float(l);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  o[l] = t[63 - l];
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def idioms():
+    return emu.compile_library(IDIOMS)
+
+
+def test_as_type_before_using_namespace(idioms):
+    x = torch.tensor([1.0, -2.5, 3.0e-3])
+    o = torch.zeros(3, dtype=torch.int32)
+    idioms.bits(o, x)
+    assert torch.equal(o, x.view(torch.int32))
+
+
+def test_vector_construction_forms(idioms):
+    o = torch.zeros(12)
+    o[0] = 1.5
+    k = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    idioms.vectors(o, k, threads=1)
+    assert o.tolist() == [1.5, 0.0, 3.0, 4.0, 5.0, 6.0, 1.0, 4.0, 2.0, 12.0, 3.0, 1.0]
+
+
+def test_kernel_attribute_list(idioms):
+    assert idioms.attr_list.max_threads_per_threadgroup == 64
+    o = torch.zeros(64)
+    idioms.attr_list(o, threads=64, group_size=64)
+    assert torch.equal(o, torch.arange(63, -1, -1, dtype=torch.float32))
+
+
+def test_idioms_lint_clean():
+    problems = [p for p in lint_source(IDIOMS) + lint_source(SIMDGROUP) if p.startswith("msl_source.metal:")]
+    assert problems == []
+
+
+def test_dispatch_specialises_one_source_for_the_mac_and_the_emulator(monkeypatch):
+    """torch.mps.compile_shader has no function-constant values: dispatch writes them into the source, and the
+    Mac and the emulator compile the same specialised text."""
+    from comfy_metal.metal_kernels import dispatch
+
+    constants = {0: True, "scale": 2, 2: 0.0}
+    compiled = {}
+    monkeypatch.setattr(dispatch, "library_source", lambda only=None: FC_SRC)
+    monkeypatch.setattr(dispatch, "_libraries", {})
+    monkeypatch.setattr(torch, "mps", type("FakeMPS", (), {"compile_shader": staticmethod(
+        lambda src: compiled.setdefault("metal", src))}), raising=False)
+    real = emu.compile_library
+
+    def emulator_compile(src):
+        compiled["emulator"] = src
+        return real(src)
+    monkeypatch.setattr(emu, "compile_library", emulator_compile)
+    dispatch.compile_library("metal", constants=constants)
+    lib = dispatch.compile_library("emulator", constants=constants)
+    assert compiled["metal"] == compiled["emulator"] == specialize(FC_SRC, constants)
+    out = torch.zeros(3)
+    lib.fc(out, torch.ones(3), torch.ones(3))
+    assert out.tolist() == [3.0] * 3
+    assert dispatch.compile_library("emulator", constants=constants) is lib          # cached per specialisation
+    assert dispatch.compile_library("emulator", constants=dict(constants, scale=3)) is not lib
