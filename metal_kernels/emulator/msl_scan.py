@@ -43,8 +43,10 @@ def code_only(text: str) -> str:
 
 
 # `constant bool has_bias [[function_constant(0)]];` (a program-scope function constant declaration)
+# (MLX writes `static constant constexpr const bool inv_ [[function_constant(0)]];`)
 _FUNCTION_CONSTANT_RE = re.compile(
-    r"\bconstant\s+(?P<type>(?:const\s+)?(?:metal::)?[A-Za-z_]\w*)\s+(?P<name>[A-Za-z_]\w*)\s*"
+    r"(?<![\w:])(?:(?:static|constexpr|const)\s+)*constant\s+(?:(?:static|constexpr|const)\s+)*"
+    r"(?P<type>(?:metal::)?[A-Za-z_]\w*)\s+(?P<name>[A-Za-z_]\w*)\s*"
     r"\[\[\s*function_constant\s*\((?P<index>[^;\]]*)\)\s*\]\]\s*;")
 
 
@@ -135,6 +137,9 @@ class Param:
         self.attr, self.attr_arg = binding[0] if binding else ("", "")
         self.implicit = False
         decl = decl.strip()
+        arr = re.match(r"^(.*?\S)\s*([A-Za-z_]\w*)\s*\[[^\]]*\]$", decl)
+        if arr:  # an array parameter is a pointer: `constant const int64_t strides[2]`
+            decl = f"{arr.group(1)}* {arr.group(2)}"
         nm = re.match(r"^(.*?[\s*&>])\s*([A-Za-z_]\w*)$", decl)
         if nm and nm.group(1).strip() and not all(w in _QUALIFIERS for w in re.findall(r"\w+", nm.group(1))) \
                 and not nm.group(1).rstrip().endswith("::"):

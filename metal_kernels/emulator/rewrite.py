@@ -5,7 +5,7 @@ import bisect
 import re
 
 from .errors import MSLCompileError
-from .msl_scan import LINE_MARKER_RE, function_constants, match_close, split_top_level
+from .msl_scan import LINE_MARKER_RE, code_only, function_constants, match_close, split_top_level
 from .parse import _VEC_NAMES
 _TYPE = r"(?:(?:const|volatile)\s+)*(?:typename\s+)?(?:metal::)?[A-Za-z_][\w:]*(?:\s*<[^;{}()]*?>)?(?:::[\w:]+)?"
 # a kernel-scope threadgroup declaration; an initialiser is accepted and ignored (threadgroup memory starts
@@ -60,7 +60,14 @@ def _rewrite_vectors(s: str, names: set[str]) -> str:
     tn = rf"(?:{_VEC_NAMES}|half|bfloat|vec\s*<[^;{{}}()<>]*(?:<[^;{{}}()<>]*>[^;{{}}()<>]*)*>" + \
          (rf"|{extra}" if extra else "") + ")"
     # direct-initialisation of a vector: `int2 a(1, 2);` (not a function declaration: no parameter-like pieces)
-    direct = re.compile(rf"(?<![\w.:>~])(?:metal::)?({tn})\s+([A-Za-z_]\w*)\s*\(")
+    direct = re.compile(rf"(?<![\w.:>~])((?:metal::)?{tn})\s+([A-Za-z_]\w*)\s*\(")
+
+    blocks = _brace_blocks(s)[0]
+    bodies, body_ends = [a for a, _ in blocks], [b for _, b in blocks]
+
+    def in_body(i: int) -> bool:
+        k = bisect.bisect_right(bodies, i) - 1
+        return k >= 0 and i < body_ends[k]
 
     def direct_init(m):
         close = match_close(s, m.end() - 1, "(", ")")
@@ -70,6 +77,8 @@ def _rewrite_vectors(s: str, names: set[str]) -> str:
         inner = s[m.end():close]
         if not after.startswith((";", ",")) or not inner.strip():
             return m.group(0)
+        if in_body(m.start()):  # in a function body: a variable (a local function declaration is not MSL)
+            return f"{m.group(1)} {m.group(2)} = __emu::vec<{m.group(1)}>("
         for piece in split_top_level(inner):
             p = piece.strip()
             if re.fullmatch(rf"(?:const\s+|device\s+|constant\s+|thread\s+|threadgroup\s+)*{tn}", p) or \
@@ -77,11 +86,12 @@ def _rewrite_vectors(s: str, names: set[str]) -> str:
                 return m.group(0)  # a parameter declaration: this is a function declaration
         return f"{m.group(1)} {m.group(2)} = __emu::vec<{m.group(1)}>("
     s = direct.sub(direct_init, s)
-    s = re.sub(rf"\bstatic_cast\s*<\s*(?:metal::)?({tn})\s*>\s*\(", lambda m: f"__emu::vec<{m.group(1)}>(", s)
-    ctor = re.compile(rf"(?<![\w.:>~])(?:metal::)?({tn})\s*\((?!\s*[*&^]\s*\))")
+    s = re.sub(rf"\bstatic_cast\s*<\s*((?:metal::)?{tn})\s*>\s*\(", lambda m: f"__emu::vec<{m.group(1)}>(", s)
+    # not a declarator: `T (*op)(T, T)` (function pointer), `T (&a)[4]`, `T (*)(T)`
+    ctor = re.compile(rf"(?<![\w.:>~])((?:metal::)?{tn})\s*\((?!\s*[*&^]+\s*(?:[A-Za-z_]\w*\s*)?\)\s*[(\[,;)=]|\s*[*&^]\s*\))")
     s = ctor.sub(lambda m: m.group(0) if _prev_word_is(s, m.start(), {"operator"}) else f"__emu::vec<{m.group(1)}>(",
                  s)
-    ccast = re.compile(rf"\(\s*(?:metal::)?({tn})\s*\)(?=\s*[\w(\-+!~.])")
+    ccast = re.compile(rf"\(\s*((?:metal::)?{tn})\s*\)(?=\s*[\w(\-+!~.])")
 
     def cast(m):
         j = m.start() - 1
@@ -163,8 +173,9 @@ def dedupe_address_space_overloads(s: str) -> str:
         if k >= 0 and bodies[k][0] <= m.start() < bodies[k][1]:
             continue  # inside a function body or an initialiser
         start, head_end, end = _declaration_bounds(s, m.start())
-        if start in done or "(" not in s[start:head_end]:
-            continue
+        if start in done or ("(" not in s[start:head_end] and
+                             not re.search(r"\b(?:struct|class)\s+[A-Za-z_]\w*\s*<", s[start:head_end])):
+            continue  # a function, or a class template specialised on an address space: pointer_element<device T*>
         done.add(start)
         head = s[start:head_end]
         scope = max((a for a, b in scopes if a < start < b), default=-1)  # the innermost enclosing scope
@@ -182,6 +193,33 @@ def dedupe_address_space_overloads(s: str) -> str:
         last = b
     out.append(s[last:])
     return "".join(out)
+
+
+def _braced_arguments(s: str) -> str:
+    """`f({a, b, c})` in a function body -> `f(__emu::ilist{a, b, c})` (the C++ backend only; see shim.h)."""
+    blocks = _brace_blocks(s)[0]
+    starts = [a for a, _ in blocks]
+    edits = []
+    for m in re.finditer(r"[(,]\s*\{", s):
+        k = bisect.bisect_right(starts, m.start()) - 1
+        if k < 0 or m.start() >= blocks[k][1]:
+            continue
+        depth, j = 0, m.start()
+        while j > blocks[k][0]:  # the innermost open bracket before the `{` must be a call's `(`
+            c = s[j]
+            if c in ")]}":
+                depth += 1
+            elif c in "([{":
+                if depth == 0:
+                    break
+                depth -= 1
+            j -= 1
+        if s[j] == "(" and re.search(r"[\w>\]]\s*$", s[max(0, j - 60):j]) and \
+                not _prev_word_is(s, j, {"if", "for", "while", "switch", "return", "sizeof"}):
+            edits.append(m.end() - 1)
+    for at in reversed(edits):
+        s = s[:at] + "__emu::ilist" + s[at:]
+    return s
 
 
 def _rewrite_function_constants(s: str) -> str:
@@ -211,6 +249,7 @@ def rewrite_source(pp: str, remove: list[tuple[int, int]]) -> str:
     s = "".join(out)
 
     s = METHOD_AS_RE.sub(r"\1", dedupe_address_space_overloads(rewrite_shared(s)))
+    s = _braced_arguments(s)
     # 2. threadgroup variables -> per-group storage
     slot = [0]
 
@@ -231,10 +270,28 @@ def rewrite_source(pp: str, remove: list[tuple[int, int]]) -> str:
     return s
 
 
+_DOUBLE_LIT_RE = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+)(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+)(?![\w.])")
+
+
+def _float_literals(s: str) -> str:
+    """`0.5` -> `0.5f`: an unsuffixed floating literal is a float in Metal (there is no double), a double in C++."""
+    code = code_only(s)
+    out, last = [], 0
+    for m in _DOUBLE_LIT_RE.finditer(code):
+        out.append(s[last:m.end()])
+        out.append("f")
+        last = m.end()
+    out.append(s[last:])
+    return "".join(out)
+
+
 def rewrite_shared(s: str) -> str:
     """The rewrites the strict front end shares: function constants, vector construction and casts, half and
     bfloat literals (after the casts: `((half)1.5f)` stays a plain scalar cast)."""
-    s = _rewrite_function_constants(s)
+    # `#pragma unroll(MIN(DK8/2, 4*NSG))`: clang -E leaves the macros of the count unexpanded; the count does
+    # not change what a kernel computes
+    s = re.sub(r"(?m)^([ \t]*#[ \t]*pragma[ \t]+unroll)[ \t]*\(.*\)[ \t]*$", r"\1", s)
+    s = _float_literals(_rewrite_function_constants(s))
     s = re.sub(r"\[\[\s*threadgroup\s*\([^()\]]*\)\s*\]\]", "", s)  # the keyword is a macro: `[[(0)]]`
     s = _rewrite_vectors(s, type_names(s))
     s = _HALF_LIT_RE.sub(lambda m: f"((half){m.group(1)}f)" if ("." in m.group(1) or "e" in m.group(1).lower())

@@ -6,6 +6,7 @@
 #include <type_traits>
 #include <limits>
 #include <utility>
+#include <tuple>
 
 // ------------------------------------------------------------------ scalar types
 typedef _Float16 half;
@@ -93,13 +94,27 @@ constexpr V splat(const A& a, std::index_sequence<I...>) {
   return V{((void)I, (E)a)...};
 }
 template <class V, class... A>
+constexpr V vec_of(const A&... a);
+// an array argument decays to a pointer to its (non-const) elements, as when it is passed directly
+template <class A>
+constexpr decltype(auto) arg(const A& a) {
+  if constexpr (std::is_array_v<A>) return const_cast<std::remove_const_t<std::remove_extent_t<A>>*>(a);
+  else return (a);
+}
+template <class V, class... A>
 constexpr V vec(const A&... a) {
-  using E = elem_t<V>;
-  constexpr int N = vlen<V>;
   if constexpr (!ext_vec<std::remove_cv_t<V>>::value) {
     if constexpr (sizeof...(A) == 1 && (half_bfloat_pair<V, A> && ...)) return (V)(float)(a, ...);
-    else return V(a...);
-  } else if constexpr (sizeof...(A) == 0) {
+    else return V(arg(a)...);  // a scalar or a class: its constructor
+  } else {
+    return vec_of<V>(a...);
+  }
+}
+template <class V, class... A>
+constexpr V vec_of(const A&... a) {
+  using E = elem_t<V>;
+  constexpr int N = vlen<V>;
+  if constexpr (sizeof...(A) == 0) {
     return V{};
   } else {
     constexpr int total = (vlen<A> + ...);
@@ -137,6 +152,18 @@ template <class V, class U>
 constexpr V operator->*(vcast<V>, const U& u) {
   return vec<V>(u);
 }
+// a braced list passed as an argument, `f({a, b, c})` (rewritten to `f(__emu::ilist{a, b, c})`): it converts to
+// a vector parameter (C++ does not list-initialise clang's vectors in a call) or to an aggregate, never to a scalar
+template <class... A>
+struct ilist {
+  std::tuple<A...> v;
+  constexpr ilist(const A&... a) : v(a...) {}
+  template <class V, class = std::enable_if_t<ext_vec<V>::value>>
+  constexpr operator V() const { return std::apply([](const A&... a) { return vec<V>(a...); }, v); }
+  template <class V, class = std::enable_if_t<!ext_vec<V>::value && std::is_aggregate_v<V>>, class = void>
+  constexpr operator V() const { return std::apply([](const A&... a) { return V{a...}; }, v); }
+};
+template <class... A> ilist(A...) -> ilist<A...>;
 // a function constant compiled without a value (the launch refuses the kernel: specialise the source first)
 template <class T>
 constexpr T fc_unset() { return T(); }
@@ -265,6 +292,13 @@ constexpr T as_type(const U& u) {
 // ------------------------------------------------------------------ metal namespace
 namespace metal {
 using ::as_type;
+// the vector types are metal:: names too (metal::float4)
+using ::float2, ::float3, ::float4, ::half2, ::half3, ::half4, ::bfloat2, ::bfloat3, ::bfloat4, ::int2, ::int3, ::int4;
+using ::uint2, ::uint3, ::uint4, ::short2, ::short3, ::short4, ::ushort2, ::ushort3, ::ushort4, ::char2, ::char3, ::char4;
+using ::uchar2, ::uchar3, ::uchar4, ::long2, ::long3, ::long4, ::ulong2, ::ulong3, ::ulong4, ::bool2, ::bool3, ::bool4;
+using ::packed_float2, ::packed_float3, ::packed_float4, ::packed_half2, ::packed_half3, ::packed_half4, ::packed_bfloat2, ::packed_bfloat3, ::packed_bfloat4, ::packed_int2, ::packed_int3, ::packed_int4;
+using ::packed_uint2, ::packed_uint3, ::packed_uint4, ::packed_short2, ::packed_short3, ::packed_short4, ::packed_ushort2, ::packed_ushort3, ::packed_ushort4, ::packed_char2, ::packed_char3, ::packed_char4;
+using ::packed_uchar2, ::packed_uchar3, ::packed_uchar4;
 
 enum class mem_flags : uint32_t {
   mem_none = 0,
@@ -280,15 +314,18 @@ constexpr mem_flags operator&(mem_flags a, mem_flags b) { return (mem_flags)((ui
 // ---- <metal_type_traits>, <metal_utility>: the std traits, with half and bfloat floating-point types
 template <bool B, class T = void> using enable_if = std::enable_if<B, T>;
 using std::bool_constant, std::conditional, std::conditional_t, std::decay, std::decay_t, std::declval,
-    std::enable_if_t, std::false_type, std::forward, std::integral_constant, std::is_class, std::is_class_v,
-    std::is_const, std::is_const_v, std::is_convertible, std::is_convertible_v, std::is_empty, std::is_empty_v,
+    std::enable_if_t, std::false_type, std::integral_constant, std::is_class, std::is_class_v,
+    std::is_const, std::is_const_v, std::is_convertible, std::is_convertible_v,
     std::is_enum, std::is_enum_v, std::is_pointer, std::is_pointer_v, std::is_reference, std::is_reference_v,
     std::is_same, std::is_same_v, std::is_void, std::is_void_v, std::make_signed, std::make_signed_t,
-    std::make_unsigned, std::make_unsigned_t, std::move, std::remove_const, std::remove_const_t, std::remove_cv,
+    std::make_unsigned, std::make_unsigned_t, std::remove_const, std::remove_const_t, std::remove_cv,
     std::remove_cv_t, std::remove_pointer, std::remove_pointer_t, std::remove_reference, std::remove_reference_t,
     std::remove_volatile, std::remove_volatile_t, std::true_type, std::underlying_type, std::underlying_type_t,
-    std::void_t, std::conjunction, std::disjunction, std::negation, std::is_trivially_copyable,
+    std::conjunction, std::disjunction, std::negation, std::is_trivially_copyable,
     std::is_trivially_copyable_v, std::common_type, std::common_type_t, std::is_base_of, std::is_base_of_v;
+// Apple's internal names (`#pragma METAL internals : enable`, MLX's atomic.h)
+template <class... B> using _disjunction = std::disjunction<B...>;
+template <class... B> using _conjunction = std::conjunction<B...>;
 template <class T> struct is_floating_point : bool_constant<__emu::is_fp_elem<remove_cv_t<T>>> {};
 template <class T> inline constexpr bool is_floating_point_v = is_floating_point<T>::value;
 template <class T> struct is_integral : std::is_integral<T> {};
@@ -392,7 +429,7 @@ struct matrix {
   template <class U>
   explicit matrix(const matrix<U, C, R>& m) {
     for (int c = 0; c < C; c++)
-      for (int r = 0; r < R; r++) columns[c][r] = (T)m.columns[c][r];
+      for (int r = 0; r < R; r++) columns[c][r] = (T)(float)m.columns[c][r];  // (bfloat <-> half through float)
   }
   vec<T, R>& operator[](int c) { return columns[c]; }
   const vec<T, R>& operator[](int c) const { return columns[c]; }
@@ -550,6 +587,10 @@ inline T ldexp(T x, I k) {
 template <class T, std::enable_if_t<__emu::is_fp<T> && __emu::vlen<T> == 1, int> = 0>
 inline T frexp(T x, int& e) {
   return (T)__builtin_frexpf((float)x, &e);
+}
+template <class T, std::enable_if_t<__emu::is_fp<T> && __emu::vlen<T> == 1, int> = 0>
+inline T frexp(T x, int* e) {
+  return (T)__builtin_frexpf((float)x, e);
 }
 template <class T, std::enable_if_t<__emu::is_fp<T> && __emu::vlen<T> == 1, int> = 0>
 inline T modf(T x, T& ip) {
@@ -1187,7 +1228,8 @@ inline simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(T v) {
 template <class T, int C, int R, class U, class O = ulong2>
 inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const U* src, ulong elements_per_row = C, O origin = O(0),
                            bool transpose = false) {
-  const ulong ox = (ulong)origin[0], oy = (ulong)origin[1];
+  const ulong2 o = __emu::vec<ulong2>(origin);  // an ulong2, or a scalar written for it (`0`)
+  const ulong ox = o[0], oy = o[1];
   int r, c;
   __emu::sg_coord(r, c);
   for (int j = 0; j < 2; j++)
@@ -1196,7 +1238,8 @@ inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const U* src, ulong ele
 template <class T, int C, int R, class U, class O = ulong2>
 inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, U* dst, ulong elements_per_row = C, O origin = O(0),
                             bool transpose = false) {
-  const ulong ox = (ulong)origin[0], oy = (ulong)origin[1];
+  const ulong2 o = __emu::vec<ulong2>(origin);  // an ulong2, or a scalar written for it (`0`)
+  const ulong ox = o[0], oy = o[1];
   int r, c;
   __emu::sg_coord(r, c);
   for (int j = 0; j < 2; j++) {
@@ -1219,6 +1262,27 @@ template <class TD, class TA, class TB, int N>
 inline void simdgroup_multiply(simdgroup_matrix<TD, N, N>& d, const simdgroup_matrix<TA, N, N>& a,
                                const simdgroup_matrix<TB, N, N>& b, __EMU_SITE) {
   simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<TD, N, N>((TD)0), __emu_site);
+}
+// a * b (a product: the collective, its site the caller's return address -- an operator has no defaulted
+// parameter), a + b and a - b (element-wise, each lane its own elements)
+template <class T, int N>
+__attribute__((noinline)) simdgroup_matrix<T, N, N> operator*(const simdgroup_matrix<T, N, N>& a,
+                                                             const simdgroup_matrix<T, N, N>& b) {
+  simdgroup_matrix<T, N, N> d;
+  simdgroup_multiply(d, a, b, (uintptr_t)__builtin_return_address(0));
+  return d;
+}
+template <class T, int N>
+inline simdgroup_matrix<T, N, N> operator+(const simdgroup_matrix<T, N, N>& a, const simdgroup_matrix<T, N, N>& b) {
+  simdgroup_matrix<T, N, N> d;
+  d.__e = a.__e + b.__e;
+  return d;
+}
+template <class T, int N>
+inline simdgroup_matrix<T, N, N> operator-(const simdgroup_matrix<T, N, N>& a, const simdgroup_matrix<T, N, N>& b) {
+  simdgroup_matrix<T, N, N> d;
+  d.__e = a.__e - b.__e;
+  return d;
 }
 }  // namespace metal
 

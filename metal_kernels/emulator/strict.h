@@ -6,6 +6,7 @@
 // converts to float, and abs/min/max/clamp, which take integers too, are ambiguous for it), integer functions on
 // all integer types, SIMD reductions on 32-bit-or-narrower types only.
 #pragma OPENCL EXTENSION cl_khr_fp16 : enable
+#pragma OPENCL EXTENSION __cl_clang_function_pointers : enable
 
 #define kernel
 #define device __global
@@ -60,6 +61,8 @@ template <class T, int N> struct __vec_info<T __attribute__((ext_vector_type(N))
   static constexpr constant int n = N;
 };
 template <class T> struct __vec_info<const T> : __vec_info<T> {};
+template <class E, int N> struct packed;
+template <class T, int N> struct __vec_info<packed<T, N>> { typedef T E; static constexpr constant int n = N; };
 template <bool B, class T = void> struct __enable_if {};
 template <class T> struct __enable_if<true, T> { typedef T type; };
 template <class T> T&& __declval();
@@ -191,9 +194,6 @@ template <class T> using remove_addrspace_t = typename remove_addrspace<T>::type
 template <class T> struct decay { typedef remove_cv_t<remove_reference_t<T>> type; };
 template <class T> using decay_t = typename decay<T>::type;
 template <class T> typename remove_reference<T>::type&& declval();
-template <class T> constexpr T&& forward(remove_reference_t<T>& t) { return static_cast<T&&>(t); }
-template <class T> constexpr remove_reference_t<T>&& move(T&& t) { return static_cast<remove_reference_t<T>&&>(t); }
-template <class...> using void_t = void;
 template <class F, class T> struct is_convertible : bool_constant<__is_convertible_to(F, T)> {};
 template <class F, class T> constexpr constant bool is_convertible_v = is_convertible<F, T>::value;
 template <class B, class D> struct is_base_of : bool_constant<__is_base_of(B, D)> {};
@@ -202,8 +202,6 @@ template <class T> struct is_class : bool_constant<__is_class(T)> {};
 template <class T> constexpr constant bool is_class_v = is_class<T>::value;
 template <class T> struct is_enum : bool_constant<__is_enum(T)> {};
 template <class T> constexpr constant bool is_enum_v = is_enum<T>::value;
-template <class T> struct is_empty : bool_constant<__is_empty(T)> {};
-template <class T> constexpr constant bool is_empty_v = is_empty<T>::value;
 template <class T> struct is_trivially_copyable : bool_constant<__is_trivially_copyable(T)> {};
 template <class T> constexpr constant bool is_trivially_copyable_v = is_trivially_copyable<T>::value;
 template <class T> struct is_void : is_same<remove_cv_t<T>, void> {};
@@ -225,6 +223,9 @@ template <class B, class... R> struct conjunction<B, R...> : bool_constant<B::va
 template <class... B> struct disjunction : false_type {};
 template <class B, class... R> struct disjunction<B, R...> : bool_constant<B::value || disjunction<R...>::value> {};
 template <class B> struct negation : bool_constant<!B::value> {};
+// Apple's internal names (`#pragma METAL internals : enable`, MLX's atomic.h)
+template <class... B> using _disjunction = disjunction<B...>;
+template <class... B> using _conjunction = conjunction<B...>;
 
 template <class T> struct __elem { typedef T type; static constexpr constant int n = 1; };
 #define __MSLE(E, NAME) \
@@ -336,6 +337,13 @@ __MSL_NL_FP(half, (ushort)0x0400, (ushort)0x7BFF, (ushort)0x1400, (ushort)1, 11)
 __MSL_NL_FP(bfloat, (ushort)0x0080, (ushort)0x7F7F, (ushort)0x3C00, (ushort)1, 8)
 #undef __MSL_NL_FP
 using ::as_type;
+// the vector types are metal:: names too (metal::float4)
+using ::float2, ::float3, ::float4, ::half2, ::half3, ::half4, ::bfloat2, ::bfloat3, ::bfloat4, ::int2, ::int3, ::int4;
+using ::uint2, ::uint3, ::uint4, ::short2, ::short3, ::short4, ::ushort2, ::ushort3, ::ushort4, ::char2, ::char3, ::char4;
+using ::uchar2, ::uchar3, ::uchar4, ::long2, ::long3, ::long4, ::ulong2, ::ulong3, ::ulong4, ::bool2, ::bool3, ::bool4;
+using ::packed_float2, ::packed_float3, ::packed_float4, ::packed_half2, ::packed_half3, ::packed_half4, ::packed_bfloat2, ::packed_bfloat3, ::packed_bfloat4, ::packed_int2, ::packed_int3, ::packed_int4;
+using ::packed_uint2, ::packed_uint3, ::packed_uint4, ::packed_short2, ::packed_short3, ::packed_short4, ::packed_ushort2, ::packed_ushort3, ::packed_ushort4, ::packed_char2, ::packed_char3, ::packed_char4;
+using ::packed_uchar2, ::packed_uchar3, ::packed_uchar4;
 
 // ---- vec<T, N>, <metal_array>, <metal_uniform>, <metal_matrix>; members for objects in every address space
 template <class T, int N> using vec = T __attribute__((ext_vector_type(N)));
@@ -429,6 +437,7 @@ template <class A, class B, class C, enable_if_t<__fm<A> && __num<B> && __num<C>
 template <class A, class B, class C, enable_if_t<__fm<A> && __num<B> && __num<C>, int> = 0> A fmedian3(A, B, C);
 template <class T, class I, enable_if_t<__fm<T> && __in<I>, int> = 0> T ldexp(T x, I k);
 template <class T, enable_if_t<__fm<T>, int> = 0> T frexp(T x, thread int& e);
+template <class T, enable_if_t<__fm<T>, int> = 0> T frexp(T x, thread int* e);
 template <class T, enable_if_t<__fm<T>, int> = 0> T modf(T x, thread T& ip);
 template <class T, enable_if_t<__fm<T>, int> = 0> T sincos(T x, thread T& c);
 template <class T, enable_if_t<__fm<T>, int> = 0> int ilogb(T x);
@@ -601,6 +610,9 @@ void simdgroup_multiply_accumulate(thread simdgroup_matrix<TD, N, N>& d, const t
 template <class TD, class TA, class TB, int N>
 void simdgroup_multiply(thread simdgroup_matrix<TD, N, N>& d, const thread simdgroup_matrix<TA, N, N>& a,
                         const thread simdgroup_matrix<TB, N, N>& b);
+template <class T, int N> simdgroup_matrix<T, N, N> operator*(simdgroup_matrix<T, N, N> a, simdgroup_matrix<T, N, N> b);
+template <class T, int N> simdgroup_matrix<T, N, N> operator+(simdgroup_matrix<T, N, N> a, simdgroup_matrix<T, N, N> b);
+template <class T, int N> simdgroup_matrix<T, N, N> operator-(simdgroup_matrix<T, N, N> a, simdgroup_matrix<T, N, N> b);
 }  // namespace metal
 
 // Apple's standard-library intrinsics, which real kernels call directly (MLX's bf16_math.h)
