@@ -36,7 +36,8 @@ def translate(pp: str) -> tuple[str, list[dict]]:
     hosts = [k.host for k in kernels]
     dup = {h for h in hosts if hosts.count(h) > 1}
     if dup:
-        raise MSLCompileError(f"duplicate kernel host names: {sorted(dup)}")
+        raise MSLCompileError(f"duplicate kernel host names: {sorted(dup)} [MSL 3.1 (host_name attribute): the "
+                              f"functions of a library have distinct names]")
     launchers, table = generate_launchers(kernels)
     unset = [f"{fc.name} [[function_constant({fc.index})]]" for fc in function_constants(pp) if not fc.optional]
     for entry in table:
@@ -51,7 +52,8 @@ def compile_translated(cpp_text: str, clang: str, tmp: str, out_so: Path | None,
     cpp.write_text(cpp_text)
     tmp_so = Path(tmp) / "lib.so"
     _run([clang, "-x", "c++", *_FLAGS, *extra_flags, "-I", str(HERE), "-include", str(_SHIM), str(cpp), "-o",
-          str(tmp_so)], tmp, "MSL compilation (emulator, clang-19)")
+          str(tmp_so)], tmp, "MSL compilation in the emulator's C++ backend (the strict MSL 3.1 front end accepts "
+                             "this source: an error below is a limitation of the emulator, not an MSL error)")
     if out_so is not None:
         _atomic_write(out_so, tmp_so.read_bytes())
 

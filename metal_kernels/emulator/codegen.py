@@ -20,19 +20,23 @@ def _check_params(k: KernelDecl) -> None:
     for p in k.params:
         where = f"kernel {k.host!r}, parameter {p.name or p.text!r}"
         if not p.attr:
-            raise MSLCompileError(f"{where}: missing [[...]] attribute (buffer(n) or a thread position attribute)")
+            raise MSLCompileError(f"{where}: missing [[...]] attribute [MSL 3.1 (Kernel Function Arguments): a "
+                                  f"kernel argument is a buffer, threadgroup memory or a thread position attribute]")
         if p.attr == "buffer":
             if not p.attr_arg.isdigit():
-                raise MSLCompileError(f"{where}: [[buffer({p.attr_arg})]] needs an integer literal index")
+                raise MSLCompileError(f"{where}: [[buffer({p.attr_arg})]] needs an integer literal index [MSL 3.1 "
+                                  f"(Attribute Qualifiers): the index of buffer(index) is an integer constant]")
             i = int(p.attr_arg)
             if i in seen:
-                raise MSLCompileError(f"{where}: buffer index {i} used twice")
+                raise MSLCompileError(f"{where}: buffer index {i} used twice [MSL 3.1 (Kernel Function Arguments): "
+                                  f"each buffer index of a kernel is bound once]")
             seen[i] = p
         elif p.attr == "threadgroup":
             pass  # compiles; a launch refuses it (launch.py): torch cannot size it, specialise the source
         elif p.attr not in _POS_ATTRS:
-            raise MSLCompileError(f"{where}: unsupported attribute [[{p.attr}]] (compute kernels launched by "
-                                  f"torch.mps.compile_shader only get buffers and thread positions)")
+            raise MSLCompileError(f"{where}: unsupported attribute [[{p.attr}]] (an emulator and "
+                                  f"torch.mps.compile_shader limit: compute kernels launched by torch get buffers, "
+                                  f"threadgroup memory and thread positions; no textures or samplers)")
 
 
 def generate_launchers(kernels: list[KernelDecl]) -> tuple[str, list[dict]]:

@@ -6,8 +6,8 @@
 * only known attributes: ``buffer(n)``, ``host_name("...")``, ``kernel``,
   ``max_total_threads_per_threadgroup(n)``, the thread-position attributes, and
   the harmless standard ``maybe_unused`` / ``fallthrough`` / ``likely`` / ``unlikely``;
-* no ``double`` anywhere, and no unsuffixed floating literal (``0.5`` is float on Metal but double
-  in the emulator's C++; write ``0.5f``);
+* no ``double`` anywhere, and no unsuffixed floating literal (``0.5`` is float on Metal but a double
+  in C++; write ``0.5f``);
 * every pointer / reference to a built-in type has an address space (``device``, ``constant``,
   ``thread``, ``threadgroup``): the emulator defines them away, Metal rejects a pointer without one;
 * kernel-scope threadgroup memory <= 32 KiB per kernel (sizes from literal /
@@ -248,11 +248,11 @@ def lint_source(src: str, arg_kinds: dict[str, list[str]] | None = None) -> list
     for m in re.finditer(r"\bdouble\b", body_text):
         problems.append(f"{at(m.start())}: `double` is not supported by Metal (use float)")
 
-    # --- unsuffixed floating literals: Metal has no double and makes them float, the emulator's C++
-    # makes them double (a different rounding of every expression they touch): write 0.5f / 0.5h.
+    # --- unsuffixed floating literals: Metal has no double and makes them float (the emulator does too), C++
+    # would make them double: the pack writes the type (0.5f / 0.5h).
     for m in _FLOAT_LITERAL_RE.finditer(body_text):
-        problems.append(f"{at(m.start())}: floating literal {m.group(0)} has no f/h suffix (float on Metal, "
-                        f"double in the emulator); write {m.group(0)}f")
+        problems.append(f"{at(m.start())}: floating literal {m.group(0)} has no f/h suffix (float on Metal, a "
+                        f"double in C++); write {m.group(0)}f")
 
     # --- pointers / references without an address space: Metal rejects them ("pointer type must have
     # explicit address space qualifier"); the emulator's shim defines address spaces away.

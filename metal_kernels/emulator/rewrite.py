@@ -264,8 +264,8 @@ def rewrite_source(pp: str, remove: list[tuple[int, int]]) -> str:
     s = TG_DECL_RE.sub(tg, s)
     left = _TG_LEFTOVER_RE.search(s)
     if left:
-        raise MSLCompileError(f"unsupported threadgroup declaration (declare one variable per statement, "
-                              f"no initialiser): {left.group(0)!r}")
+        raise MSLCompileError(f"unsupported threadgroup declaration (an emulator limitation, not an MSL error: "
+                              f"declare one variable per statement): {left.group(0)!r}")
 
     return s
 

@@ -660,6 +660,15 @@ inline __emu::common_t<A, B> max(A a_, B b_) {
     else return x < y ? y : x;
   });
 }
+// the same-type overloads are plain functions (as in Metal's headers): they beat any user template of the same
+// name (c10/metal's max<T, U>) on an exact match
+#define __EMU_MM(T) \
+  inline T min(T a, T b) { return min<T, T>(a, b); } inline T max(T a, T b) { return max<T, T>(a, b); }
+#define __EMU_MMV(E) __EMU_MM(E) __EMU_MM(E##2) __EMU_MM(E##3) __EMU_MM(E##4)
+__EMU_MMV(float) __EMU_MMV(half) __EMU_MMV(char) __EMU_MMV(uchar) __EMU_MMV(short) __EMU_MMV(ushort) __EMU_MMV(int)
+__EMU_MMV(uint) __EMU_MMV(long) __EMU_MMV(ulong)
+#undef __EMU_MMV
+#undef __EMU_MM
 template <class T, class L, class H, std::enable_if_t<__emu::is_num<T>, int> = 0>
 inline T clamp(T x, L lo, H hi) {
   return min(max(x, __emu::conv<T>(lo)), __emu::conv<T>(hi));

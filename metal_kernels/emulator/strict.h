@@ -458,6 +458,15 @@ template <class T, enable_if_t<__bf<T>, int> = 0> T abs(T x) = delete;
 template <class A, class B, enable_if_t<__num<A> && __num<B>, int> = 0> __common_t<A, B> min(A a, B b);
 template <class A, class B, enable_if_t<__num<A> && __num<B>, int> = 0> __common_t<A, B> max(A a, B b);
 template <class A, class B, enable_if_t<__bf<A> || __bf<B>, int> = 0> A min(A a, B b) = delete;
+// the same-type overloads are plain functions (as in Metal's headers): they beat any user template of the same
+// name (c10/metal's max<T, U>) on an exact match
+#define __MSL_MM(T) T min(T a, T b); T max(T a, T b);
+#define __MSL_MMV(E) __MSL_MM(E) __MSL_MM(E##2) __MSL_MM(E##3) __MSL_MM(E##4)
+__MSL_MMV(float) __MSL_MMV(half) __MSL_MMV(char) __MSL_MMV(uchar) __MSL_MMV(short) __MSL_MMV(ushort) __MSL_MMV(int)
+__MSL_MMV(uint) __MSL_MMV(long) __MSL_MMV(ulong)
+#undef __MSL_MMV
+#undef __MSL_MM
+
 template <class A, class B, enable_if_t<__bf<A> || __bf<B>, int> = 0> A max(A a, B b) = delete;
 template <class A, class B, class C, enable_if_t<__num<A> && __num<B> && __num<C>, int> = 0> A min3(A, B, C);
 template <class A, class B, class C, enable_if_t<__num<A> && __num<B> && __num<C>, int> = 0> A max3(A, B, C);

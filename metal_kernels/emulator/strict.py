@@ -46,7 +46,7 @@ STRICT_FLAGS = ["-x", "clcpp", "-cl-std=clc++2021", "-cl-no-stdinc", "-nostdinc"
                 "-cl_khr_fp64,-__opencl_c_fp64,-__opencl_c_pipes,-__opencl_c_device_enqueue,+cl_khr_fp16,"
                 "+__cl_clang_function_pointers",
                 "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-unused-value", "-Wno-invalid-constexpr",
-                "-Wno-duplicate-decl-specifier", "-Wimplicit-float-conversion", "-cl-single-precision-constant",
+                "-Wno-duplicate-decl-specifier", "-Wimplicit-float-conversion",
                 "-ferror-limit=50",
                 "--analyze", "--analyzer-no-default-checks", "-Xanalyzer", "-analyzer-checker=debug.DumpCallGraph"]
 _ANALYZE = {"--analyze", "--analyzer-no-default-checks", "-Xanalyzer", "-analyzer-checker=debug.DumpCallGraph"}
@@ -60,7 +60,16 @@ _RULES = [
     (r"program scope variable must reside in constant|static local variable must reside in constant",
      f"{_SPEC} (Program Scope Variables): variables at program scope, and static variables, must be declared "
      f"in the constant address space"),
-    (r"address space|__global|__local|__private|__constant",
+    (r"implicit conversion loses floating-point precision: '[^']*' to '[^']*bfloat",
+     f"{_SPEC} (Scalar Data Types, bfloat): float and half do not convert implicitly to bfloat, and the math "
+     f"functions have no bfloat overload (a bfloat argument converts to float, so the result is float): "
+     f"convert explicitly, e.g. bfloat(exp(x))"),
+    (r"(?:bfloat|__bf16)'?[^']*' (?:with|from) an? (?:lvalue|rvalue)? ?of type '[^']*half|half'?[^']*' (?:with|from) an? "
+     r"(?:lvalue|rvalue)? ?of type '[^']*(?:bfloat|__bf16)|(?:bfloat|__bf16).*(?:half|_Float16)|"
+     r"(?:half|_Float16).*(?:bfloat|__bf16)",
+     f"{_SPEC} (Scalar Data Types, bfloat): bfloat and half do not convert to each other implicitly: write "
+     f"static_cast<half>(x) or bfloat(h)"),
+    (r"address space|__global|__local|__constant",
      f"{_SPEC} (Address Spaces): a pointer or reference to device, constant, threadgroup or thread memory does "
      f"not convert to another address space"),
     (r"'default new'|'default delete'", f"{_SPEC} (C++ restrictions): the new and delete operators are not supported"),
@@ -75,10 +84,6 @@ _RULES = [
     (r"'std'", f"{_SPEC}: the C++ standard library (std::) is not available; use the metal:: standard library"),
     (r"undeclared identifier '(?:malloc|calloc|realloc|free|printf|memcpy|memset|abort|exit)'",
      f"{_SPEC}: the C standard library (malloc, free, printf, memcpy...) is not available"),
-    (r"implicit conversion loses floating-point precision: '[^']*' to '[^']*bfloat",
-     f"{_SPEC} (Scalar Data Types, bfloat): float and half do not convert implicitly to bfloat, and the math "
-     f"functions have no bfloat overload (a bfloat argument converts to float, so the result is float): "
-     f"convert explicitly, e.g. bfloat(exp(x))"),
     (r"deleted function", f"{_SPEC} (Metal Standard Library): this function has no bfloat overload in MSL 3.1 "
                           f"(the math functions take float or half, a bfloat vector does not convert, and "
                           f"abs/min/max/clamp also take integers, so a bfloat argument is ambiguous): convert "
@@ -88,6 +93,11 @@ _RULES = [
      f"reductions not for bfloat"),
     (r"no matching function", f"{_SPEC} (Metal Standard Library): no overload of this standard-library "
                               f"function takes these argument types"),
+    (r"undeclared identifier|unknown type name|no member named|no template named|no type named",
+     f"{_SPEC}: the name is declared neither by the source nor by the Metal standard library"),
+    (r"^(?:expected |extraneous|unexpected|unterminated|missing ')",
+     f"{_SPEC} (a C++14-based language): the source does not parse"),
+    (r".", f"{_SPEC} (a C++14-based language): the C++ rules Metal's compiler shares reject this"),
 ]
 _DIAG_RE = re.compile(r"^(?P<loc>[^\s:][^:\n]*:\d+:\d+): (?P<kind>error|fatal error|warning): (?P<msg>.*)$", re.M)
 # the warnings that are errors in Metal: an implicit float/half -> bfloat conversion

@@ -309,3 +309,102 @@ def test_dispatch_specialises_one_source_for_the_mac_and_the_emulator(monkeypatc
     assert out.tolist() == [3.0] * 3
     assert dispatch.compile_library("emulator", constants=constants) is lib          # cached per specialisation
     assert dispatch.compile_library("emulator", constants=dict(constants, scale=3)) is not lib
+
+
+
+# ---------------------------------------------------------------- the standard library model and C++ forms
+
+LIBRARY = HDR + r"""
+// type traits and utility: compile-time answers
+struct Tag { int x; };
+static_assert(metal::is_convertible_v<int, float> && !metal::is_convertible_v<Tag, int>, "is_convertible");
+static_assert(metal::bool_constant<true>::value && metal::is_same_v<metal::make_signed_t<uint>, int>, "traits");
+static_assert(metal::is_same_v<metal::make_unsigned_t<short>, ushort>, "make_unsigned");
+static_assert(metal::is_same_v<decltype(metal::declval<float>() + 1), float>, "declval");
+static_assert(!metal::is_signed<Tag>::value && metal::is_signed_v<half> && !metal::is_signed_v<uint>, "is_signed");
+static_assert(metal::is_same_v<metal::conditional_t<true, half, float>, half>, "conditional");
+template <class T, metal::enable_if_t<metal::is_floating_point_v<T>, int> = 0> T twice(T x) { return x * T(2); }
+constexpr constant float kBig = metal::numeric_limits<float>::max();      // constexpr members
+constexpr constant half kHalfMax = metal::numeric_limits<half>::max();
+static_assert(metal::numeric_limits<half>::digits == 11 && metal::numeric_limits<int>::max() == INT_MAX, "limits");
+
+// constant implies const; a struct in constant or device memory copied into a value
+constexpr constant float kTable[2] = {1.5f, -2.0f};
+inline float first(constant float* t) { return t[0]; }
+struct Params { float scale; int n; };
+constant Params kParams = {3.0f, 2};
+
+// members and constructors qualified with an address space
+struct Acc {
+  float s;
+  Acc(float v) thread : s(v) {}
+  Acc(float v) threadgroup : s(v) {}
+  float get() const thread { return s; }
+  float get() const device { return s; }
+};
+
+// function pointers as template arguments and as parameters
+inline float sq(float x) { return x * x; }
+template <float (*F)(float)> inline float apply(float x) { return F(x); }
+inline float apply2(float (*f)(float), float x) { return f(x); }
+
+// a user overload of a standard name next to the standard ones (MLX adds bfloat max/min)
+struct Money { float v; };
+inline Money max(Money a, Money b) { return a.v < b.v ? b : a; }
+
+// metal::fast is a namespace: a user overload added there does not hide the standard functions
+namespace metal { namespace fast { inline Money exp(Money m) { return Money{m.v}; } } }
+
+// the out-of-class redeclaration of a static constexpr member
+struct W { static constexpr constant float w[2] = {0.25f, 0.75f}; };
+constant constexpr const float W::w[2];
+
+#define UNROLL_N 4
+kernel void lib(device float* o [[buffer(0)]], const device float* x [[buffer(1)]],
+                const device bfloat* b [[buffer(2)]], constant Params& p [[buffer(3)]],
+                const device Acc* accs [[buffer(4)]], const device half* h [[buffer(5)]],
+                uint i [[thread_position_in_grid]]) {
+  if (i != 0) return;
+  float4x4 m = float4x4(float4(1, 0, 0, 0), float4(0, 2, 0, 0), float4(0, 0, 3, 0), float4(1, 1, 1, 1));
+  float4 mv = m * float4(x[0], x[1], x[2], 1.0f);                  // matrix types: column-major
+  half2x2 hm = half2x2(transpose(float2x2(float2(1, 2), float2(3, 4))));
+  uniform<float> u = make_uniform(x[0]);
+  Params q = p;                                                    // struct from constant memory
+  Params k = kParams;
+  Acc a(x[1]);
+  Acc from_device = accs[0];
+  float s = 0.0f;
+#pragma unroll(UNROLL_N)
+  for (int j = 0; j < UNROLL_N; ++j) s += x[j];
+  o[0] = mv.x; o[1] = mv.y; o[2] = mv.z; o[3] = mv.w;
+  o[4] = float(hm[0][1]);                                          // transpose: column 0 is (1, 3)
+  o[5] = float(u) + twice(1.5f);
+  o[6] = kBig == FLT_MAX && float(kHalfMax) == float(MAXHALF) ? 1.0f : 0.0f;
+  o[7] = first(kTable) + W::w[1];
+  o[8] = q.scale * float(q.n) + k.scale;
+  o[9] = a.get() + from_device.get() + accs[0].get();
+  o[10] = apply<sq>(3.0f) + apply2(sq, 2.0f);
+  o[11] = max(Money{1.0f}, Money{2.5f}).v + max(1.0f, 2.0f) + metal::fast::exp(0.0f) + metal::fast::exp(Money{4.0f}).v;
+  o[12] = isunordered(x[0], NAN) && isordered(x[0], x[1]) ? 1.0f : 0.0f;
+  o[13] = exp(b[0]) + (isfinite(b[1]) ? 1.0f : 0.0f);              // bfloat scalars: float math
+  o[14] = float(static_cast<half>(b[0])) + float(static_cast<bfloat>(h[0]));
+  o[15] = (0.5f * float2(x[0], x[1])).y + (h[0] * half2(2.0h, 4.0h) * 0.5f).x;  // a float scalar with a half vector
+  o[16] = s;
+}
+"""
+
+
+def test_standard_library_model_and_cpp_forms_run_with_msl_values():
+    lib = emu.compile_library(LIBRARY)
+    x = torch.tensor([0.5, 2.0, 3.0, 4.0])
+    b = torch.tensor([1.0, float("inf")], dtype=torch.bfloat16)
+    h = torch.tensor([1.5], dtype=torch.float16)
+    accs = torch.tensor([7.0])
+    o = torch.full((17,), -1.0)
+    params = torch.cat([torch.tensor([2.0]), torch.tensor([4], dtype=torch.int32).view(torch.float32)])  # {2.0f, 4}
+    lib.lib(o, x, b, params, accs, h, threads=1)
+    want = [0.5 + 1, 4.0 + 1, 9.0 + 1, 1.0, 3.0, 0.5 + 3.0, 1.0, 1.5 + 0.75, 2.0 * 4 + 3.0, 2.0 + 7.0 + 7.0,
+            9.0 + 4.0, 2.5 + 2.0 + 1.0 + 4.0, 1.0, float(torch.exp(torch.tensor(1.0))) + 0.0, 1.0 + 1.5,
+            1.0 + 1.5, 0.5 + 2.0 + 3.0 + 4.0]
+    torch.testing.assert_close(o, torch.tensor(want), atol=1e-3, rtol=1e-3)
+    assert [p for p in lint_source(LIBRARY) if p.startswith("msl_source.metal:")] == []
