@@ -17,7 +17,7 @@ from .parse import parse_kernels
 from .rewrite import rewrite_source
 from .strict import STRICT_FLAGS
 from .toolchain import (_FLAGS, _PP_FLAGS, HERE, _atomic_write, _cache_dir, _clang_version, _preprocessor_args, _run,
-                        clang_path)
+                        clang_path, torch_include_dir)
 
 GENERATOR_VERSION = "3"
 _SHIM = HERE / "shim.h"
@@ -70,6 +70,12 @@ def _build(src: str, clang: str, out_so: Path) -> list[dict]:
     return table
 
 
+def _torch_version() -> str:
+    import torch  # the headers of torch's include folder (c10/metal) are part of what a source compiles
+
+    return torch.__version__
+
+
 _libs: dict[str, "Library"] = {}
 _libs_lock = threading.Lock()
 
@@ -83,6 +89,7 @@ def compile_library(src: str) -> "Library":
         raise EmulatorError("clang-19 not found (apt-get install clang-19, or set COMFY_METAL_EMU_CLANG)")
     h = hashlib.sha256()
     for part in (GENERATOR_VERSION, _clang_version(clang), " ".join(_FLAGS + _PP_FLAGS + STRICT_FLAGS),
+                 str(torch_include_dir()), _torch_version(),
                  *(p.read_text() for p in _GENERATOR_FILES), src):
         h.update(part.encode())
         h.update(b"\0")

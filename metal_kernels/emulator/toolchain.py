@@ -99,6 +99,18 @@ def _run(cmd: list[str], tmpdir: str, what: str) -> subprocess.CompletedProcess:
     return r
 
 
+def torch_include_dir() -> str | None:
+    """torch's include folder: torch.mps.compile_shader embeds the headers a source includes from it
+    (`#include <c10/metal/utils.h>`), so the emulator searches it too."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    inc = Path(list(spec.submodule_search_locations)[0]) / "include"
+    return str(inc) if (inc / "c10" / "metal").is_dir() else None
+
+
 def _preprocessor_args(tmp: str, src: str, extra=()) -> list[str]:
     """Write `src` as tmp/msl_source.metal and empty stand-ins for <metal_stdlib> & co. under tmp/stub_include;
     return the `clang -E` arguments (after the compiler) that preprocess it. Shared with the lint."""
@@ -109,4 +121,5 @@ def _preprocessor_args(tmp: str, src: str, extra=()) -> list[str]:
         p.write_text("#pragma once\n")
     src_path = Path(tmp) / _SRC_NAME
     src_path.write_text(src)
-    return [*_PP_FLAGS, "-I", str(stub), *extra, str(src_path)]
+    torch_inc = torch_include_dir()
+    return [*_PP_FLAGS, "-I", str(stub), *extra, *(["-I", torch_inc] if torch_inc else []), str(src_path)]

@@ -192,7 +192,10 @@ kernel void tg_sum(device float* out [[buffer(0)]], const device float* x [[buff
 
 
 def test_threadgroup_parameter_sized_by_specialisation():
-    lib = emu.compile_library(specialize(TG_SRC, threadgroup_memory={"tg_sum": {0: 64 * 4}}))
+    src = specialize(TG_SRC, threadgroup_memory={"tg_sum": {0: 64 * 4}})
+    assert "threadgroup float4 _tgmem0_scratch[16]; threadgroup float* scratch = " in src  # 256 bytes, 16-aligned
+    assert "[[threadgroup(0)]]" not in src
+    lib = emu.compile_library(src)
     x = torch.randn(3 * 64, generator=torch.Generator().manual_seed(2))
     out = torch.zeros(3)
     lib.tg_sum(out, x, threads=3 * 64, group_size=64)
@@ -352,6 +355,10 @@ inline float apply2(float (*f)(float), float x) { return f(x); }
 struct Money { float v; };
 inline Money max(Money a, Money b) { return a.v < b.v ? b : a; }
 
+// ... and a user template of a standard name (c10/metal's max<T, U>): the same-type standard overload wins
+namespace user { template <class T, class U> T max(T a, U b) { return a > T(b) ? a : T(b); } }
+using namespace user;
+
 // metal::fast is a namespace: a user overload added there does not hide the standard functions
 namespace metal { namespace fast { inline Money exp(Money m) { return Money{m.v}; } } }
 
@@ -390,6 +397,7 @@ kernel void lib(device float* o [[buffer(0)]], const device float* x [[buffer(1)
   o[14] = float(static_cast<half>(b[0])) + float(static_cast<bfloat>(h[0]));
   o[15] = (0.5f * float2(x[0], x[1])).y + (h[0] * half2(2.0h, 4.0h) * 0.5f).x;  // a float scalar with a half vector
   o[16] = s;
+  o[17] = float(max(long(x[1]), 5L));                             // the standard (long, long), not user::max
 }
 """
 
@@ -400,11 +408,31 @@ def test_standard_library_model_and_cpp_forms_run_with_msl_values():
     b = torch.tensor([1.0, float("inf")], dtype=torch.bfloat16)
     h = torch.tensor([1.5], dtype=torch.float16)
     accs = torch.tensor([7.0])
-    o = torch.full((17,), -1.0)
+    o = torch.full((18,), -1.0)
     params = torch.cat([torch.tensor([2.0]), torch.tensor([4], dtype=torch.int32).view(torch.float32)])  # {2.0f, 4}
     lib.lib(o, x, b, params, accs, h, threads=1)
     want = [0.5 + 1, 4.0 + 1, 9.0 + 1, 1.0, 3.0, 0.5 + 3.0, 1.0, 1.5 + 0.75, 2.0 * 4 + 3.0, 2.0 + 7.0 + 7.0,
             9.0 + 4.0, 2.5 + 2.0 + 1.0 + 4.0, 1.0, float(torch.exp(torch.tensor(1.0))) + 0.0, 1.0 + 1.5,
-            1.0 + 1.5, 0.5 + 2.0 + 3.0 + 4.0]
+            1.0 + 1.5, 0.5 + 2.0 + 3.0 + 4.0, 5.0]
     torch.testing.assert_close(o, torch.tensor(want), atol=1e-3, rtol=1e-3)
     assert [p for p in lint_source(LIBRARY) if p.startswith("msl_source.metal:")] == []
+
+
+def test_c10_metal_headers_are_found_as_compile_shader_embeds_them():
+    """torch.mps.compile_shader embeds the headers a source includes from torch's include folder; so does the
+    emulator (c10/metal's templates next to the standard library's)."""
+    from comfy_metal.metal_kernels.emulator.toolchain import torch_include_dir
+
+    if torch_include_dir() is None:
+        pytest.skip("this torch has no include/c10/metal")
+    lib = emu.compile_library("""#include <c10/metal/utils.h>
+#include <metal_stdlib>
+using namespace metal;
+kernel void c10max(device float* o [[buffer(0)]], const device float* x [[buffer(1)]],
+                   uint i [[thread_position_in_grid]]) {
+  o[i] = c10::metal::max(x[i], 0.5f) + float(c10::metal::ceil_div(long(i) + 1, 2L));
+}""")
+    x = torch.tensor([0.0, 1.0, float("nan"), -3.0])
+    o = torch.zeros(4)
+    lib.c10max(o, x)
+    assert o[[0, 1, 3]].tolist() == [1.5, 2.0, 2.5] and torch.isnan(o[2])   # c10's max propagates NaN
