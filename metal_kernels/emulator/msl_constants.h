@@ -1,6 +1,6 @@
-// Comfy Metal MSL emulator -- the constants of MSL 3.1's <metal_math> and <metal_limits> (MAXFLOAT, HALF_MAX,
-// M_PI_F, INT_MAX...) and the math-mode selectors of Apple's headers (__METAL_FAST_MATH__ & co.), shared by the
-// strict front end (strict.h) and the emulator's C++ backend (shim.h).
+// Comfy Metal MSL emulator -- what the strict front end (strict.h) and the C++ backend (shim.h) share: the
+// constants of MSL 3.1's <metal_math> and <metal_limits> (MAXFLOAT, HALF_MAX, M_PI_F, INT_MAX...), the math-mode
+// selectors of Apple's headers (__METAL_FAST_MATH__ & co.), is_function_constant_defined and two name lists.
 #pragma once
 #define MAXFLOAT 3.402823466e+38F
 #define HUGE_VALF __builtin_huge_valf()
@@ -76,3 +76,30 @@
 #define __METAL_MAYBE_FAST_MATH__ __METAL_PRECISE_MATH__
 // a function constant compiled without a value is undefined (specialised sources have no function constants left)
 #define is_function_constant_defined(name) (sizeof(name) == 0)
+// the math functions metal::fast and metal::precise declare (using-declarations of the metal:: ones)
+#define __MSL_MATH_FUNCTIONS                                                                               \
+  using metal::fabs, metal::floor, metal::ceil, metal::round, metal::rint, metal::trunc, metal::sqrt,         \
+      metal::rsqrt, metal::exp, metal::exp2, metal::exp10, metal::log, metal::log2, metal::log10, metal::sin, \
+      metal::cos, metal::tan, metal::asin, metal::acos, metal::atan, metal::sinh, metal::cosh, metal::tanh,    \
+      metal::asinh, metal::acosh, metal::atanh, metal::sinpi, metal::cospi, metal::tanpi, metal::fract,        \
+      metal::saturate, metal::sign, metal::pow, metal::powr, metal::fmin, metal::fmax, metal::fmod,           \
+      metal::atan2, metal::copysign, metal::step, metal::fdim, metal::divide, metal::fma, metal::mix,        \
+      metal::smoothstep, metal::ldexp, metal::frexp, metal::modf, metal::sincos, metal::abs, metal::min,      \
+      metal::max, metal::clamp, metal::isnan, metal::isinf, metal::isfinite, metal::signbit, metal::length,   \
+      metal::normalize, metal::distance, metal::dot, metal::fmin3, metal::fmax3, metal::fmedian3,           \
+      metal::nextafter, metal::logb
+// the vector and packed vector types, declared at global scope, as metal:: names
+#define __MSL_VECTOR_TYPES \
+  using ::float2, ::float3, ::float4, ::half2, ::half3, ::half4, ::bfloat2, ::bfloat3, ::bfloat4, ::int2, \
+      ::int3, ::int4, ::uint2, ::uint3, ::uint4, ::short2, ::short3, ::short4, ::ushort2, ::ushort3, ::ushort4, \
+      ::char2, ::char3, ::char4, ::uchar2, ::uchar3, ::uchar4, ::long2, ::long3, ::long4, ::ulong2, ::ulong3, \
+      ::ulong4, ::bool2, ::bool3, ::bool4, ::packed_float2, ::packed_float3, ::packed_float4, ::packed_half2, \
+      ::packed_half3, ::packed_half4, ::packed_bfloat2, ::packed_bfloat3, ::packed_bfloat4, ::packed_int2, \
+      ::packed_int3, ::packed_int4, ::packed_uint2, ::packed_uint3, ::packed_uint4, ::packed_short2, \
+      ::packed_short3, ::packed_short4, ::packed_ushort2, ::packed_ushort3, ::packed_ushort4, ::packed_char2, \
+      ::packed_char3, ::packed_char4, ::packed_uchar2, ::packed_uchar3, ::packed_uchar4
+// float4x4 & co. (in namespace metal, after its matrix<T, C, R>)
+#define __MSL_MATRIX_TYPES(E)                                                                         \
+  typedef matrix<E, 2, 2> E##2x2; typedef matrix<E, 2, 3> E##2x3; typedef matrix<E, 2, 4> E##2x4;       \
+  typedef matrix<E, 3, 2> E##3x2; typedef matrix<E, 3, 3> E##3x3; typedef matrix<E, 3, 4> E##3x4;       \
+  typedef matrix<E, 4, 2> E##4x2; typedef matrix<E, 4, 3> E##4x3; typedef matrix<E, 4, 4> E##4x4;

@@ -292,13 +292,7 @@ constexpr T as_type(const U& u) {
 // ------------------------------------------------------------------ metal namespace
 namespace metal {
 using ::as_type;
-// the vector types are metal:: names too (metal::float4)
-using ::float2, ::float3, ::float4, ::half2, ::half3, ::half4, ::bfloat2, ::bfloat3, ::bfloat4, ::int2, ::int3, ::int4;
-using ::uint2, ::uint3, ::uint4, ::short2, ::short3, ::short4, ::ushort2, ::ushort3, ::ushort4, ::char2, ::char3, ::char4;
-using ::uchar2, ::uchar3, ::uchar4, ::long2, ::long3, ::long4, ::ulong2, ::ulong3, ::ulong4, ::bool2, ::bool3, ::bool4;
-using ::packed_float2, ::packed_float3, ::packed_float4, ::packed_half2, ::packed_half3, ::packed_half4, ::packed_bfloat2, ::packed_bfloat3, ::packed_bfloat4, ::packed_int2, ::packed_int3, ::packed_int4;
-using ::packed_uint2, ::packed_uint3, ::packed_uint4, ::packed_short2, ::packed_short3, ::packed_short4, ::packed_ushort2, ::packed_ushort3, ::packed_ushort4, ::packed_char2, ::packed_char3, ::packed_char4;
-using ::packed_uchar2, ::packed_uchar3, ::packed_uchar4;
+__MSL_VECTOR_TYPES;  // the vector types are metal:: names too (metal::float4)
 
 enum class mem_flags : uint32_t {
   mem_none = 0,
@@ -481,13 +475,8 @@ inline matrix<T, R, C> transpose(const matrix<T, C, R>& m) {
     for (int r = 0; r < R; r++) t.columns[r][c] = m.columns[c][r];
   return t;
 }
-#define __EMU_MAT_TYPES(E)                                                                            \
-  typedef matrix<E, 2, 2> E##2x2; typedef matrix<E, 2, 3> E##2x3; typedef matrix<E, 2, 4> E##2x4;       \
-  typedef matrix<E, 3, 2> E##3x2; typedef matrix<E, 3, 3> E##3x3; typedef matrix<E, 3, 4> E##3x4;       \
-  typedef matrix<E, 4, 2> E##4x2; typedef matrix<E, 4, 3> E##4x3; typedef matrix<E, 4, 4> E##4x4;
-__EMU_MAT_TYPES(float)
-__EMU_MAT_TYPES(half)
-#undef __EMU_MAT_TYPES
+__MSL_MATRIX_TYPES(float)
+__MSL_MATRIX_TYPES(half)
 
 // ---- float math, element-wise on vectors; computed in float precision
 #define __EMU_F1(NAME, EXPR)                                                       \
@@ -767,24 +756,19 @@ inline bool any(T v) {
 }
 
 // ---- three-operand and integer functions
-template <class A, class B, class C>
-inline A min3(A a, B b, C c) { return min(min(a, __emu::conv<A>(b)), __emu::conv<A>(c)); }
-template <class A, class B, class C>
-inline A max3(A a, B b, C c) { return max(max(a, __emu::conv<A>(b)), __emu::conv<A>(c)); }
-template <class A, class B, class C>
-inline A median3(A a, B b, C c) {
-  const A bb = __emu::conv<A>(b), cc = __emu::conv<A>(c);
-  return max(min(a, bb), min(max(a, bb), cc));
-}
-template <class A, class B, class C>
-inline A fmin3(A a, B b, C c) { return fmin(fmin(a, __emu::conv<A>(b)), __emu::conv<A>(c)); }
-template <class A, class B, class C>
-inline A fmax3(A a, B b, C c) { return fmax(fmax(a, __emu::conv<A>(b)), __emu::conv<A>(c)); }
-template <class A, class B, class C>
-inline A fmedian3(A a, B b, C c) {
-  const A bb = __emu::conv<A>(b), cc = __emu::conv<A>(c);
-  return fmax(fmin(a, bb), fmin(fmax(a, bb), cc));
-}
+#define __EMU_THREE(P, MIN, MAX)                                                                           \
+  template <class A, class B, class C>                                                                       \
+  inline A P##min3(A a, B b, C c) { return MIN(MIN(a, __emu::conv<A>(b)), __emu::conv<A>(c)); }             \
+  template <class A, class B, class C>                                                                       \
+  inline A P##max3(A a, B b, C c) { return MAX(MAX(a, __emu::conv<A>(b)), __emu::conv<A>(c)); }             \
+  template <class A, class B, class C>                                                                       \
+  inline A P##median3(A a, B b, C c) {                                                                       \
+    const A bb = __emu::conv<A>(b), cc = __emu::conv<A>(c);                                                  \
+    return MAX(MIN(a, bb), MIN(MAX(a, bb), cc));                                                             \
+  }
+__EMU_THREE(, min, max)
+__EMU_THREE(f, fmin, fmax)
+#undef __EMU_THREE
 template <class T, std::enable_if_t<__emu::is_fp<T> && __emu::vlen<T> == 1, int> = 0>
 inline bool isordered(T x, T y) { return !__builtin_isnan((float)x) && !__builtin_isnan((float)y); }
 template <class T, std::enable_if_t<__emu::is_fp<T> && __emu::vlen<T> == 1, int> = 0>
@@ -854,24 +838,12 @@ inline T insert_bits(T base, T insert, uint offset, uint bits) {
 
 // metal::fast and metal::precise declare the math functions themselves (a user overload added to either does
 // not hide the standard ones)
-#define __EMU_MATH_NAMES                                                                                   \
-  using metal::fabs, metal::floor, metal::ceil, metal::round, metal::rint, metal::trunc, metal::sqrt,         \
-      metal::rsqrt, metal::exp, metal::exp2, metal::exp10, metal::log, metal::log2, metal::log10, metal::sin, \
-      metal::cos, metal::tan, metal::asin, metal::acos, metal::atan, metal::sinh, metal::cosh, metal::tanh,    \
-      metal::asinh, metal::acosh, metal::atanh, metal::sinpi, metal::cospi, metal::tanpi, metal::fract,        \
-      metal::saturate, metal::sign, metal::pow, metal::powr, metal::fmin, metal::fmax, metal::fmod,           \
-      metal::atan2, metal::copysign, metal::step, metal::fdim, metal::divide, metal::fma, metal::mix,        \
-      metal::smoothstep, metal::ldexp, metal::frexp, metal::modf, metal::sincos, metal::abs, metal::min,      \
-      metal::max, metal::clamp, metal::isnan, metal::isinf, metal::isfinite, metal::signbit, metal::length,   \
-      metal::normalize, metal::distance, metal::dot, metal::fmin3, metal::fmax3, metal::fmedian3,           \
-      metal::nextafter, metal::logb
 namespace fast {
-__EMU_MATH_NAMES;
+__MSL_MATH_FUNCTIONS;
 }
 namespace precise {
-__EMU_MATH_NAMES;
+__MSL_MATH_FUNCTIONS;
 }
-#undef __EMU_MATH_NAMES
 
 // ---- atomics (the emulator runs one OS thread: plain operations are atomic)
 enum memory_order { memory_order_relaxed, memory_order_acquire, memory_order_release, memory_order_acq_rel, memory_order_seq_cst };
@@ -1128,22 +1100,18 @@ inline T shuffle_fill(T v, T fill, uint32_t delta, uint32_t modulo, uintptr_t si
 }
 }  // namespace __emu
 namespace metal {
-template <class T, class D>
-inline T simd_shuffle_and_fill_down(T v, T fill, D delta, __EMU_SITE) {
-  return __emu::shuffle_fill<T, true>(v, fill, (uint32_t)delta, 32, __emu_site);
-}
-template <class T, class D, class M>
-inline T simd_shuffle_and_fill_down(T v, T fill, D delta, M modulo, __EMU_SITE) {
-  return __emu::shuffle_fill<T, true>(v, fill, (uint32_t)delta, (uint32_t)modulo, __emu_site);
-}
-template <class T, class D>
-inline T simd_shuffle_and_fill_up(T v, T fill, D delta, __EMU_SITE) {
-  return __emu::shuffle_fill<T, false>(v, fill, (uint32_t)delta, 32, __emu_site);
-}
-template <class T, class D, class M>
-inline T simd_shuffle_and_fill_up(T v, T fill, D delta, M modulo, __EMU_SITE) {
-  return __emu::shuffle_fill<T, false>(v, fill, (uint32_t)delta, (uint32_t)modulo, __emu_site);
-}
+#define __EMU_FILL(NAME, DOWN)                                                                          \
+  template <class T, class D>                                                                             \
+  inline T NAME(T v, T fill, D delta, __EMU_SITE) {                                                       \
+    return __emu::shuffle_fill<T, DOWN>(v, fill, (uint32_t)delta, 32, __emu_site);                        \
+  }                                                                                                       \
+  template <class T, class D, class M>                                                                    \
+  inline T NAME(T v, T fill, D delta, M modulo, __EMU_SITE) {                                             \
+    return __emu::shuffle_fill<T, DOWN>(v, fill, (uint32_t)delta, (uint32_t)modulo, __emu_site);          \
+  }
+__EMU_FILL(simd_shuffle_and_fill_down, true)
+__EMU_FILL(simd_shuffle_and_fill_up, false)
+#undef __EMU_FILL
 
 #define __EMU_VOTE(OP, V, G) __emu::simd_exchange<uint64_t>((V), 0, __emu_site, &__emu::resolve<uint64_t, __emu::OP, G>)
 inline bool quad_all(bool b, __EMU_SITE) { return (bool)__EMU_VOTE(OP_ALL, b, 4); }

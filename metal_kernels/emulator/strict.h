@@ -337,13 +337,7 @@ __MSL_NL_FP(half, (ushort)0x0400, (ushort)0x7BFF, (ushort)0x1400, (ushort)1, 11)
 __MSL_NL_FP(bfloat, (ushort)0x0080, (ushort)0x7F7F, (ushort)0x3C00, (ushort)1, 8)
 #undef __MSL_NL_FP
 using ::as_type;
-// the vector types are metal:: names too (metal::float4)
-using ::float2, ::float3, ::float4, ::half2, ::half3, ::half4, ::bfloat2, ::bfloat3, ::bfloat4, ::int2, ::int3, ::int4;
-using ::uint2, ::uint3, ::uint4, ::short2, ::short3, ::short4, ::ushort2, ::ushort3, ::ushort4, ::char2, ::char3, ::char4;
-using ::uchar2, ::uchar3, ::uchar4, ::long2, ::long3, ::long4, ::ulong2, ::ulong3, ::ulong4, ::bool2, ::bool3, ::bool4;
-using ::packed_float2, ::packed_float3, ::packed_float4, ::packed_half2, ::packed_half3, ::packed_half4, ::packed_bfloat2, ::packed_bfloat3, ::packed_bfloat4, ::packed_int2, ::packed_int3, ::packed_int4;
-using ::packed_uint2, ::packed_uint3, ::packed_uint4, ::packed_short2, ::packed_short3, ::packed_short4, ::packed_ushort2, ::packed_ushort3, ::packed_ushort4, ::packed_char2, ::packed_char3, ::packed_char4;
-using ::packed_uchar2, ::packed_uchar3, ::packed_uchar4;
+__MSL_VECTOR_TYPES;  // the vector types are metal:: names too (metal::float4)
 
 // ---- vec<T, N>, <metal_array>, <metal_uniform>, <metal_matrix>; members for objects in every address space
 template <class T, int N> using vec = T __attribute__((ext_vector_type(N)));
@@ -391,13 +385,8 @@ template <class T, int C, int R> matrix<T, C, R> operator-(matrix<T, C, R> a, ma
 template <class T, int C, int R, class S, enable_if_t<is_arithmetic_v<S>, int> = 0> matrix<T, C, R> operator*(matrix<T, C, R> a, S s);
 template <class T, int C, int R, class S, enable_if_t<is_arithmetic_v<S>, int> = 0> matrix<T, C, R> operator*(S s, matrix<T, C, R> a);
 template <class T, int C, int R> matrix<T, R, C> transpose(matrix<T, C, R> m);
-#define __MSL_MAT_TYPES(E)                                                                            \
-  typedef matrix<E, 2, 2> E##2x2; typedef matrix<E, 2, 3> E##2x3; typedef matrix<E, 2, 4> E##2x4;       \
-  typedef matrix<E, 3, 2> E##3x2; typedef matrix<E, 3, 3> E##3x3; typedef matrix<E, 3, 4> E##3x4;       \
-  typedef matrix<E, 4, 2> E##4x2; typedef matrix<E, 4, 3> E##4x3; typedef matrix<E, 4, 4> E##4x4;
-__MSL_MAT_TYPES(float)
-__MSL_MAT_TYPES(half)
-#undef __MSL_MAT_TYPES
+__MSL_MATRIX_TYPES(float)
+__MSL_MATRIX_TYPES(half)
 #undef __MSL_AS_MEMBERS
 #undef COMMA
 
@@ -498,20 +487,8 @@ template <class T> bool any(T v);
 
 // metal::fast and metal::precise declare the math functions themselves (a user overload added to either does
 // not hide the standard ones)
-#define __MSL_MATH_NAMES                                                                                   \
-  using metal::fabs, metal::floor, metal::ceil, metal::round, metal::rint, metal::trunc, metal::sqrt,         \
-      metal::rsqrt, metal::exp, metal::exp2, metal::exp10, metal::log, metal::log2, metal::log10, metal::sin, \
-      metal::cos, metal::tan, metal::asin, metal::acos, metal::atan, metal::sinh, metal::cosh, metal::tanh,    \
-      metal::asinh, metal::acosh, metal::atanh, metal::sinpi, metal::cospi, metal::tanpi, metal::fract,        \
-      metal::saturate, metal::sign, metal::pow, metal::powr, metal::fmin, metal::fmax, metal::fmod,           \
-      metal::atan2, metal::copysign, metal::step, metal::fdim, metal::divide, metal::fma, metal::mix,        \
-      metal::smoothstep, metal::ldexp, metal::frexp, metal::modf, metal::sincos, metal::abs, metal::min,      \
-      metal::max, metal::clamp, metal::isnan, metal::isinf, metal::isfinite, metal::signbit, metal::length,   \
-      metal::normalize, metal::distance, metal::dot, metal::fmin3, metal::fmax3, metal::fmedian3,           \
-      metal::nextafter, metal::logb
-namespace fast { __MSL_MATH_NAMES; }
-namespace precise { __MSL_MATH_NAMES; }
-#undef __MSL_MATH_NAMES
+namespace fast { __MSL_MATH_FUNCTIONS; }
+namespace precise { __MSL_MATH_FUNCTIONS; }
 
 // ---- synchronisation (metal_compute)
 enum class mem_flags : uint { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4,
