@@ -95,11 +95,12 @@ constexpr V splat(const A& a, std::index_sequence<I...>) {
 }
 template <class V, class... A>
 constexpr V vec_of(const A&... a);
-// an array argument decays to a pointer to its (non-const) elements, as when it is passed directly
+// an argument as written: an array decays to a pointer to its (non-const) elements, an object is a non-const
+// lvalue (its non-const conversion operators and a constructor's reference parameters apply, as in a direct call)
 template <class A>
 constexpr decltype(auto) arg(const A& a) {
   if constexpr (std::is_array_v<A>) return const_cast<std::remove_const_t<std::remove_extent_t<A>>*>(a);
-  else return (a);
+  else return const_cast<A&>(a);
 }
 template <class V, class... A>
 constexpr V vec(const A&... a) {

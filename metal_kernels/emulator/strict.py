@@ -5,21 +5,30 @@ library is reachable. This pass re-reads the same preprocessed source with clang
 mode, syntax only, where
 
 * ``device``/``threadgroup``/``constant``/``thread`` are real address spaces (OpenCL global/local/constant/
-  private), so a device pointer passed as a thread pointer, or a threadgroup array assigned to a device
-  pointer, is a type error; a pointer or reference written without an address space is rejected by a token
-  rule (Metal requires one; clang would make it a generic pointer, which stays enabled so that a device struct
-  copies into a thread variable through the implicit copy constructor, as in Metal);
+  private; ``constant`` implies ``const``), so a device pointer passed as a thread pointer, or a threadgroup array
+  assigned to a device pointer, is a type error; a pointer or reference written without an address space is
+  rejected by a token rule (Metal requires one; clang would make it a generic pointer, which stays enabled so
+  that a device struct copies into a thread variable through the implicit copy constructor, as in Metal);
 * program-scope and static variables must be ``constant``; threadgroup variables are legal only in a kernel's
   body (only those are rewritten into kernel storage here, a helper's stays an error);
-* ``double``, new/delete, virtual functions, ``thread_local``, function pointers, ``typeid``/``dynamic_cast``,
-  exceptions are rejected by clang's OpenCL rules (``-fno-exceptions -fno-rtti``, no fp64);
+* ``double``, new/delete, ``thread_local``, ``typeid``/``dynamic_cast``, exceptions are rejected by clang's OpenCL
+  rules (``-fno-exceptions -fno-rtti``, no fp64); clang's function-pointer extension is on, because Metal takes
+  functions as template arguments and parameters, and token rules reject what it would let through (virtual
+  functions, function-pointer variables);
 * ``strict.h`` declares MSL 3.1's standard library with its overloads only: no ``std::``, no C library, math on
-  float/half only (``exp(bfloat)`` is a deleted function), no 64-bit or bfloat SIMD reductions.
+  float/half (a bfloat scalar converts to float; ``abs``/``min``/``max``/``clamp`` on bfloat and math on bfloat
+  vectors are deleted functions), no 64-bit or bfloat SIMD reductions; an implicit float/half -> bfloat
+  conversion (clang's -Wimplicit-float-conversion warning) is an error, as in Metal.
+
+MSL forms clang's OpenCL mode gets wrong are rewritten (constructors' ``thread`` qualifier, function-pointer
+template parameters, short brace lists, static constexpr redeclarations) or their diagnostics forgiven
+(``_metal_accepts``: constant structs copied into values and the like).
 
 What clang cannot see is checked on its output: recursion (cycles in clang's call graph,
-``debug.DumpCallGraph``, confirmed per declaration on clang's JSON AST so overloads are told apart), lambdas (anonymous-class call operators in that graph), ``goto``, ``long long``,
-and kernel parameters (a ``[[buffer(n)]]`` must be a ``device``/``constant`` pointer or reference; every
-level of a pointer-to-pointer needs an address space).
+``debug.DumpCallGraph``, confirmed per declaration on clang's JSON AST so overloads are told apart), lambdas
+(anonymous-class call operators in that graph), ``goto``, ``long long``, and kernel parameters (a
+``[[buffer(n)]]`` must be a ``device``/``constant`` pointer or reference; every level of a pointer-to-pointer
+needs an address space).
 
 ``check(pp)`` returns the problems (empty list = clean); every message names the source line and the rule.
 """
@@ -161,10 +170,7 @@ def _method_qualifiers(s: str) -> str:
         if m.group(2) != "thread":
             return m.group(0)
         # the name before the parameter list: a constructor has no return type in front of it
-        depth, j = 0, m.start(1)
-        while j < len(s) and s[j] != ")":
-            j += 1
-        k = j
+        depth, k = 0, m.start(1)  # group 1 starts at the parameter list's `)`
         while k >= 0:
             depth += (s[k] == ")") - (s[k] == "(")
             if depth == 0:
@@ -445,8 +451,6 @@ def _metal_accepts(msg: str, notes: list[str]) -> bool:
     if re.match(r"no viable overloaded '='|no matching constructor for initialization of ", msg) and \
             any(_IMPLICIT_MEMBER_AS_NOTE.match(n) for n in candidates) and \
             all(re.match(r"candidate (?:function|constructor) \(the implicit ", n) for n in candidates):
-        return True
-    if "cannot bind reference in address space" in msg and "implicit" in msg:
         return True
     if re.match(r"reference of type 'const __private [^']*' cannot bind to a temporary object because of address "
                 r"space mismatch", msg):

@@ -436,3 +436,29 @@ kernel void c10max(device float* o [[buffer(0)]], const device float* x [[buffer
     o = torch.zeros(4)
     lib.c10max(o, x)
     assert o[[0, 1, 3]].tolist() == [1.5, 2.0, 2.5] and torch.isnan(o[2])   # c10's max propagates NaN
+
+
+def test_user_simd_overload_intrinsics_and_shuffle_and_fill():
+    """A user overload of a collective's name (MLX's bfloat simd_sum over Apple's __metal_simd_sum) next to the
+    standard one, and simd_shuffle_and_fill_down/up (with and without modulo) against a torch reference."""
+    lib = emu.compile_library(HDR + """
+namespace metal {
+inline bfloat simd_sum(bfloat x) { return static_cast<bfloat>(__metal_simd_sum(static_cast<float>(x))); }
+}
+kernel void coll(device float* o [[buffer(0)]], const device bfloat* b [[buffer(1)]],
+                 ushort l [[thread_index_in_simdgroup]]) {
+  o[l] = float(simd_sum(b[l]));                                  // the user's bfloat overload
+  o[32 + l] = simd_sum(float(l));                                // the standard one
+  o[64 + l] = simd_shuffle_and_fill_down(float(l), float(100 + l), ushort(3));
+  o[96 + l] = simd_shuffle_and_fill_up(float(l), float(100 + l), ushort(2), ushort(8));
+}""")
+    b = torch.arange(32, dtype=torch.bfloat16)
+    o = torch.zeros(128)
+    lib.coll(o, b, threads=32, group_size=32)
+    lanes = torch.arange(32)
+    down = torch.where(lanes + 3 < 32, lanes + 3, 100 + lanes + 3 - 32).float()
+    r = lanes % 8
+    up = torch.where(r >= 2, lanes - 2, 100 + (lanes - r) + 8 + r - 2).float()
+    assert torch.equal(o[:32], torch.full((32,), float(b.float().sum())))
+    assert torch.equal(o[32:64], torch.full((32,), float(lanes.sum())))
+    assert torch.equal(o[64:96], down) and torch.equal(o[96:], up)
