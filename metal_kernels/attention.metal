@@ -14,8 +14,9 @@
 // attention_mma<T, DK>: FlashAttention-2 with simdgroup matrices, for D % 8 == 0, D <= DK (DK the
 //   template head dim; a smaller D is zero-padded to DK). One threadgroup = 4 simdgroups = 32 query
 //   rows of one (b, h); each simdgroup owns 8 rows. Q is staged once through threadgroup memory into
-//   DK / 8 fragments in T that stay in registers (in two passes where a key block has 16 rows). Per block of BK keys (attn_block_keys: 64 for
-//   D = 128 half/bfloat, 128 for D = 64): the group stages K in T (rows padded by 16 bytes, so the
+//   DK / 8 fragments in T that stay in registers (in two passes where a key block has 16 rows). Per
+//   block of BK keys (attn_block_keys: 64 for D = 128 half/bfloat, 128 for D = 64, fewer where a
+//   padded block would pass ATTN_KV_BYTES): the group stages K in T (rows padded by 16 bytes, so the
 //   transposed fragment loads and the cooperative 16-byte stores hit 32 distinct banks; rows past Lk
 //   are zeros), S = Q K^T accumulates in BK / 8 fp32 fragments, and the online softmax runs on the
 //   fragments' own elements (thread_elements(): lane l holds row (q & 4) + (l / 2) % 4, columns

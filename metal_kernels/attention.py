@@ -7,9 +7,9 @@ flash_attention(q, k, v, mask=None, scale=None)
        (B, Hq, Lq, Lk) as ComfyUI's attention does: (Lq, Lk), (B|1, Lq, Lk) (batch, not heads),
        (B|1, Hq|1, Lq|1, Lk|1).
     scale: softmax scale, default 1 / sqrt(D).
-    variant: "auto" (the simdgroup-matrix kernel attention_mma for D % 8 == 0 and more than
-       VEC_MAX_QUERIES query rows, else the vector kernel attention_vec), "simd" (the vector kernel) or
-       "mma" (the Metal kernel to use; the reference ignores it).
+    variant: which Metal kernel runs (the reference ignores it): "auto" (the simdgroup-matrix kernel
+       attention_mma for D % 8 == 0 and more than VEC_MAX_QUERIES query rows, else the vector kernel
+       attention_vec), "simd" (the vector kernel) or "mma" (the simdgroup-matrix kernel).
     Returns (B, Hq, Lq, D) in q.dtype. Softmax and accumulation in fp32; a query row whose every
     key is masked (bool False or -inf) gives zeros, not NaN.
 
