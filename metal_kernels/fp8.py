@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from . import source
 from .dtypes import FORMAT_OF_DTYPE, FP8_DTYPES, MSL_TYPE
 from .registry import KernelSpec, register
 
@@ -43,7 +44,9 @@ FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
 _LAYOUT = {"e4m3fn": (3, 7, False), "e5m2": (2, 15, True)}
 
 GROUP = 256
-MAX_THREADS = 1 << 24          # each thread strides by MAX_THREADS * 4 elements beyond this
+MAX_THREADS = 1 << 24          # grid size per dimension; each thread strides beyond it
+CHUNK = 16                     # elements a thread converts per step (one 16-byte load of FP8 bytes)
+FP8_PARAMS = source.Params("fp8_params", "rows row_len scale_mode vec")
 
 
 def fp8_max(fmt: str) -> float:
@@ -221,11 +224,6 @@ def fp8_encode_reference(x: torch.Tensor, fmt: str, scale=None) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Metal launchers
 # ---------------------------------------------------------------------------------------------
-def _grid(n: int) -> tuple[int, int]:
-    threads = min((n + 3) // 4, MAX_THREADS)
-    return threads, min(GROUP, threads)
-
-
 _ONES: dict[str, torch.Tensor] = {}
 
 
@@ -241,14 +239,19 @@ def ones1(device) -> torch.Tensor:
 
 def _launch(kernel, src: torch.Tensor, out: torch.Tensor, mode: int, s) -> None:
     """One launch of a decode/encode kernel over contiguous `src` into `out` (same shape); the scale
-    is per row of dim 0."""
+    is per row of dim 0 (mode 2), else the data are one row."""
     n = src.numel()
     if n == 0:
         return
-    rows = src.shape[0] if src.dim() else 1
-    threads, group = _grid(n)
+    rows = (src.shape[0] if src.dim() else 1) if mode == 2 else 1
+    row_len = n // rows
+    vec = (row_len % CHUNK == 0 or rows == 1) and src.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
+    tx, ty = min(-(-row_len // CHUNK), MAX_THREADS), min(rows, MAX_THREADS)
+    gx = min(tx, GROUP)
+    gy = min(ty, max(1, GROUP // gx))
     scale = s.contiguous() if mode else ones1(src.device)
-    kernel(src.reshape(-1), out.view(-1), scale, n, n // rows, mode, threads, threads=threads, group_size=group)
+    params = FP8_PARAMS.pack(rows=rows, row_len=row_len, scale_mode=mode, vec=int(vec))
+    kernel(src.reshape(-1), out.view(-1), scale, params, threads=(tx, ty), group_size=(gx, gy))
 
 
 def fp8_decode_metal(lib, data: torch.Tensor, fmt: str | None = None, scale=None,
@@ -257,8 +260,6 @@ def fp8_decode_metal(lib, data: torch.Tensor, fmt: str | None = None, scale=None
     _check_out_dtype(out_dtype)
     mode, s = scale_mode(scale, tuple(raw.shape), raw.device, "fp8_decode: scale")
     raw = raw.contiguous()
-    if raw.storage_offset() % 4:                     # the kernel loads 4 bytes at a time
-        raw = raw.clone()
     out = torch.empty(raw.shape, dtype=out_dtype, device=raw.device)
     _launch(getattr(lib, f"fp8_decode_{fmt}_{MSL_TYPE[out_dtype]}"), raw, out, mode, s)
     return out
@@ -330,15 +331,15 @@ def _decode_compare(got, want):
     return None if not bad.any() else f"{int(bad.sum())} of {bad.numel()} values differ (decode must be exact)"
 
 
-_DECODE_ENTRIES = {f"fp8_decode_{f}_{t}": ("tensor", "tensor", "tensor", "int", "int", "int", "int")
-                   for f in FP8_FORMATS for t in MSL_TYPE.values()}
-_ENCODE_ENTRIES = {f"fp8_encode_{t}_{f}": ("tensor", "tensor", "tensor", "int", "int", "int", "int")
-                   for f in FP8_FORMATS for t in MSL_TYPE.values()}
+_ARGS = ("tensor", "tensor", "tensor", "int[]")
+_DECODE = {f"fp8_decode_{f}_{t}": f"fp8_decode<fp8_{f}, {t}>" for f in FP8_FORMATS for t in MSL_TYPE.values()}
+_ENCODE = {f"fp8_encode_{t}_{f}": f"fp8_encode<{t}, fp8_{f}>" for f in FP8_FORMATS for t in MSL_TYPE.values()}
 
 fp8_decode = register(KernelSpec(
     name="fp8_decode",
     source="fp8.metal",
-    entry_points=_DECODE_ENTRIES,
+    entry_points={name: _ARGS for name in _DECODE},
+    instantiate=_DECODE,
     reference=fp8_decode_reference,
     metal=fp8_decode_metal,
     self_check_cases=_decode_cases,
@@ -350,7 +351,8 @@ fp8_decode = register(KernelSpec(
 fp8_encode = register(KernelSpec(
     name="fp8_encode",
     source="fp8.metal",
-    entry_points=_ENCODE_ENTRIES,
+    entry_points={name: _ARGS for name in _ENCODE},
+    instantiate=_ENCODE,
     reference=fp8_encode_reference,
     metal=fp8_encode_metal,
     self_check_cases=_encode_cases,

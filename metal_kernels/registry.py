@@ -34,6 +34,10 @@ class KernelSpec:
     measured_by_caller: the caller times this kernel against the platform op itself (attention against
         ComfyUI's, the GEMVs against decode + matmul), so the dispatch does not time it again against
         its reference (see dispatch.measured_backend).
+    instantiate: host name -> the template-id of a kernel template of `source` (e.g.
+        "gemv<gemv_vec<gemv_e4m3fn>, half>"); source.library_source writes one
+        `template [[host_name(...)]]` line for each after the file. Entry points not listed here are
+        kernels the file defines itself.
     """
 
     name: str
@@ -46,12 +50,16 @@ class KernelSpec:
     rtol: float = 1e-5
     compare: Callable[[Any, Any], str | None] | None = None
     measured_by_caller: bool = False
+    instantiate: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         for entry, kinds in self.entry_points.items():
             bad = [k for k in kinds if k not in ARG_KINDS]
             if bad:
                 raise ValueError(f"kernel {self.name}: entry point {entry} has unknown argument kinds {bad}")
+        unknown = sorted(set(self.instantiate) - set(self.entry_points))
+        if unknown:
+            raise ValueError(f"kernel {self.name}: instantiations {unknown} are not entry points")
 
 
 REGISTRY: dict[str, KernelSpec] = {}
