@@ -153,11 +153,16 @@ struct gguf_q5_1 {
 // K-quants and IQ4_XS: 256-value blocks, eight lanes a block, 32 values each.
 // ------------------------------------------------------------------------------------------------------
 
-// The 6-bit scale and min of sub-block s (0..7) packed in the 12 bytes at sc (Q4_K, Q5_K).
-inline uint2 gguf_k_scale_min(device const uchar* sc, uint s) {
-    if (s < 4) return uint2(uint(sc[s]) & 63u, uint(sc[4 + s]) & 63u);
-    const uint md = sc[4 + s];
-    return uint2((md & 15u) | ((uint(sc[s - 4]) >> 2) & 48u), (md >> 4) | ((uint(sc[s]) >> 2) & 48u));
+// The 6-bit scales and mins of sub-blocks s and s + 1 (s even) packed in the 12 bytes at sc (Q4_K, Q5_K),
+// read as three words: (scale s, min s, scale s + 1, min s + 1).
+inline uint4 gguf_k_scales_mins(device const uchar* sc, uint s) {
+    const uint w0 = io_u32<4>(sc), w1 = io_u32<4>(sc + 4), w2 = io_u32<4>(sc + 8);
+    const uint sh = 8 * (s & 3);                          // byte s % 4 of each word
+    const uint a = w0 >> sh, m = w1 >> sh;
+    if (s < 4) return uint4(a & 63u, m & 63u, (a >> 8) & 63u, (m >> 8) & 63u);
+    const uint md = w2 >> sh;
+    return uint4((md & 15u) | ((a >> 2) & 48u), ((md >> 4) & 15u) | ((m >> 2) & 48u),
+                 ((md >> 8) & 15u) | ((a >> 10) & 48u), ((md >> 12) & 15u) | ((m >> 10) & 48u));
 }
 
 // Q4_K, Q5_K: value 64c + 32a + l (sub-block 2c + a) is nibble a of quant byte 32c + l. Lane j takes bytes
@@ -172,12 +177,11 @@ struct gguf_q4_k {
     static chunk load(device const uchar* b, uint j) {
         chunk c;
         c.q = io_u128<gguf_align(TS, 16, 16)>(b + 16 + 16 * j);
-        const float d = io_half(b);
-        const float dmin = io_half(b + 2);
+        const float2 d = float2(as_type<half2>(io_u32<4>(b)));           // d, dmin
+        const uint4 sm = gguf_k_scales_mins(b + 4, 2 * (j >> 1));
         for (int s = 0; s < 2; ++s) {
-            const uint2 sm = gguf_k_scale_min(b + 4, 2 * (j >> 1) + uint(s));
-            c.S[s] = d * float(sm.x);
-            const float dm = dmin * float(sm.y);
+            c.S[s] = d.x * float(sm[2 * s]);
+            const float dm = d.y * float(sm[2 * s + 1]);
             c.B[s] = -dm;
         }
         return c;
@@ -198,12 +202,11 @@ struct gguf_q5_k {
         c.q = io_u128<gguf_align(TS, 48, 16)>(b + 48 + 16 * j);
         c.h = io_u128<gguf_align(TS, 16, 16)>(b + 16 + 16 * (j & 1));
         c.sub = 2 * (j >> 1);
-        const float d = io_half(b);
-        const float dmin = io_half(b + 2);
+        const float2 d = float2(as_type<half2>(io_u32<4>(b)));           // d, dmin
+        const uint4 sm = gguf_k_scales_mins(b + 4, c.sub);
         for (int s = 0; s < 2; ++s) {
-            const uint2 sm = gguf_k_scale_min(b + 4, c.sub + uint(s));
-            c.S[s] = d * float(sm.x);
-            const float dm = dmin * float(sm.y);
+            c.S[s] = d.x * float(sm[2 * s]);
+            const float dm = d.y * float(sm[2 * s + 1]);
             c.B[s] = -dm;
         }
         return c;

@@ -180,8 +180,9 @@ def lib():
 
 
 def _shapes():
-    # odd sizes: a scalar tail, a 4-aligned body, row lengths not multiples of 4, rows of length 1
-    return [(1,), (7,), (257,), (5, 3), (3, 1), (6, 11), (2, 3, 5)]
+    # odd sizes: a scalar tail, 16-element chunks and a tail, row lengths not multiples of 16 (per-row scales
+    # then go element by element), rows of length 1, rows of whole chunks (16-byte loads with per-row scales)
+    return [(1,), (7,), (257,), (5, 3), (3, 1), (6, 11), (2, 3, 5), (3, 32), (2, 3, 16), (5, 48)]
 
 
 @pytest.mark.parametrize("fmt", fp8.FP8_FORMATS)

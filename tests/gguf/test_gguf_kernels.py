@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from comfy_metal.metal_kernels import dispatch
+from comfy_metal.metal_kernels.dtypes import MSL_TYPE
 from comfy_metal.metal_kernels.gguf import (GGUF_QUANTS, gguf_dequantize_metal, gguf_gemv_metal,
                                             gguf_logical_shape, random_blocks)
 
@@ -70,6 +71,52 @@ def test_emulated_gemv_against_float64(lib, qtype):
         bound = (K + 3) * 2.0 ** -24 * mag + 1e-30
         err = (got.double() - want).abs()
         assert got.shape == (M, N) and (err <= bound).all(), (qtype, M, float(err.max()))
+
+
+class _Recording:
+    """A compiled library that records the kernels fetched from it."""
+
+    def __init__(self, lib):
+        self._lib, self.launched = lib, []
+
+    def __getattr__(self, name):
+        self.launched.append(name)
+        return getattr(self._lib, name)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_emulated_gemv_tail_paths(lib, qtype):
+    """Every M = 1..8 (the M buckets 1, 2, 4, 8 and their masked x rows), N not a multiple of the rows a
+    simdgroup covers, rows of one block and rows whose chunks end in a partial step of the 32 lanes, an odd
+    number of blocks a row (rows of 34-, 18-, 22-, 110-, 210-byte blocks start 2-aligned only), half and
+    bfloat activations converted in the kernel and every output type: within fp32 accumulation error of a
+    float64 matmul of the package's values."""
+    bs, _ = GGUF_QUANTS[qtype]
+    gen = torch.Generator().manual_seed(11)
+    rec = _Recording(lib)
+    out_dtypes = (None, torch.float32, torch.float16, torch.bfloat16)
+    for M in range(1, 9):
+        N = (1, 3, 5, 6, 9, 2, 7, 4)[M - 1]
+        blocks = (1, 17 if bs == 32 else 5)[M % 2]
+        xdtype = (torch.float32, torch.float16, torch.bfloat16)[M % 3]
+        out_dtype = out_dtypes[M % 4]
+        data = random_blocks(qtype, N, blocks, gen, scale=0.01)
+        K = gguf_logical_shape(data.shape, qtype)[1]
+        w = oracle(data, qtype).double()
+        x = torch.randn(M, K, generator=gen).to(xdtype)
+        b = torch.randn(N, generator=gen).to(xdtype) if M % 2 else None
+        rec.launched.clear()
+        got = gguf_gemv_metal(rec, x, data, qtype, b, out_dtype=out_dtype)
+        assert rec.launched == [f"gguf_gemv_{qtype.lower()}_{MSL_TYPE[xdtype]}"]
+        want = x.double() @ w.T
+        mag = x.double().abs() @ w.abs().T
+        if b is not None:
+            want, mag = want + b.double(), mag + b.double().abs()
+        out = out_dtype or xdtype
+        eps = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}[out]
+        bound = (K + 3) * 2.0 ** -24 * mag + 1.01 * eps * want.abs() + 1e-6
+        err = (got.double() - want).abs()
+        assert got.shape == (M, N) and got.dtype == out and (err <= bound).all(), (qtype, M, N, K, float(err.max()))
 
 
 def test_emulated_gemv_dtypes_and_leading_dims(lib):

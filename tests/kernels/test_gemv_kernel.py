@@ -289,3 +289,23 @@ def test_misaligned_weight_storage_takes_the_scalar_kernel():
         launched.clear()
         gemv_metal(Recording(), x, aligned)
         assert launched and not launched[0].endswith("_scalar"), launched
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+def test_emulated_gemv_fp8_special_codes(lib, fmt):
+    """Every FP8 code, NaN and (e5m2) infinity included, in the vector and the scalar kernels: the outputs
+    are NaN / inf exactly where the reference's are, and the rest within fp32 accumulation error (the
+    e4m3fn NaN code is the one select of the half-bits decode)."""
+    gen = torch.Generator().manual_seed(12)
+    for K in (256, 255):                                  # vector (16 codes a lane) and scalar kernels
+        codes = torch.arange(256, dtype=torch.uint8)[:K]
+        w = torch.stack([codes.roll(17 * n) for n in range(5)])      # (5, K): every code in every row
+        w[1] &= 0xBF                                                  # one row without specials
+        x = torch.rand(2, K, generator=gen) + 0.5                     # positive: inf stays inf
+        got = gemv_metal(lib, x, w, fmt=fmt, scale=torch.tensor([0.5]))
+        want = gemv_reference(x, w, fmt=fmt, scale=torch.tensor([0.5]))
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), (K, got, want)
+        assert torch.isnan(want).any() and not torch.isnan(want[:, 1]).any()
+        finite = torch.isfinite(want)
+        assert torch.equal(got[~finite & ~torch.isnan(want)], want[~finite & ~torch.isnan(want)])
+        torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-3)
