@@ -9,5 +9,9 @@
 #include <metal_stdlib>
 using namespace metal;
 
+// Fully unroll the loop that follows (a constant trip count: rows, groups of 4 values), as MLX and llama.cpp
+// write it: register arrays are then indexed by constants, and no loop counter is left in the code.
+#define UNROLL _Pragma("clang loop unroll(full)")
+
 #include "bf16.h"
 #include "fp8.h"

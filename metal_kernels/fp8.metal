@@ -27,7 +27,7 @@ kernel void fp8_decode(device const uchar* src [[buffer(0)]],
         for (ulong i = ulong(gid.x) * 16ul; i < row_len; i += ulong(grid.x) * 16ul) {
             if (p.vec != 0 && i + 16ul <= row_len) {
                 const uint4 raw = *((device const uint4*)(in + i));
-                for (int g = 0; g < 4; ++g) io_store4(out + i + ulong(4 * g), E::decode4(raw, g) * s);
+                UNROLL for (int g = 0; g < 4; ++g) io_store4(out + i + ulong(4 * g), E::decode4(raw, g) * s);
             } else {
                 const ulong end = min(i + 16ul, row_len);
                 for (ulong k = i; k < end; ++k) io_store(out + k, E::decode1(in + k) * s);
@@ -59,7 +59,7 @@ kernel void fp8_encode(device const IN* src [[buffer(0)]],
         for (ulong i = ulong(gid.x) * 16ul; i < row_len; i += ulong(grid.x) * 16ul) {
             if (p.vec != 0 && i + 16ul <= row_len) {
                 uint4 q;
-                for (int g = 0; g < 4; ++g) {
+                UNROLL for (int g = 0; g < 4; ++g) {
                     const float4 v = io_float4(in + i + ulong(4 * g));
                     q[g] = uint(E::encode(fp8_scaled(v.x, s, p.scale_mode))) |
                            (uint(E::encode(fp8_scaled(v.y, s, p.scale_mode))) << 8) |

@@ -12,7 +12,8 @@
 // Value = S * (q + OFFSET) + B (+ B only where HAS_MIN): computed in exactly that order by the dequantise
 // kernel, so its fp32 result is bit-identical to the gguf package's numpy dequantiser. The GEMV instead sums
 // x * q per scale group and applies S once per group, with the constant part folded in through the sum of
-// x: acc += S * sum(x q) + (S * OFFSET + B) * sum(x), sum(x) shared by all rows of the simdgroup.
+// x: acc += S * sum(x q) + (S * OFFSET + B) * sum(x), sum(x) shared by all rows of the simdgroup. Groups go
+// in pairs (g even, g + 1: 8 consecutive values in every layout, one 16-byte load of half or bfloat x).
 //
 // gguf_dequant<Q, OUT>: one thread per chunk, striding by p.nthreads chunks (any size); 4-value stores.
 // gemv<gguf_format<Q>, XT> (include/gemv.h): the lanes of a simdgroup take 32 consecutive chunks of a row.
@@ -153,10 +154,9 @@ struct gguf_q5_1 {
 // K-quants and IQ4_XS: 256-value blocks, eight lanes a block, 32 values each.
 // ------------------------------------------------------------------------------------------------------
 
-// The 6-bit scales and mins of sub-blocks s and s + 1 (s even) packed in the 12 bytes at sc (Q4_K, Q5_K),
-// read as three words: (scale s, min s, scale s + 1, min s + 1).
-inline uint4 gguf_k_scales_mins(device const uchar* sc, uint s) {
-    const uint w0 = io_u32<4>(sc), w1 = io_u32<4>(sc + 4), w2 = io_u32<4>(sc + 8);
+// The 6-bit scales and mins of sub-blocks s and s + 1 (s even) packed in 12 bytes (Q4_K, Q5_K), given as
+// three words: (scale s, min s, scale s + 1, min s + 1).
+inline uint4 gguf_k_scales_mins(uint w0, uint w1, uint w2, uint s) {
     const uint sh = 8 * (s & 3);                          // byte s % 4 of each word
     const uint a = w0 >> sh, m = w1 >> sh;
     if (s < 4) return uint4(a & 63u, m & 63u, (a >> 8) & 63u, (m >> 8) & 63u);
@@ -177,9 +177,10 @@ struct gguf_q4_k {
     static chunk load(device const uchar* b, uint j) {
         chunk c;
         c.q = io_u128<gguf_align(TS, 16, 16)>(b + 16 + 16 * j);
-        const float2 d = float2(as_type<half2>(io_u32<4>(b)));           // d, dmin
-        const uint4 sm = gguf_k_scales_mins(b + 4, 2 * (j >> 1));
-        for (int s = 0; s < 2; ++s) {
+        const uint4 head = io_u128<gguf_align(TS, 0, 16)>(b);           // d, dmin, the 12 scale bytes
+        const float2 d = float2(as_type<half2>(head.x));
+        const uint4 sm = gguf_k_scales_mins(head.y, head.z, head.w, 2 * (j >> 1));
+        UNROLL for (int s = 0; s < 2; ++s) {
             c.S[s] = d.x * float(sm[2 * s]);
             const float dm = d.y * float(sm[2 * s + 1]);
             c.B[s] = -dm;
@@ -202,9 +203,10 @@ struct gguf_q5_k {
         c.q = io_u128<gguf_align(TS, 48, 16)>(b + 48 + 16 * j);
         c.h = io_u128<gguf_align(TS, 16, 16)>(b + 16 + 16 * (j & 1));
         c.sub = 2 * (j >> 1);
-        const float2 d = float2(as_type<half2>(io_u32<4>(b)));           // d, dmin
-        const uint4 sm = gguf_k_scales_mins(b + 4, c.sub);
-        for (int s = 0; s < 2; ++s) {
+        const uint4 head = io_u128<gguf_align(TS, 0, 16)>(b);           // d, dmin, the 12 scale bytes
+        const float2 d = float2(as_type<half2>(head.x));
+        const uint4 sm = gguf_k_scales_mins(head.y, head.z, head.w, c.sub);
+        UNROLL for (int s = 0; s < 2; ++s) {
             c.S[s] = d.x * float(sm[2 * s]);
             const float dm = d.y * float(sm[2 * s + 1]);
             c.B[s] = -dm;
@@ -237,7 +239,7 @@ struct gguf_q6_k {
         c.lb = io_u64<A>(b + 64 * hh + 32 + l0);
         c.h = io_u64<A>(b + 128 + 32 * hh + l0);
         const float d = io_half(b + 208);
-        for (int s = 0; s < 4; ++s) {
+        UNROLL for (int s = 0; s < 4; ++s) {
             c.S[s] = d * float(as_type<char>(b[192 + 8 * hh + (l0 >> 4) + 2 * uint(s)]));
             c.B[s] = 0.0f;
         }
@@ -264,7 +266,7 @@ struct gguf_q2_k {
         c.q = io_u64<gguf_align(TS, 16, 8)>(b + 16 + 32 * hh + l0);
         const float d = io_half(b + 80);
         const float dmin = io_half(b + 82);
-        for (int s = 0; s < 4; ++s) {
+        UNROLL for (int s = 0; s < 4; ++s) {
             const uint sc = b[8 * hh + 2 * uint(s) + (l0 >> 4)];
             c.S[s] = d * float(sc & 15u);
             const float ml = dmin * float(sc >> 4);
@@ -291,7 +293,7 @@ struct gguf_q3_k {
         c.m = io_u64<A>(b + l0);
         c.shift = 4 * hh;
         const float d = io_half(b + 108);
-        for (int s = 0; s < 4; ++s) {
+        UNROLL for (int s = 0; s < 4; ++s) {
             const uint g16 = 8 * hh + 2 * uint(s) + (l0 >> 4);
             const uint lo = g16 < 8 ? (uint(b[96 + g16]) & 15u) : (uint(b[96 + g16 - 8]) >> 4);
             const uint hi = (uint(b[104 + (g16 & 3)]) >> (2 * (g16 >> 2))) & 3u;
@@ -344,31 +346,33 @@ struct gguf_format : gemv_format {
                     threadgroup const float* table) {
         const uint blk = c / uint(Q::LANES), j = c % uint(Q::LANES);
         typename Q::chunk ch[R];
-        for (int r = 0; r < R; ++r) ch[r] = Q::load(w.p + w.off[r] + blk * uint(Q::TS), j);
+        UNROLL for (int r = 0; r < R; ++r) ch[r] = Q::load(w.p + w.off[r] + blk * uint(Q::TS), j);
         const uint k0 = blk * uint(Q::BS);
-        for (int s = 0; s < Q::GROUPS / Q::GPS; ++s) {
+        UNROLL for (int s = 0; s < Q::GROUPS / Q::GPS; ++s) {
             float part[R][MM];
             float sx[MM];
-            for (int m = 0; m < MM; ++m) {
+            UNROLL for (int m = 0; m < MM; ++m) {
                 sx[m] = 0.0f;
-                for (int r = 0; r < R; ++r) part[r][m] = 0.0f;
+                UNROLL for (int r = 0; r < R; ++r) part[r][m] = 0.0f;
             }
-            for (int i = 0; i < Q::GPS; ++i) {
+            UNROLL for (int i = 0; i < Q::GPS; i += 2) {          // groups g, g + 1: 8 consecutive values
                 const int g = s * Q::GPS + i;
-                float4 xv[MM];
-                for (int m = 0; m < MM; ++m) {
-                    xv[m] = x.load4(m, k0 + Q::pos(j, g));
-                    if (SUMS) sx[m] += (xv[m].x + xv[m].y) + (xv[m].z + xv[m].w);
+                float4 xa[MM], xb[MM];
+                UNROLL for (int m = 0; m < MM; ++m) {
+                    x.load8(m, k0 + Q::pos(j, g), xa[m], xb[m]);
+                    if (SUMS) sx[m] += ((xa[m].x + xa[m].y) + (xa[m].z + xa[m].w)) + ((xb[m].x + xb[m].y) + (xb[m].z + xb[m].w));
                 }
-                for (int r = 0; r < R; ++r) {
-                    const float4 qv = Q::q(ch[r], g, table);
-                    for (int m = 0; m < MM; ++m) part[r][m] = gemv_fma4(xv[m], qv, part[r][m]);
+                UNROLL for (int r = 0; r < R; ++r) {
+                    const float4 qa = Q::q(ch[r], g, table);
+                    const float4 qb = Q::q(ch[r], g + 1, table);
+                    UNROLL for (int m = 0; m < MM; ++m)
+                        part[r][m] = gemv_fma4(xb[m], qb, gemv_fma4(xa[m], qa, part[r][m]));
                 }
             }
-            for (int r = 0; r < R; ++r) {
+            UNROLL for (int r = 0; r < R; ++r) {
                 const float S = ch[r].S[s];
                 const float C = fma(S, float(Q::OFFSET), Q::HAS_MIN ? ch[r].B[s] : 0.0f);
-                for (int m = 0; m < MM; ++m) {
+                UNROLL for (int m = 0; m < MM; ++m) {
                     float a = fma(S, part[r][m], acc.v[r][m]);
                     if (SUMS) a = fma(C, sx[m], a);
                     acc.v[r][m] = a;
@@ -392,7 +396,7 @@ kernel void gguf_dequant(device const uchar* src [[buffer(0)]],
         const uint j = uint(c % ulong(Q::LANES));
         const typename Q::chunk ch = Q::load(src + blk * ulong(Q::TS), j);
         device OUT* out = dst + blk * ulong(Q::BS);
-        for (int g = 0; g < Q::GROUPS; ++g) {
+        UNROLL for (int g = 0; g < Q::GROUPS; ++g) {
             const int s = g / Q::GPS;
             const float4 qv = Q::OFFSET != 0 ? Q::q(ch, g, table) + float(Q::OFFSET) : Q::q(ch, g, table);
             const float4 t = ch.S[s] * qv;

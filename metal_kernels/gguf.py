@@ -335,7 +335,7 @@ def gguf_gemv_reference(x, data, qtype, bias=None, out_dtype=None):
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """`t` contiguous at a 16-byte aligned address (the kernels' widest loads): a copy only for a view that
-    starts elsewhere (the file's blocks are aligned)."""
+    starts elsewhere (a file's blocks and a fresh tensor are aligned)."""
     t = t.contiguous()
     return t if t.data_ptr() % VEC_BYTES == 0 else t.clone()
 
@@ -365,9 +365,7 @@ def gguf_gemv_metal(lib, x, data, qtype, bias=None, out_dtype=None):
         if bias is not None:
             y = y + bias.to(device=device, dtype=torch.float32)
         return y.to(out_dtype)
-    x2 = x2.contiguous()
-    if x2.data_ptr() % (4 * x2.element_size()):
-        x2 = x2.clone()                       # x is small: an aligned copy
+    x2 = _aligned(x2)                         # x is small: a copy if it starts off 16 bytes
     w = _aligned(data)
     kernel = getattr(lib, f"gguf_gemv_{qtype.lower()}_{MSL_TYPE[x2.dtype]}")
     y = launch_gemv(kernel, x2, w, 0, None, bias, out_dtype, N, w.shape[1])

@@ -40,20 +40,28 @@ struct gemv_bfloat {
 
 template <typename E>
 struct gemv_vec : gemv_format {
-    enum { CHUNK = 16 / E::BYTES };
+    enum { CHUNK = 16 / E::BYTES, GROUPS = CHUNK / 4 };
     static float unit() { return E::unit(); }
 
     template <int R, int MM, typename XT>
     static void dot(thread const gemv_w<R>& w, uint c, thread const gemv_x<XT, MM>& x, thread gemv_acc<R, MM>& acc,
                     threadgroup const float* table) {
         uint4 raw[R];
-        for (int r = 0; r < R; ++r) raw[r] = *((device const uint4*)(w.p + w.off[r] + c * 16u));
-        for (int g = 0; g < CHUNK / 4; ++g) {
-            float4 xv[MM];
-            for (int m = 0; m < MM; ++m) xv[m] = x.load4(m, c * uint(CHUNK) + uint(4 * g));
-            for (int r = 0; r < R; ++r) {
-                const float4 wv = E::decode4(raw[r], g);
-                for (int m = 0; m < MM; ++m) acc.v[r][m] = gemv_fma4(xv[m], wv, acc.v[r][m]);
+        UNROLL for (int r = 0; r < R; ++r) raw[r] = *((device const uint4*)(w.p + w.off[r] + c * 16u));
+        // x in 8-value pieces (one 16-byte load of half / bfloat), used for every row; float weights: 4 values
+        UNROLL for (int g = 0; g < GROUPS; g += 2) {
+            float4 xa[MM], xb[MM];
+            UNROLL for (int m = 0; m < MM; ++m) {
+                if (GROUPS > 1) x.load8(m, c * uint(CHUNK) + uint(4 * g), xa[m], xb[m]);
+                else xa[m] = x.load4(m, c * uint(CHUNK));
+            }
+            UNROLL for (int r = 0; r < R; ++r) {
+                const float4 wa = E::decode4(raw[r], g);
+                UNROLL for (int m = 0; m < MM; ++m) acc.v[r][m] = gemv_fma4(xa[m], wa, acc.v[r][m]);
+                if (GROUPS > 1) {
+                    const float4 wb = E::decode4(raw[r], g + 1);
+                    UNROLL for (int m = 0; m < MM; ++m) acc.v[r][m] = gemv_fma4(xb[m], wb, acc.v[r][m]);
+                }
             }
         }
     }
@@ -68,10 +76,10 @@ struct gemv_elem : gemv_format {
     static void dot(thread const gemv_w<R>& w, uint c, thread const gemv_x<XT, MM>& x, thread gemv_acc<R, MM>& acc,
                     threadgroup const float* table) {
         float xv[MM];
-        for (int m = 0; m < MM; ++m) xv[m] = x.load1(m, c);
-        for (int r = 0; r < R; ++r) {
+        UNROLL for (int m = 0; m < MM; ++m) xv[m] = x.load1(m, c);
+        UNROLL for (int r = 0; r < R; ++r) {
             const float wv = E::decode1(w.p + w.off[r] + c * uint(E::BYTES));
-            for (int m = 0; m < MM; ++m) acc.v[r][m] = fma(xv[m], wv, acc.v[r][m]);
+            UNROLL for (int m = 0; m < MM; ++m) acc.v[r][m] = fma(xv[m], wv, acc.v[r][m]);
         }
     }
 };

@@ -27,7 +27,7 @@ COMMON_SOURCE = "common.metal"
 
 _defines: dict[str, int] = {}
 _structs: dict[str, "Params"] = {}
-_tables: dict[str, tuple[str, Mapping[int, int]]] = {}
+_tables: dict[str, dict[int, int]] = {}
 _INCLUDE_RE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.M)
 
 
@@ -44,10 +44,10 @@ def define(name: str, value: int) -> int:
 
 def constexpr_table(name: str, table: Mapping[int, int]) -> Mapping[int, int]:
     """`constexpr int name(int k)`: table[k] for the smallest key >= k (the last value past the last key)."""
-    keys = sorted(table)
-    if name in _tables and dict(_tables[name][1]) != dict(table):
+    values = {int(k): int(table[k]) for k in sorted(table)}
+    if _tables.get(name, values) != values:
         raise ValueError(f"MSL table {name} defined twice")
-    _tables[name] = ("int", {k: int(table[k]) for k in keys})
+    _tables[name] = values
     return table
 
 
@@ -78,7 +78,7 @@ def prelude() -> str:
     """The generated MSL that comes first (plain C++: no Metal types)."""
     out = ["// Generated from Python tables (metal_kernels/source.py callers): constants, params structs."]
     out += [f"#define {k} {v}" for k, v in _defines.items()]
-    for name, (_, table) in _tables.items():
+    for name, table in _tables.items():
         keys = list(table)
         expr = str(table[keys[-1]])
         for k in reversed(keys[:-1]):

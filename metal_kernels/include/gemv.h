@@ -28,12 +28,14 @@ struct gemv_format {
     static float table_value(uint i) { return 0.0f; }
 };
 
-// MM rows of x: row m at p + off[m] (rows past M repeat row M - 1).
+// MM rows of x: row m at p + off[m] (rows past M repeat row M - 1). load8 needs k % 8 == 0 and x 16-byte
+// aligned rows (one 16-byte load of half or bfloat values).
 template <typename XT, int MM>
 struct gemv_x {
     device const XT* p;
     uint off[MM];
     float4 load4(int m, uint k) const { return io_float4(p + off[m] + k); }
+    void load8(int m, uint k, thread float4& a, thread float4& b) const { io_float8(p + off[m] + k, a, b); }
     float load1(int m, uint k) const { return io_float(p + off[m] + k); }
 };
 
@@ -74,24 +76,24 @@ inline void gemv_body(device const XT* x, device const uchar* w, device const fl
     const uint row_bytes = uint(p.row_bytes);
     gemv_x<XT, MM> xs;
     xs.p = x;
-    for (int m = 0; m < MM; ++m) xs.off[m] = min(uint(m), M - 1u) * uint(p.K);
+    UNROLL for (int m = 0; m < MM; ++m) xs.off[m] = min(uint(m), M - 1u) * uint(p.K);
     gemv_w<R> ws;
     ws.p = w + ulong(n0) * ulong(row_bytes);
-    for (int r = 0; r < R; ++r) ws.off[r] = (min(n0 + uint(r), N - 1u) - n0) * row_bytes;
+    UNROLL for (int r = 0; r < R; ++r) ws.off[r] = (min(n0 + uint(r), N - 1u) - n0) * row_bytes;
     gemv_acc<R, MM> acc;
-    for (int r = 0; r < R; ++r)
-        for (int m = 0; m < MM; ++m) acc.v[r][m] = 0.0f;
+    UNROLL for (int r = 0; r < R; ++r)
+        UNROLL for (int m = 0; m < MM; ++m) acc.v[r][m] = 0.0f;
 
     const uint chunks = uint(p.K) / uint(F::CHUNK);
     for (uint c = lane; c < chunks; c += 32u) F::template dot<R, MM, XT>(ws, c, xs, acc, table);
 
     // n < N and m < M are the same for every lane: each lane reaches each simd_sum.
-    for (int r = 0; r < R; ++r) {
+    UNROLL for (int r = 0; r < R; ++r) {
         const uint n = n0 + uint(r);
         if (n >= N) break;
         const float s = F::unit() * (p.scale_mode == 0 ? 1.0f : scale[p.scale_mode == 1 ? 0u : n]);
         const float b = p.has_bias != 0 ? io_load_kind(bias, n, p.bias_kind) : 0.0f;
-        for (int m = 0; m < MM; ++m) {
+        UNROLL for (int m = 0; m < MM; ++m) {
             if (uint(m) >= M) break;
             const float t = simd_sum(acc.v[r][m]);
             if (lane == 0u) io_store_kind(y, ulong(m) * N + n, fma(t, s, b), p.out_kind);

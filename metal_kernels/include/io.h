@@ -3,7 +3,8 @@
 // io_u32/u64/u128<A>(p): 4, 8 or 16 bytes at p as little-endian words, where p is known to be a multiple
 //   of A (1, 2, 4, 8, 16): the widest loads that alignment allows (ushort pairs at A = 2, bytes at A = 1).
 //   GGUF blocks of 34, 110 or 210 bytes leave their fields 2-aligned only.
-// io_float4(p) / io_float(p): 4 values (p 4-element aligned) or 1 value of float, half or bfloat as fp32.
+// io_float4(p) / io_float(p): 4 values (p 4-element aligned) or 1 value of float, half or bfloat as fp32;
+//   io_float8(p, a, b): 8 values (p 16-byte aligned) in one 16-byte load for half and bfloat.
 // io_store / io_store4: round once from fp32 to the stored type with round-to-nearest-even (bfloat through
 //   the explicit bit helper of bf16.h). io_store_kind / io_load_kind: the same with the type chosen at run
 //   time (MSL_KIND_FLOAT / HALF / BFLOAT), for values touched once per output.
@@ -34,10 +35,24 @@ inline float io_half(device const uchar* p) { return float(as_type<half>(*((devi
 
 inline float4 io_float4(device const float* p) { return *((device const float4*)p); }
 inline float4 io_float4(device const half* p) { return float4(*((device const half4*)p)); }
-inline float4 io_float4(device const bfloat* p) {
-    const uint2 u = *((device const uint2*)p);
+inline float4 io_bf16x4(uint2 u) {
     return float4(as_type<float>(u.x << 16), as_type<float>(u.x & 0xFFFF0000u), as_type<float>(u.y << 16),
                   as_type<float>(u.y & 0xFFFF0000u));
+}
+inline float4 io_float4(device const bfloat* p) { return io_bf16x4(*((device const uint2*)p)); }
+inline void io_float8(device const float* p, thread float4& a, thread float4& b) {
+    a = *((device const float4*)p);
+    b = *((device const float4*)(p + 4));
+}
+inline void io_float8(device const half* p, thread float4& a, thread float4& b) {
+    const uint4 u = *((device const uint4*)p);
+    a = float4(as_type<half4>(u.xy));
+    b = float4(as_type<half4>(u.zw));
+}
+inline void io_float8(device const bfloat* p, thread float4& a, thread float4& b) {
+    const uint4 u = *((device const uint4*)p);
+    a = io_bf16x4(u.xy);
+    b = io_bf16x4(u.zw);
 }
 inline float io_float(device const float* p) { return *p; }
 inline float io_float(device const half* p) { return float(*p); }
