@@ -6,7 +6,8 @@
 //
 // The data are p.rows rows of p.row_len elements (one row for scale modes 0 and 1: no scale, scale[0];
 // mode 2: scale[row]). The grid is 2-D: x runs over the chunks of 16 elements of a row, y over the rows,
-// each striding by the grid size (any size, past 2^32 elements). No division anywhere. With p.vec (the
+// each striding by the grid size. No division anywhere; offsets in a row are 32-bit (the host launches rows
+// of fewer than 2^31 elements). With p.vec (the
 // buffers 16-byte aligned and, for per-row scales, row_len % 16 == 0) a full chunk moves as 16-byte
 // loads or stores (4 x 4 values); the last chunk of a row and unaligned buffers go element by element.
 
@@ -19,18 +20,18 @@ kernel void fp8_decode(device const uchar* src [[buffer(0)]],
                        constant fp8_params& p [[buffer(3)]],
                        uint2 gid [[thread_position_in_grid]],
                        uint2 grid [[threads_per_grid]]) {
-    const ulong row_len = ulong(p.row_len);
-    for (ulong r = gid.y; r < ulong(p.rows); r += grid.y) {
-        const float s = E::unit() * (p.scale_mode == 0 ? 1.0f : scale[p.scale_mode == 1 ? 0ul : r]);
-        device const uchar* in = src + r * row_len;
-        device OUT* out = dst + r * row_len;
-        for (ulong i = ulong(gid.x) * 16ul; i < row_len; i += ulong(grid.x) * 16ul) {
-            if (p.vec != 0 && i + 16ul <= row_len) {
+    const uint row_len = uint(p.row_len);
+    for (uint r = gid.y; r < uint(p.rows); r += grid.y) {
+        const float s = E::unit() * (p.scale_mode == 0 ? 1.0f : scale[p.scale_mode == 1 ? 0u : r]);
+        device const uchar* in = src + ulong(r) * row_len;
+        device OUT* out = dst + ulong(r) * row_len;
+        for (uint i = gid.x * 16u; i < row_len; i += grid.x * 16u) {
+            if (p.vec != 0 && i + 16u <= row_len) {
                 const uint4 raw = *((device const uint4*)(in + i));
-                UNROLL for (int g = 0; g < 4; ++g) io_store4(out + i + ulong(4 * g), E::decode4(raw, g) * s);
+                UNROLL for (int g = 0; g < 4; ++g) io_store4(out + i + uint(4 * g), E::decode4(raw, g) * s);
             } else {
-                const ulong end = min(i + 16ul, row_len);
-                for (ulong k = i; k < end; ++k) io_store(out + k, E::decode1(in + k) * s);
+                const uint end = min(i + 16u, row_len);
+                for (uint k = i; k < end; ++k) io_store(out + k, E::decode1(in + k) * s);
             }
         }
     }
@@ -51,16 +52,16 @@ kernel void fp8_encode(device const IN* src [[buffer(0)]],
                        constant fp8_params& p [[buffer(3)]],
                        uint2 gid [[thread_position_in_grid]],
                        uint2 grid [[threads_per_grid]]) {
-    const ulong row_len = ulong(p.row_len);
-    for (ulong r = gid.y; r < ulong(p.rows); r += grid.y) {
-        const float s = p.scale_mode == 0 ? 1.0f : scale[p.scale_mode == 1 ? 0ul : r];
-        device const IN* in = src + r * row_len;
-        device uchar* out = dst + r * row_len;
-        for (ulong i = ulong(gid.x) * 16ul; i < row_len; i += ulong(grid.x) * 16ul) {
-            if (p.vec != 0 && i + 16ul <= row_len) {
+    const uint row_len = uint(p.row_len);
+    for (uint r = gid.y; r < uint(p.rows); r += grid.y) {
+        const float s = p.scale_mode == 0 ? 1.0f : scale[p.scale_mode == 1 ? 0u : r];
+        device const IN* in = src + ulong(r) * row_len;
+        device uchar* out = dst + ulong(r) * row_len;
+        for (uint i = gid.x * 16u; i < row_len; i += grid.x * 16u) {
+            if (p.vec != 0 && i + 16u <= row_len) {
                 uint4 q;
                 UNROLL for (int g = 0; g < 4; ++g) {
-                    const float4 v = io_float4(in + i + ulong(4 * g));
+                    const float4 v = io_float4(in + i + uint(4 * g));
                     q[g] = uint(E::encode(fp8_scaled(v.x, s, p.scale_mode))) |
                            (uint(E::encode(fp8_scaled(v.y, s, p.scale_mode))) << 8) |
                            (uint(E::encode(fp8_scaled(v.z, s, p.scale_mode))) << 16) |
@@ -68,8 +69,8 @@ kernel void fp8_encode(device const IN* src [[buffer(0)]],
                 }
                 *((device uint4*)(out + i)) = q;
             } else {
-                const ulong end = min(i + 16ul, row_len);
-                for (ulong k = i; k < end; ++k) out[k] = E::encode(fp8_scaled(io_float(in + k), s, p.scale_mode));
+                const uint end = min(i + 16u, row_len);
+                for (uint k = i; k < end; ++k) out[k] = E::encode(fp8_scaled(io_float(in + k), s, p.scale_mode));
             }
         }
     }

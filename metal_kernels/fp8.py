@@ -45,6 +45,7 @@ _LAYOUT = {"e4m3fn": (3, 7, False), "e5m2": (2, 15, True)}
 
 GROUP = 256
 MAX_THREADS = 1 << 24          # grid size per dimension; each thread strides beyond it
+MAX_ROW = 1 << 30              # elements of a row in one launch (the kernels' 32-bit offsets in a row)
 CHUNK = 16                     # elements a thread converts per step (one 16-byte load of FP8 bytes)
 FP8_PARAMS = source.Params("fp8_params", "rows row_len scale_mode vec")
 
@@ -238,20 +239,28 @@ def ones1(device) -> torch.Tensor:
 
 
 def _launch(kernel, src: torch.Tensor, out: torch.Tensor, mode: int, s) -> None:
-    """One launch of a decode/encode kernel over contiguous `src` into `out` (same shape); the scale
-    is per row of dim 0 (mode 2), else the data are one row."""
+    """The launches of a decode/encode kernel over contiguous `src` into `out` (same shape); the scale is
+    per row of dim 0 (mode 2), else the data are one row. Rows are cut into pieces of at most MAX_ROW
+    elements (a piece of a scaled row takes that row's scale as a tensorwise one)."""
     n = src.numel()
     if n == 0:
         return
     rows = (src.shape[0] if src.dim() else 1) if mode == 2 else 1
     row_len = n // rows
-    vec = (row_len % CHUNK == 0 or rows == 1) and src.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
-    tx, ty = min(-(-row_len // CHUNK), MAX_THREADS), min(rows, MAX_THREADS)
-    gx = min(tx, GROUP)
-    gy = min(ty, max(1, GROUP // gx))
+    src, out = src.reshape(rows, row_len), out.view(rows, row_len)
     scale = s.contiguous() if mode else ones1(src.device)
-    params = FP8_PARAMS.pack(rows=rows, row_len=row_len, scale_mode=mode, vec=int(vec))
-    kernel(src.reshape(-1), out.view(-1), scale, params, threads=(tx, ty), group_size=(gx, gy))
+    if row_len <= MAX_ROW:
+        pieces = [(src, out, mode, scale, rows, row_len)]
+    else:                                   # MAX_ROW is a multiple of 16: every piece stays 16-byte aligned
+        pieces = [(src[r, i:i + MAX_ROW], out[r, i:i + MAX_ROW], min(mode, 1), scale[r:r + 1] if mode else scale,
+                   1, min(MAX_ROW, row_len - i)) for r in range(rows) for i in range(0, row_len, MAX_ROW)]
+    for a, b, m, sc, nr, nl in pieces:
+        vec = (nl % CHUNK == 0 or nr == 1) and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+        tx, ty = min(-(-nl // CHUNK), MAX_THREADS), min(nr, MAX_THREADS)
+        gx = min(tx, GROUP)
+        gy = min(ty, max(1, GROUP // gx))
+        params = FP8_PARAMS.pack(rows=nr, row_len=nl, scale_mode=m, vec=int(vec))
+        kernel(a, b, sc, params, threads=(tx, ty), group_size=(gx, gy))
 
 
 def fp8_decode_metal(lib, data: torch.Tensor, fmt: str | None = None, scale=None,

@@ -15,7 +15,8 @@
 // x: acc += S * sum(x q) + (S * OFFSET + B) * sum(x), sum(x) shared by all rows of the simdgroup. Groups go
 // in pairs (g even, g + 1: 8 consecutive values in every layout, one 16-byte load of half or bfloat x).
 //
-// gguf_dequant<Q, OUT>: one thread per chunk, striding by p.nthreads chunks (any size); 4-value stores.
+// gguf_dequant<Q, OUT>: one thread per chunk, striding by p.nthreads chunks; 4-value stores; 32-bit offsets
+// (the host launches at most 2^31 values at a time).
 // gemv<gguf_format<Q>, XT> (include/gemv.h): the lanes of a simdgroup take 32 consecutive chunks of a row.
 
 #include "io.h"
@@ -31,7 +32,15 @@ constexpr int gguf_align(int ts, int off, int stride) {
 
 inline uint gguf_lo(uint w) { return w & 0x0F0F0F0Fu; }                 // the low nibble of each byte
 inline uint gguf_hi(uint w) { return (w >> 4) & 0x0F0F0F0Fu; }          // the high nibble of each byte
-inline float4 gguf_bytes(uint w) { return float4(as_type<uchar4>(w)); }
+// The four bytes of w (byte 0 first) as floats through half bits: 0x6400 | b is the half 1024 + b, exact, and
+// the bias comes off in half arithmetic, exact too (integer -> float conversions cost four times as much).
+inline float4 gguf_bytes_minus(uint w, half bias) {
+    const half2 e = as_type<half2>((w & 0x00FF00FFu) | 0x64006400u) - bias;          // bytes 0, 2
+    const half2 o = as_type<half2>(((w >> 8) & 0x00FF00FFu) | 0x64006400u) - bias;   // bytes 1, 3
+    return float4(float(e.x), float(o.x), float(e.y), float(o.y));
+}
+inline float4 gguf_bytes(uint w) { return gguf_bytes_minus(w, 1024.0h); }                  // 0 .. 255
+inline float4 gguf_sbytes(uint w) { return gguf_bytes_minus(w ^ 0x80808080u, 1152.0h); }   // int8
 inline float4 gguf_table(uint w, threadgroup const float* t) {
     const uchar4 i = as_type<uchar4>(w);
     return float4(t[i.x], t[i.y], t[i.z], t[i.w]);
@@ -40,24 +49,23 @@ inline float4 gguf_table(uint w, threadgroup const float* t) {
 inline uint gguf_bits4(uint h, uint v) { return (((h >> v) & 0xFu) * 0x00204081u & 0x01010101u) << 4; }
 
 // ------------------------------------------------------------------------------------------------------
-// 32-value blocks: two lanes a block, 16 values each (8 quant bytes: values 8j.. from the low nibbles,
-// 16 + 8j.. from the high ones; Q8_0: 16 bytes). One scale group.
+// 32-value blocks, one scale group: Q8_0 four lanes a block, 8 values (bytes) each, so that the x values of
+// a simdgroup's lanes are consecutive; the 4-bit types two lanes a block, 16 values each (8 quant bytes:
+// values 8j.. from the low nibbles, 16 + 8j.. from the high ones).
 // ------------------------------------------------------------------------------------------------------
 struct gguf_q8_0 {
-    enum { BS = GGUF_Q8_0_BLOCK, TS = GGUF_Q8_0_BYTES, LANES = BS / gguf_chunk_values(BS), GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 0,
-           TABLE = 0 };
-    struct chunk { uint4 q; float S[1]; float B[1]; };
+    enum { BS = GGUF_Q8_0_BLOCK, TS = GGUF_Q8_0_BYTES, LANES = BS / GGUF_Q8_0_CHUNK,
+           GROUPS = 2, GPS = 2, OFFSET = 0, HAS_MIN = 0, TABLE = 0 };
+    struct chunk { uint2 q; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
-        c.q = io_u128<gguf_align(TS, 2, 16)>(b + 2 + 16 * j);
+        c.q = io_u64<gguf_align(TS, 2, 8)>(b + 2 + 8 * j);
         c.S[0] = io_half(b);
         c.B[0] = 0.0f;
         return c;
     }
-    static uint pos(uint j, int g) { return 16 * j + 4 * uint(g); }
-    static float4 q(thread const chunk& c, int g, threadgroup const float*) {
-        return float4(as_type<char4>(c.q[g]));
-    }
+    static uint pos(uint j, int g) { return 8 * j + 4 * uint(g); }
+    static float4 q(thread const chunk& c, int g, threadgroup const float*) { return gguf_sbytes(c.q[g]); }
 };
 
 // Q4_0, Q4_1, IQ4_NL: the 16 quant bytes at QS hold value i < 16 in the low nibble of byte i and value
@@ -66,8 +74,8 @@ inline uint gguf_pos32(uint j, int g) { return g < 2 ? 8 * j + 4 * uint(g) : 16 
 inline uint gguf_nibbles32(uint2 q, int g) { return g < 2 ? gguf_lo(q[g]) : gguf_hi(q[g - 2]); }
 
 struct gguf_q4_0 {
-    enum { BS = GGUF_Q4_0_BLOCK, TS = GGUF_Q4_0_BYTES, LANES = BS / gguf_chunk_values(BS), GROUPS = 4, GPS = 4, OFFSET = -8, HAS_MIN = 0,
-           TABLE = 0 };
+    enum { BS = GGUF_Q4_0_BLOCK, TS = GGUF_Q4_0_BYTES, LANES = BS / GGUF_Q4_0_CHUNK,
+           GROUPS = 4, GPS = 4, OFFSET = -8, HAS_MIN = 0, TABLE = 0 };
     struct chunk { uint2 q; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -77,12 +85,14 @@ struct gguf_q4_0 {
         return c;
     }
     static uint pos(uint j, int g) { return gguf_pos32(j, g); }
-    static float4 q(thread const chunk& c, int g, threadgroup const float*) { return gguf_bytes(gguf_nibbles32(c.q, g)); }
+    static float4 q(thread const chunk& c, int g, threadgroup const float*) {
+        return gguf_bytes(gguf_nibbles32(c.q, g));
+    }
 };
 
 struct gguf_q4_1 {
-    enum { BS = GGUF_Q4_1_BLOCK, TS = GGUF_Q4_1_BYTES, LANES = BS / gguf_chunk_values(BS), GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 1,
-           TABLE = 0 };
+    enum { BS = GGUF_Q4_1_BLOCK, TS = GGUF_Q4_1_BYTES, LANES = BS / GGUF_Q4_1_CHUNK,
+           GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0 };
     struct chunk { uint2 q; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -92,12 +102,14 @@ struct gguf_q4_1 {
         return c;
     }
     static uint pos(uint j, int g) { return gguf_pos32(j, g); }
-    static float4 q(thread const chunk& c, int g, threadgroup const float*) { return gguf_bytes(gguf_nibbles32(c.q, g)); }
+    static float4 q(thread const chunk& c, int g, threadgroup const float*) {
+        return gguf_bytes(gguf_nibbles32(c.q, g));
+    }
 };
 
 struct gguf_iq4_nl {
-    enum { BS = GGUF_IQ4_NL_BLOCK, TS = GGUF_IQ4_NL_BYTES, LANES = BS / gguf_chunk_values(BS), GROUPS = 4, GPS = 4, OFFSET = 0,
-           HAS_MIN = 0, TABLE = 1 };
+    enum { BS = GGUF_IQ4_NL_BLOCK, TS = GGUF_IQ4_NL_BYTES, LANES = BS / GGUF_IQ4_NL_CHUNK,
+           GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 0, TABLE = 1 };
     struct chunk { uint2 q; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -115,8 +127,8 @@ struct gguf_iq4_nl {
 // Q5_0, Q5_1: the 5th bit of value i is bit i of the 32-bit mask h (kept shifted by 8j: bit v of lane j's
 // word is value 8j + v, so group g's bits start at gguf_pos32(0, g)).
 struct gguf_q5_0 {
-    enum { BS = GGUF_Q5_0_BLOCK, TS = GGUF_Q5_0_BYTES, LANES = BS / gguf_chunk_values(BS), GROUPS = 4, GPS = 4, OFFSET = -16, HAS_MIN = 0,
-           TABLE = 0 };
+    enum { BS = GGUF_Q5_0_BLOCK, TS = GGUF_Q5_0_BYTES, LANES = BS / GGUF_Q5_0_CHUNK,
+           GROUPS = 4, GPS = 4, OFFSET = -16, HAS_MIN = 0, TABLE = 0 };
     struct chunk { uint2 q; uint h; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -133,8 +145,8 @@ struct gguf_q5_0 {
 };
 
 struct gguf_q5_1 {
-    enum { BS = GGUF_Q5_1_BLOCK, TS = GGUF_Q5_1_BYTES, LANES = BS / gguf_chunk_values(BS), GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 1,
-           TABLE = 0 };
+    enum { BS = GGUF_Q5_1_BLOCK, TS = GGUF_Q5_1_BYTES, LANES = BS / GGUF_Q5_1_CHUNK,
+           GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0 };
     struct chunk { uint2 q; uint h; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -171,8 +183,8 @@ inline uint4 gguf_k_scales_mins(uint w0, uint w1, uint w2, uint s) {
 inline uint gguf_pos_k4(uint j, int g) { return 64 * (j >> 1) + 16 * (j & 1) + (g < 4 ? 0u : 32u) + 4 * uint(g & 3); }
 
 struct gguf_q4_k {
-    enum { BS = GGUF_Q4_K_BLOCK, TS = GGUF_Q4_K_BYTES, LANES = BS / gguf_chunk_values(BS), GROUPS = 8, GPS = 4, OFFSET = 0, HAS_MIN = 1,
-           TABLE = 0 };
+    enum { BS = GGUF_Q4_K_BLOCK, TS = GGUF_Q4_K_BYTES, LANES = BS / GGUF_Q4_K_CHUNK,
+           GROUPS = 8, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0 };
     struct chunk { uint4 q; float S[2]; float B[2]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -195,8 +207,8 @@ struct gguf_q4_k {
 
 // Q5_K: the 5th bit of value 64c + 32a + l is bit 2c + a of byte l of the 32-byte mask.
 struct gguf_q5_k {
-    enum { BS = GGUF_Q5_K_BLOCK, TS = GGUF_Q5_K_BYTES, LANES = BS / gguf_chunk_values(BS), GROUPS = 8, GPS = 4, OFFSET = 0, HAS_MIN = 1,
-           TABLE = 0 };
+    enum { BS = GGUF_Q5_K_BLOCK, TS = GGUF_Q5_K_BYTES, LANES = BS / GGUF_Q5_K_CHUNK,
+           GROUPS = 8, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0 };
     struct chunk { uint4 q; uint4 h; uint sub; float S[2]; float B[2]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -228,8 +240,8 @@ inline uint gguf_pos_k2(uint j, int g) { return 128 * (j >> 2) + 32 * uint(g >> 
 
 // Q6_K: low 4 bits: nibble s / 2 of byte 64h + 32 (s % 2) + l of ql; high 2 bits: bits 2s of byte 32h + l of qh.
 struct gguf_q6_k {
-    enum { BS = GGUF_Q6_K_BLOCK, TS = GGUF_Q6_K_BYTES, LANES = BS / gguf_chunk_values(BS), GROUPS = 8, GPS = 2, OFFSET = -32, HAS_MIN = 0,
-           TABLE = 0 };
+    enum { BS = GGUF_Q6_K_BLOCK, TS = GGUF_Q6_K_BYTES, LANES = BS / GGUF_Q6_K_CHUNK,
+           GROUPS = 8, GPS = 2, OFFSET = -32, HAS_MIN = 0, TABLE = 0 };
     struct chunk { uint2 la; uint2 lb; uint2 h; float S[4]; float B[4]; };
     static chunk load(device const uchar* b, uint j) {
         const uint hh = j >> 2, l0 = 8 * (j & 3);
@@ -257,8 +269,8 @@ struct gguf_q6_k {
 
 // Q2_K: bits 2s of byte 32h + l of qs; scale byte (value >> 4): low nibble scale, high nibble min.
 struct gguf_q2_k {
-    enum { BS = GGUF_Q2_K_BLOCK, TS = GGUF_Q2_K_BYTES, LANES = BS / gguf_chunk_values(BS), GROUPS = 8, GPS = 2, OFFSET = 0, HAS_MIN = 1,
-           TABLE = 0 };
+    enum { BS = GGUF_Q2_K_BLOCK, TS = GGUF_Q2_K_BYTES, LANES = BS / GGUF_Q2_K_CHUNK,
+           GROUPS = 8, GPS = 2, OFFSET = 0, HAS_MIN = 1, TABLE = 0 };
     struct chunk { uint2 q; float S[4]; float B[4]; };
     static chunk load(device const uchar* b, uint j) {
         const uint hh = j >> 2, l0 = 8 * (j & 3);
@@ -282,8 +294,8 @@ struct gguf_q2_k {
 
 // Q3_K: low 2 bits as Q2_K (qs at 32); the third is bit 4h + s of byte l of hmask (set: +4); q - 4.
 struct gguf_q3_k {
-    enum { BS = GGUF_Q3_K_BLOCK, TS = GGUF_Q3_K_BYTES, LANES = BS / gguf_chunk_values(BS), GROUPS = 8, GPS = 2, OFFSET = -4, HAS_MIN = 0,
-           TABLE = 0 };
+    enum { BS = GGUF_Q3_K_BLOCK, TS = GGUF_Q3_K_BYTES, LANES = BS / GGUF_Q3_K_CHUNK,
+           GROUPS = 8, GPS = 2, OFFSET = -4, HAS_MIN = 0, TABLE = 0 };
     struct chunk { uint2 q; uint2 m; uint shift; float S[4]; float B[4]; };
     static chunk load(device const uchar* b, uint j) {
         const uint hh = j >> 2, l0 = 8 * (j & 3);
@@ -314,15 +326,16 @@ struct gguf_q3_k {
 // IQ4_XS: sub-block j (32 values: value i < 16 the low nibble of quant byte 16j + i, 16 + i its high nibble),
 // one lane each, one 6-bit scale (4 bits in scales_l, 2 in scales_h).
 struct gguf_iq4_xs {
-    enum { BS = GGUF_IQ4_XS_BLOCK, TS = GGUF_IQ4_XS_BYTES, LANES = BS / gguf_chunk_values(BS), GROUPS = 8, GPS = 8, OFFSET = 0,
-           HAS_MIN = 0, TABLE = 1 };
+    enum { BS = GGUF_IQ4_XS_BLOCK, TS = GGUF_IQ4_XS_BYTES, LANES = BS / GGUF_IQ4_XS_CHUNK,
+           GROUPS = 8, GPS = 8, OFFSET = 0, HAS_MIN = 0, TABLE = 1 };
     struct chunk { uint4 q; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
         c.q = io_u128<gguf_align(TS, 8, 16)>(b + 8 + 16 * j);
-        const uint lo = (uint(b[4 + (j >> 1)]) >> (4 * (j & 1))) & 15u;
-        const uint hi = (uint(*((device const ushort*)(b + 2))) >> (2 * j)) & 3u;
-        const float d = io_half(b);
+        const uint2 head = io_u64<gguf_align(TS, 0, 8)>(b);          // d, scales_h, scales_l
+        const uint lo = (head.y >> (4 * j)) & 15u;
+        const uint hi = (head.x >> (16 + 2 * j)) & 3u;
+        const float d = float(as_type<half2>(head.x).x);
         c.S[0] = d * float(int(lo | (hi << 4)) - 32);
         c.B[0] = 0.0f;
         return c;
@@ -339,6 +352,8 @@ struct gguf_iq4_xs {
 template <typename Q>
 struct gguf_format : gemv_format {
     enum { CHUNK = Q::BS / Q::LANES, TABLE = Q::TABLE, SUMS = Q::HAS_MIN || Q::OFFSET != 0 };
+    static_assert(Q::GROUPS * 4 == CHUNK && Q::GROUPS % Q::GPS == 0 && Q::GPS % 2 == 0,
+                  "a chunk (GGUF_<TYPE>_CHUNK values) is GROUPS groups of 4 values, in scale groups of GPS");
     static float table_value(uint i) { return float(gguf_iq4_values[i]); }
 
     template <int R, int MM, typename XT>
@@ -360,7 +375,8 @@ struct gguf_format : gemv_format {
                 float4 xa[MM], xb[MM];
                 UNROLL for (int m = 0; m < MM; ++m) {
                     x.load8(m, k0 + Q::pos(j, g), xa[m], xb[m]);
-                    if (SUMS) sx[m] += ((xa[m].x + xa[m].y) + (xa[m].z + xa[m].w)) + ((xb[m].x + xb[m].y) + (xb[m].z + xb[m].w));
+                    if (SUMS) sx[m] += ((xa[m].x + xa[m].y) + (xa[m].z + xa[m].w)) +
+                                       ((xb[m].x + xb[m].y) + (xb[m].z + xb[m].w));
                 }
                 UNROLL for (int r = 0; r < R; ++r) {
                     const float4 qa = Q::q(ch[r], g, table);
@@ -391,11 +407,10 @@ kernel void gguf_dequant(device const uchar* src [[buffer(0)]],
                          uint group_size [[threads_per_threadgroup]]) {
     threadgroup float table[GEMV_TABLE_SIZE];
     gemv_fill_table<gguf_format<Q>>(table, tid, group_size);
-    for (ulong c = gid; c < ulong(p.chunks); c += ulong(p.nthreads)) {
-        const ulong blk = c / ulong(Q::LANES);
-        const uint j = uint(c % ulong(Q::LANES));
-        const typename Q::chunk ch = Q::load(src + blk * ulong(Q::TS), j);
-        device OUT* out = dst + blk * ulong(Q::BS);
+    for (uint c = gid; c < uint(p.chunks); c += uint(p.nthreads)) {
+        const uint blk = c / uint(Q::LANES), j = c % uint(Q::LANES);
+        const typename Q::chunk ch = Q::load(src + blk * uint(Q::TS), j);
+        device OUT* out = dst + blk * uint(Q::BS);
         UNROLL for (int g = 0; g < Q::GROUPS; ++g) {
             const int s = g / Q::GPS;
             const float4 qv = Q::OFFSET != 0 ? Q::q(ch, g, table) + float(Q::OFFSET) : Q::q(ch, g, table);

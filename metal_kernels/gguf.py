@@ -39,20 +39,21 @@ __all__ = ["gguf_dequantize", "gguf_gemv", "GGUF_QUANTS", "gguf_logical_shape", 
 
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 GROUP = 256
-MAX_THREADS = 1 << 24
+MAX_THREADS = 1 << 24          # dequantise grid; each thread strides beyond it
+MAX_LAUNCH_VALUES = 1 << 31    # values one dequantise launch covers (its 32-bit offsets); more: more launches
 GGUF_DEQUANT_PARAMS = source.Params("gguf_dequant_params", "chunks nthreads")
-# Values one lane takes of a block, by block size: gguf.metal's structs have BS / this many lanes a block.
-CHUNK_VALUES = source.constexpr_table("gguf_chunk_values", {32: 16, 256: 32})
 
 
 @dataclasses.dataclass(frozen=True)
 class GGUFType:
     """reference: (n_blocks, bytes_per_block) uint8 -> (n_blocks, elements_per_block) float32, with the gguf
     package's operations in its order; f16_offsets: byte offsets of the block's fp16 scales (random test
-    blocks get finite values there). The MSL block struct is gguf_<name in lower case> of gguf.metal."""
+    blocks get finite values there); chunk: the values one lane takes of a block in the kernels (emitted as
+    GGUF_<NAME>_CHUNK). The MSL block struct is gguf_<name in lower case> of gguf.metal."""
 
     reference: Callable[[torch.Tensor], torch.Tensor]
     f16_offsets: tuple[int, ...]
+    chunk: int
 
 
 def _check_qtype(qtype) -> tuple[int, int]:
@@ -267,24 +268,25 @@ def _iq4_xs(b):
 
 # The one table of the supported types (in the order of the tables that list them: bytes a weight, roughly).
 GGUF_TYPES: dict[str, GGUFType] = {
-    "Q8_0": GGUFType(_q8_0, (0,)),
-    "Q6_K": GGUFType(_q6_k, (208,)),
-    "Q5_K": GGUFType(_q5_k, (0, 2)),
-    "Q5_1": GGUFType(_q5_1, (0, 2)),
-    "Q5_0": GGUFType(_q5_0, (0,)),
-    "Q4_K": GGUFType(_q4_k, (0, 2)),
-    "Q4_1": GGUFType(_q4_1, (0, 2)),
-    "Q4_0": GGUFType(_q4_0, (0,)),
-    "IQ4_XS": GGUFType(_iq4_xs, (0,)),
-    "IQ4_NL": GGUFType(_iq4_nl, (0,)),
-    "Q3_K": GGUFType(_q3_k, (108,)),
-    "Q2_K": GGUFType(_q2_k, (80, 82)),
+    "Q8_0": GGUFType(_q8_0, (0,), 8),
+    "Q6_K": GGUFType(_q6_k, (208,), 32),
+    "Q5_K": GGUFType(_q5_k, (0, 2), 32),
+    "Q5_1": GGUFType(_q5_1, (0, 2), 16),
+    "Q5_0": GGUFType(_q5_0, (0,), 16),
+    "Q4_K": GGUFType(_q4_k, (0, 2), 32),
+    "Q4_1": GGUFType(_q4_1, (0, 2), 16),
+    "Q4_0": GGUFType(_q4_0, (0,), 16),
+    "IQ4_XS": GGUFType(_iq4_xs, (0,), 32),
+    "IQ4_NL": GGUFType(_iq4_nl, (0,), 16),
+    "Q3_K": GGUFType(_q3_k, (108,), 32),
+    "Q2_K": GGUFType(_q2_k, (80, 82), 32),
 }
 # name -> (elements per block, bytes per block), ggml's layouts; emitted as GGUF_<NAME>_BLOCK / _BYTES.
 GGUF_QUANTS: dict[str, tuple[int, int]] = {q: tuple(GGML_QUANT_SIZES[GGMLQuantizationType[q]]) for q in GGUF_TYPES}
 for _q, (_bs, _ts) in GGUF_QUANTS.items():
     source.define(f"GGUF_{_q}_BLOCK", _bs)
     source.define(f"GGUF_{_q}_BYTES", _ts)
+    source.define(f"GGUF_{_q}_CHUNK", GGUF_TYPES[_q].chunk)
 
 
 def gguf_dequantize_reference(data, qtype, out_dtype=torch.float32):
@@ -347,12 +349,17 @@ def gguf_dequantize_metal(lib, data, qtype, out_dtype=torch.float32):
     out = torch.empty(shape, dtype=out_dtype, device=data.device)
     if out.numel() == 0:
         return out
-    src = _aligned(data)
-    chunks = src.numel() // ts * (bs // CHUNK_VALUES[bs])
-    nthreads = min(chunks, MAX_THREADS)
+    src = _aligned(data).reshape(-1)
+    flat = out.reshape(-1)
     kernel = getattr(lib, f"gguf_dequant_{qtype.lower()}_{MSL_TYPE[out_dtype]}")
-    kernel(src, out, GGUF_DEQUANT_PARAMS.pack(chunks=chunks, nthreads=nthreads), threads=nthreads,
-           group_size=min(GROUP, nthreads))
+    lanes = bs // GGUF_TYPES[qtype].chunk
+    blocks, step = src.numel() // ts, max(1, MAX_LAUNCH_VALUES // bs)
+    for b0 in range(0, blocks, step):
+        nb = min(step, blocks - b0)
+        nthreads = min(nb * lanes, MAX_THREADS)
+        kernel(src[b0 * ts:(b0 + nb) * ts], flat[b0 * bs:(b0 + nb) * bs],
+               GGUF_DEQUANT_PARAMS.pack(chunks=nb * lanes, nthreads=nthreads), threads=nthreads,
+               group_size=min(GROUP, nthreads))
     return out
 
 

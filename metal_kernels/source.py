@@ -108,30 +108,54 @@ def metal_sources() -> list[pathlib.Path]:
     return files
 
 
-def inline_includes(text: str, seen: set[str], origin: str) -> str:
-    """`text` with each `#include "x.h"` replaced by include/x.h (recursively), each header once."""
-    def one(m):
+def _inlined(text: str, seen: set[str], origin: str) -> list[tuple[str, str, int]]:
+    """The lines of `text` (file `origin`) as (line, file, line number there), each `#include "x.h"` replaced
+    by the lines of include/x.h (recursively, each header once per library)."""
+    out = []
+    for n, line in enumerate(text.split("\n"), 1):
+        m = _INCLUDE_RE.fullmatch(line)
+        if m is None:
+            out.append((line, origin, n))
+            continue
         name = m.group(1)
         path = INCLUDE_DIR / name
         if not path.is_file():
             raise FileNotFoundError(f"{origin}: #include \"{name}\": no such header in {INCLUDE_DIR}")
         if name in seen:
-            return f"// (#include \"{name}\": already included above)"
+            out.append((f"// (#include \"{name}\": already included above)", origin, n))
+            continue
         seen.add(name)
-        body = inline_includes(path.read_text(), seen, f"include/{name}")
-        return f"// ---- include/{name} ----\n{body}\n// ---- end of include/{name} ----"
-    return _INCLUDE_RE.sub(one, text)
+        out.append((f"// ---- include/{name} ----", origin, n))
+        out += _inlined(path.read_text(), seen, f"include/{name}")
+        out.append((f"// ---- end of include/{name} ----", origin, n))
+    return out
+
+
+def inline_includes(text: str, seen: set[str], origin: str) -> str:
+    """`text` with each `#include "x.h"` replaced by include/x.h (recursively), each header once."""
+    return "\n".join(line for line, _, _ in _inlined(text, seen, origin))
+
+
+def _library_lines(only: str | None) -> list[tuple[str, str, int]]:
+    seen: set[str] = set()
+    lines = [(line, "generated prelude", n) for n, line in enumerate(prelude().split("\n"), 1)]
+    for path in metal_sources():
+        if only is not None and path.name not in (COMMON_SOURCE, only):
+            continue
+        lines.append((f"// ---- {path.name} ----", path.name, 0))
+        lines += _inlined(path.read_text(), seen, path.name)
+        if path.name != COMMON_SOURCE:
+            lines += [(line, f"{path.name} instantiations", n)
+                      for n, line in enumerate(instantiations(path.name).split("\n"), 1)]
+    return lines
+
+
+def library_lines(only: str | None = None) -> list[tuple[str, int]]:
+    """(file, line) for each line of library_source(only): where it comes from (a .metal file, a header of
+    include/, the generated prelude or a file's instantiations), for tools that report source lines."""
+    return [(f, n) for _, f, n in _library_lines(only)]
 
 
 def library_source(only: str | None = None) -> str:
     """The one MSL source string compiled for the shared library (or common + one file)."""
-    seen: set[str] = set()
-    parts = [prelude()]
-    for path in metal_sources():
-        if only is not None and path.name not in (COMMON_SOURCE, only):
-            continue
-        text = inline_includes(path.read_text(), seen, path.name)
-        parts.append(f"// ---- {path.name} ----\n{text}\n")
-        if path.name != COMMON_SOURCE:
-            parts.append(instantiations(path.name))
-    return "\n".join(parts)
+    return "\n".join(line for line, _, _ in _library_lines(only))

@@ -284,6 +284,21 @@ def test_emulated_grid_stride_loop_covers_more_elements_than_threads(lib, monkey
         assert_same_bytes(fp8_encode_metal(lib, x, fmt, scale), oracle_encode(x, fmt, scale))
 
 
+def test_emulated_long_rows_go_in_pieces(lib, monkeypatch):
+    """Rows longer than MAX_ROW (the kernels' 32-bit offsets in a row) are converted in pieces, each with its
+    row's scale (made small here): 16-byte-aligned pieces, a tail piece, one row and several."""
+    monkeypatch.setattr(fp8, "MAX_ROW", 32)
+    gen = torch.Generator().manual_seed(11)
+    for shape in ((3, 80), (100,), (2, 3, 40)):
+        raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+        for scale in (None, torch.rand(shape[0], generator=gen) + 0.5):
+            for fmt in fp8.FP8_FORMATS:
+                assert_same_values(fp8_decode_metal(lib, raw, fmt, scale, out_dtype=torch.float32),
+                                   oracle_decode(raw, fmt, scale))
+                x = torch.randn(shape, generator=gen) * 30
+                assert_same_bytes(fp8_encode_metal(lib, x, fmt, scale), oracle_encode(x, fmt, scale))
+
+
 def test_decode_self_check_compare_is_exact_but_tolerates_flushed_subnormals():
     want = torch.tensor([1.0, 2.0 ** -20, -(2.0 ** -20), float("nan"), 3.0], dtype=torch.float16)
     compare = fp8._decode_compare

@@ -54,6 +54,18 @@ def test_emulated_dequant_strides_past_the_grid(lib, monkeypatch):
     assert torch.equal(gguf_dequantize_metal(lib, data, "Q5_0"), oracle(data, "Q5_0"))
 
 
+def test_emulated_dequant_in_several_launches(lib, monkeypatch):
+    """Past MAX_LAUNCH_VALUES values (the kernel's 32-bit offsets) the blocks go in several launches, each
+    binding its own views of the input and the output (made small here)."""
+    from comfy_metal.metal_kernels import gguf as mod
+
+    monkeypatch.setattr(mod, "MAX_LAUNCH_VALUES", 256)
+    gen = torch.Generator().manual_seed(13)
+    for qtype in ("Q8_0", "Q4_K"):                     # 8 and 1 block(s) a launch
+        data = random_blocks(qtype, 5, 3, gen)
+        assert torch.equal(gguf_dequantize_metal(lib, data, qtype), oracle(data, qtype)), qtype
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_emulated_gemv_against_float64(lib, qtype):
     gen = torch.Generator().manual_seed(9)

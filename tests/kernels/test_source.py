@@ -60,3 +60,17 @@ def test_params_pack_in_field_order_and_refuse_a_wrong_set():
         linear.GEMV_PARAMS.pack(**{f: 0 for f in linear.GEMV_PARAMS.fields[:-1]})
     with pytest.raises(ValueError, match="defined twice"):
         source.define("GEMV_MAX_M", linear.GEMV_MAX_M + 1)
+
+
+def test_library_lines_name_each_line_s_file_and_line():
+    src = source.library_source().split("\n")
+    origins = source.library_lines()
+    assert len(origins) == len(src)
+    files = {p.name: p.read_text().split("\n") for p in source.metal_sources()}
+    files.update({f"include/{p.name}": p.read_text().split("\n") for p in source.INCLUDE_DIR.glob("*.h")})
+    checked = 0
+    for line, (f, n) in zip(src, origins):
+        if f in files and n and "#include" not in files[f][n - 1]:
+            assert files[f][n - 1] == line, (f, n)
+            checked += 1
+    assert checked > 1000 and {f for f, _ in origins} >= set(files)
