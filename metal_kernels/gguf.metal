@@ -55,7 +55,7 @@ inline uint gguf_bits4(uint h, uint v) { return (((h >> v) & 0xFu) * 0x00204081u
 // ------------------------------------------------------------------------------------------------------
 struct gguf_q8_0 {
     enum { BS = GGUF_Q8_0_BLOCK, TS = GGUF_Q8_0_BYTES, LANES = BS / GGUF_Q8_0_CHUNK,
-           GROUPS = 2, GPS = 2, OFFSET = 0, HAS_MIN = 0, TABLE = 0 };
+           GROUPS = 2, GPS = 2, OFFSET = 0, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
     struct chunk { uint2 q; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -75,7 +75,7 @@ inline uint gguf_nibbles32(uint2 q, int g) { return g < 2 ? gguf_lo(q[g]) : gguf
 
 struct gguf_q4_0 {
     enum { BS = GGUF_Q4_0_BLOCK, TS = GGUF_Q4_0_BYTES, LANES = BS / GGUF_Q4_0_CHUNK,
-           GROUPS = 4, GPS = 4, OFFSET = -8, HAS_MIN = 0, TABLE = 0 };
+           GROUPS = 4, GPS = 4, OFFSET = -8, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
     struct chunk { uint2 q; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -92,7 +92,7 @@ struct gguf_q4_0 {
 
 struct gguf_q4_1 {
     enum { BS = GGUF_Q4_1_BLOCK, TS = GGUF_Q4_1_BYTES, LANES = BS / GGUF_Q4_1_CHUNK,
-           GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0 };
+           GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
     struct chunk { uint2 q; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -109,7 +109,7 @@ struct gguf_q4_1 {
 
 struct gguf_iq4_nl {
     enum { BS = GGUF_IQ4_NL_BLOCK, TS = GGUF_IQ4_NL_BYTES, LANES = BS / GGUF_IQ4_NL_CHUNK,
-           GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 0, TABLE = 1 };
+           GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 0, TABLE = 1, PAIRS = 1 };
     struct chunk { uint2 q; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -128,7 +128,7 @@ struct gguf_iq4_nl {
 // word is value 8j + v, so group g's bits start at gguf_pos32(0, g)).
 struct gguf_q5_0 {
     enum { BS = GGUF_Q5_0_BLOCK, TS = GGUF_Q5_0_BYTES, LANES = BS / GGUF_Q5_0_CHUNK,
-           GROUPS = 4, GPS = 4, OFFSET = -16, HAS_MIN = 0, TABLE = 0 };
+           GROUPS = 4, GPS = 4, OFFSET = -16, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
     struct chunk { uint2 q; uint h; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -146,7 +146,7 @@ struct gguf_q5_0 {
 
 struct gguf_q5_1 {
     enum { BS = GGUF_Q5_1_BLOCK, TS = GGUF_Q5_1_BYTES, LANES = BS / GGUF_Q5_1_CHUNK,
-           GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0 };
+           GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
     struct chunk { uint2 q; uint h; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -184,7 +184,7 @@ inline uint gguf_pos_k4(uint j, int g) { return 64 * (j >> 1) + 16 * (j & 1) + (
 
 struct gguf_q4_k {
     enum { BS = GGUF_Q4_K_BLOCK, TS = GGUF_Q4_K_BYTES, LANES = BS / GGUF_Q4_K_CHUNK,
-           GROUPS = 8, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0 };
+           GROUPS = 8, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
     struct chunk { uint4 q; float S[2]; float B[2]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -208,7 +208,7 @@ struct gguf_q4_k {
 // Q5_K: the 5th bit of value 64c + 32a + l is bit 2c + a of byte l of the 32-byte mask.
 struct gguf_q5_k {
     enum { BS = GGUF_Q5_K_BLOCK, TS = GGUF_Q5_K_BYTES, LANES = BS / GGUF_Q5_K_CHUNK,
-           GROUPS = 8, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0 };
+           GROUPS = 8, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
     struct chunk { uint4 q; uint4 h; uint sub; float S[2]; float B[2]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -239,30 +239,31 @@ struct gguf_q5_k {
 inline uint gguf_pos_k2(uint j, int g) { return 128 * (j >> 2) + 32 * uint(g >> 1) + 8 * (j & 3) + 4 * uint(g & 1); }
 
 // Q6_K: low 4 bits: nibble s / 2 of byte 64h + 32 (s % 2) + l of ql; high 2 bits: bits 2s of byte 32h + l of qh.
+// Its 210-byte blocks leave every field 2-aligned only, so the 32 lanes of a simdgroup share one block (each
+// 2-byte load instruction then touches one or two cache lines, not the 7 of four blocks): lane j takes
+// l = l0 .. l0 + 3 (l0 = 4 (j % 8)) of s = p and p + 2 (p = j / 8 % 2) in half h = j / 16: the same 4 bytes of
+// ql (low and high nibbles) and of qh, two scale groups of 4 values.
 struct gguf_q6_k {
     enum { BS = GGUF_Q6_K_BLOCK, TS = GGUF_Q6_K_BYTES, LANES = BS / GGUF_Q6_K_CHUNK,
-           GROUPS = 8, GPS = 2, OFFSET = -32, HAS_MIN = 0, TABLE = 0 };
-    struct chunk { uint2 la; uint2 lb; uint2 h; float S[4]; float B[4]; };
+           GROUPS = 2, GPS = 1, OFFSET = -32, HAS_MIN = 0, TABLE = 0, PAIRS = 0 };
+    struct chunk { uint l; uint h; float S[2]; float B[2]; };
     static chunk load(device const uchar* b, uint j) {
-        const uint hh = j >> 2, l0 = 8 * (j & 3);
-        constexpr int A = gguf_align(TS, 0, 8);
+        const uint hh = j >> 4, p = (j >> 3) & 1, l0 = 4 * (j & 7);
+        constexpr int A = gguf_align(TS, 0, 4);
         chunk c;
-        c.la = io_u64<A>(b + 64 * hh + l0);
-        c.lb = io_u64<A>(b + 64 * hh + 32 + l0);
-        c.h = io_u64<A>(b + 128 + 32 * hh + l0);
+        c.l = io_u32<A>(b + 64 * hh + 32 * p + l0);
+        c.h = io_u32<A>(b + 128 + 32 * hh + l0) >> (2 * p);           // bits 2s - 2p: s = p at 0, p + 2 at 4
         const float d = io_half(b + 208);
-        UNROLL for (int s = 0; s < 4; ++s) {
-            c.S[s] = d * float(as_type<char>(b[192 + 8 * hh + (l0 >> 4) + 2 * uint(s)]));
-            c.B[s] = 0.0f;
+        UNROLL for (int g = 0; g < 2; ++g) {
+            c.S[g] = d * float(as_type<char>(b[192 + 8 * hh + 2 * (p + 2 * uint(g)) + (l0 >> 4)]));
+            c.B[g] = 0.0f;
         }
         return c;
     }
-    static uint pos(uint j, int g) { return gguf_pos_k2(j, g); }
+    static uint pos(uint j, int g) { return 128 * (j >> 4) + 32 * (((j >> 3) & 1) + 2 * uint(g)) + 4 * (j & 7); }
     static float4 q(thread const chunk& c, int g, threadgroup const float*) {
-        const int s = g >> 1, t = g & 1;
-        const uint w = (s & 1) ? c.lb[t] : c.la[t];
-        const uint lo = (s >> 1) ? gguf_hi(w) : gguf_lo(w);
-        const uint hi = ((c.h[t] >> uint(2 * s)) & 0x03030303u) << 4;
+        const uint lo = g ? gguf_hi(c.l) : gguf_lo(c.l);
+        const uint hi = ((c.h >> uint(4 * g)) & 0x03030303u) << 4;
         return gguf_bytes(lo | hi);
     }
 };
@@ -270,7 +271,7 @@ struct gguf_q6_k {
 // Q2_K: bits 2s of byte 32h + l of qs; scale byte (value >> 4): low nibble scale, high nibble min.
 struct gguf_q2_k {
     enum { BS = GGUF_Q2_K_BLOCK, TS = GGUF_Q2_K_BYTES, LANES = BS / GGUF_Q2_K_CHUNK,
-           GROUPS = 8, GPS = 2, OFFSET = 0, HAS_MIN = 1, TABLE = 0 };
+           GROUPS = 8, GPS = 2, OFFSET = 0, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
     struct chunk { uint2 q; float S[4]; float B[4]; };
     static chunk load(device const uchar* b, uint j) {
         const uint hh = j >> 2, l0 = 8 * (j & 3);
@@ -295,7 +296,7 @@ struct gguf_q2_k {
 // Q3_K: low 2 bits as Q2_K (qs at 32); the third is bit 4h + s of byte l of hmask (set: +4); q - 4.
 struct gguf_q3_k {
     enum { BS = GGUF_Q3_K_BLOCK, TS = GGUF_Q3_K_BYTES, LANES = BS / GGUF_Q3_K_CHUNK,
-           GROUPS = 8, GPS = 2, OFFSET = -4, HAS_MIN = 0, TABLE = 0 };
+           GROUPS = 8, GPS = 2, OFFSET = -4, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
     struct chunk { uint2 q; uint2 m; uint shift; float S[4]; float B[4]; };
     static chunk load(device const uchar* b, uint j) {
         const uint hh = j >> 2, l0 = 8 * (j & 3);
@@ -327,7 +328,7 @@ struct gguf_q3_k {
 // one lane each, one 6-bit scale (4 bits in scales_l, 2 in scales_h).
 struct gguf_iq4_xs {
     enum { BS = GGUF_IQ4_XS_BLOCK, TS = GGUF_IQ4_XS_BYTES, LANES = BS / GGUF_IQ4_XS_CHUNK,
-           GROUPS = 8, GPS = 8, OFFSET = 0, HAS_MIN = 0, TABLE = 1 };
+           GROUPS = 8, GPS = 8, OFFSET = 0, HAS_MIN = 0, TABLE = 1, PAIRS = 1 };
     struct chunk { uint4 q; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -352,7 +353,7 @@ struct gguf_iq4_xs {
 template <typename Q>
 struct gguf_format : gemv_format {
     enum { CHUNK = Q::BS / Q::LANES, TABLE = Q::TABLE, SUMS = Q::HAS_MIN || Q::OFFSET != 0 };
-    static_assert(Q::GROUPS * 4 == CHUNK && Q::GROUPS % Q::GPS == 0 && Q::GPS % 2 == 0,
+    static_assert(Q::GROUPS * 4 == CHUNK && Q::GROUPS % Q::GPS == 0 && (!Q::PAIRS || Q::GPS % 2 == 0),
                   "a chunk (GGUF_<TYPE>_CHUNK values) is GROUPS groups of 4 values, in scale groups of GPS");
     static float table_value(uint i) { return float(gguf_iq4_values[i]); }
 
@@ -370,19 +371,22 @@ struct gguf_format : gemv_format {
                 sx[m] = 0.0f;
                 UNROLL for (int r = 0; r < R; ++r) part[r][m] = 0.0f;
             }
-            UNROLL for (int i = 0; i < Q::GPS; i += 2) {          // groups g, g + 1: 8 consecutive values
+            UNROLL for (int i = 0; i < Q::GPS; i += Q::PAIRS ? 2 : 1) {
                 const int g = s * Q::GPS + i;
                 float4 xa[MM], xb[MM];
                 UNROLL for (int m = 0; m < MM; ++m) {
-                    x.load8(m, k0 + Q::pos(j, g), xa[m], xb[m]);
-                    if (SUMS) sx[m] += ((xa[m].x + xa[m].y) + (xa[m].z + xa[m].w)) +
-                                       ((xb[m].x + xb[m].y) + (xb[m].z + xb[m].w));
+                    if (Q::PAIRS) x.load8(m, k0 + Q::pos(j, g), xa[m], xb[m]);   // 8 values, one load
+                    else xa[m] = x.load4(m, k0 + Q::pos(j, g));
+                    if (SUMS) sx[m] += (xa[m].x + xa[m].y) + (xa[m].z + xa[m].w);
+                    if (SUMS && Q::PAIRS) sx[m] += (xb[m].x + xb[m].y) + (xb[m].z + xb[m].w);
                 }
                 UNROLL for (int r = 0; r < R; ++r) {
                     const float4 qa = Q::q(ch[r], g, table);
-                    const float4 qb = Q::q(ch[r], g + 1, table);
-                    UNROLL for (int m = 0; m < MM; ++m)
-                        part[r][m] = gemv_fma4(xb[m], qb, gemv_fma4(xa[m], qa, part[r][m]));
+                    UNROLL for (int m = 0; m < MM; ++m) part[r][m] = gemv_fma4(xa[m], qa, part[r][m]);
+                    if (Q::PAIRS) {
+                        const float4 qb = Q::q(ch[r], g + 1, table);
+                        UNROLL for (int m = 0; m < MM; ++m) part[r][m] = gemv_fma4(xb[m], qb, part[r][m]);
+                    }
                 }
             }
             UNROLL for (int r = 0; r < R; ++r) {

@@ -269,7 +269,7 @@ def _iq4_xs(b):
 # The one table of the supported types (in the order of the tables that list them: bytes a weight, roughly).
 GGUF_TYPES: dict[str, GGUFType] = {
     "Q8_0": GGUFType(_q8_0, (0,), 8),
-    "Q6_K": GGUFType(_q6_k, (208,), 32),
+    "Q6_K": GGUFType(_q6_k, (208,), 8),
     "Q5_K": GGUFType(_q5_k, (0, 2), 32),
     "Q5_1": GGUFType(_q5_1, (0, 2), 16),
     "Q5_0": GGUFType(_q5_0, (0,), 16),
