@@ -167,14 +167,15 @@ struct gguf_q5_1 {
 // ------------------------------------------------------------------------------------------------------
 
 // The 6-bit scales and mins of sub-blocks s and s + 1 (s even) packed in 12 bytes (Q4_K, Q5_K), given as
-// three words: (scale s, min s, scale s + 1, min s + 1).
-inline uint4 gguf_k_scales_mins(uint w0, uint w1, uint w2, uint s) {
-    const uint sh = 8 * (s & 3);                          // byte s % 4 of each word
-    const uint a = w0 >> sh, m = w1 >> sh;
-    if (s < 4) return uint4(a & 63u, m & 63u, (a >> 8) & 63u, (m >> 8) & 63u);
-    const uint md = w2 >> sh;
-    return uint4((md & 15u) | ((a >> 2) & 48u), ((md >> 4) & 15u) | ((m >> 2) & 48u),
-                 ((md >> 8) & 15u) | ((a >> 10) & 48u), ((md >> 12) & 15u) | ((m >> 10) & 48u));
+// three words, as floats (scale s, scale s + 1, min s, min s + 1). Both packings are worked out on the two
+// bytes at once and one is selected: no branch (the lanes of one block take both).
+inline float4 gguf_k_scales_mins(uint w0, uint w1, uint w2, uint s) {
+    const uint sh = 8 * (s & 3);                                  // bytes s % 4, s % 4 + 1 of each word
+    const uint a = w0 >> sh, m = w1 >> sh, md = w2 >> sh;
+    const bool high = s >= 4;
+    const uint sc = high ? (md & 0x0F0Fu) | ((a >> 2) & 0x3030u) : a & 0x3F3Fu;
+    const uint mn = high ? ((md >> 4) & 0x0F0Fu) | ((m >> 2) & 0x3030u) : m & 0x3F3Fu;
+    return gguf_bytes(sc | (mn << 16));
 }
 
 // Q4_K, Q5_K: value 64c + 32a + l (sub-block 2c + a) is nibble a of quant byte 32c + l. Lane j takes bytes
@@ -191,17 +192,18 @@ struct gguf_q4_k {
         c.q = io_u128<gguf_align(TS, 16, 16)>(b + 16 + 16 * j);
         const uint4 head = io_u128<gguf_align(TS, 0, 16)>(b);           // d, dmin, the 12 scale bytes
         const float2 d = float2(as_type<half2>(head.x));
-        const uint4 sm = gguf_k_scales_mins(head.y, head.z, head.w, 2 * (j >> 1));
+        const float4 sm = gguf_k_scales_mins(head.y, head.z, head.w, 2 * (j >> 1));
         UNROLL for (int s = 0; s < 2; ++s) {
-            c.S[s] = d.x * float(sm[2 * s]);
-            const float dm = d.y * float(sm[2 * s + 1]);
+            c.S[s] = d.x * sm[s];
+            const float dm = d.y * sm[2 + s];
             c.B[s] = -dm;
         }
+        c.S[1] *= 0.0625f;                     // the high nibbles are read in place (16 q): S / 16, exact
         return c;
     }
     static uint pos(uint j, int g) { return gguf_pos_k4(j, g); }
     static float4 q(thread const chunk& c, int g, threadgroup const float*) {
-        return gguf_bytes(g < 4 ? gguf_lo(c.q[g]) : gguf_hi(c.q[g - 4]));
+        return gguf_bytes(g < 4 ? gguf_lo(c.q[g]) : c.q[g - 4] & 0xF0F0F0F0u);
     }
 };
 
@@ -217,10 +219,10 @@ struct gguf_q5_k {
         c.sub = 2 * (j >> 1);
         const uint4 head = io_u128<gguf_align(TS, 0, 16)>(b);           // d, dmin, the 12 scale bytes
         const float2 d = float2(as_type<half2>(head.x));
-        const uint4 sm = gguf_k_scales_mins(head.y, head.z, head.w, c.sub);
+        const float4 sm = gguf_k_scales_mins(head.y, head.z, head.w, c.sub);
         UNROLL for (int s = 0; s < 2; ++s) {
-            c.S[s] = d.x * float(sm[2 * s]);
-            const float dm = d.y * float(sm[2 * s + 1]);
+            c.S[s] = d.x * sm[s];
+            const float dm = d.y * sm[2 + s];
             c.B[s] = -dm;
         }
         return c;

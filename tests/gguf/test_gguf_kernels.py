@@ -44,6 +44,24 @@ def test_emulated_dequant_bit_exact(lib, qtype):
             assert got.dtype == dt and torch.equal(got, want.to(dt)), (qtype, dt)
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_emulated_dequant_extreme_scales_bit_exact(lib, qtype):
+    """Large, tiny and subnormal fp16 scales (and zero) through the kernel: still the package's bits (the
+    scales folded by powers of two, the quants read through half bits)."""
+    from comfy_metal.metal_kernels.gguf import GGUF_TYPES
+
+    gen = torch.Generator().manual_seed(5)
+    data = random_blocks(qtype, 9, 2, gen)
+    blocks = data.reshape(-1, GGUF_QUANTS[qtype][1])
+    specials = torch.tensor([65504.0, -3.0e-8, 6.0e-5, 0.0, -1.0, 1e-7], dtype=torch.float16).view(torch.uint8)
+    for i in range(blocks.shape[0]):
+        for off in GGUF_TYPES[qtype].f16_offsets:
+            k = (i + off) % 6
+            blocks[i, off:off + 2] = specials[2 * k:2 * k + 2]
+    got = gguf_dequantize_metal(lib, data, qtype, torch.float32)
+    assert torch.equal(got.view(torch.int32), oracle(data, qtype).view(torch.int32))
+
+
 def test_emulated_dequant_strides_past_the_grid(lib, monkeypatch):
     """More values than threads * 4: each thread strides (the MAX_THREADS cap, made small here)."""
     from comfy_metal.metal_kernels import gguf as mod
