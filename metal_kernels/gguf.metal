@@ -44,6 +44,14 @@ inline float4 gguf_bytes(uint w) { return gguf_bytes_minus(w, 1024.0h); }       
 // The bytes less an offset (Q4_0: 8, Q5_0: 16, Q6_K: 32, Q3_K: 4), in the same subtraction: q - offset, exact.
 inline float4 gguf_bytes_less(uint w, int offset) { return gguf_bytes_minus(w, half(1024 + offset)); }
 inline float4 gguf_sbytes(uint w) { return gguf_bytes_minus(w ^ 0x80808080u, 1152.0h); }   // int8
+// The low nibbles (LO) or, in place, the high nibbles times 16 (HI) of the four bytes, less a bias, the same
+// way; the low and the high nibbles of one word share its shift.
+constant constexpr uint GGUF_LO = 0x000F000Fu, GGUF_HI = 0x00F000F0u;
+inline float4 gguf_nibbles_minus(uint w, uint mask, half bias) {
+    const half2 e = as_type<half2>((w & mask) | 0x64006400u) - bias;
+    const half2 o = as_type<half2>(((w >> 8) & mask) | 0x64006400u) - bias;
+    return float4(float(e.x), float(o.x), float(e.y), float(o.y));
+}
 inline float4 gguf_table(uint w, threadgroup const float* t) {
     const uchar4 i = as_type<uchar4>(w);
     return float4(t[i.x], t[i.y], t[i.z], t[i.w]);
@@ -78,35 +86,37 @@ inline uint gguf_nibbles32(uint2 q, int g) { return g < 2 ? gguf_lo(q[g]) : gguf
 
 struct gguf_q4_0 {
     enum { BS = GGUF_Q4_0_BLOCK, TS = GGUF_Q4_0_BYTES, LANES = BS / GGUF_Q4_0_CHUNK,
-           GROUPS = 4, GPS = 4, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
-    struct chunk { uint2 q; float S[1]; float B[1]; };
+           GROUPS = 4, GPS = 2, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
+    struct chunk { uint2 q; float S[2]; float B[2]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
         c.q = io_u64<gguf_align(TS, 2, 8)>(b + 2 + 8 * j);
         c.S[0] = io_half(b);
-        c.B[0] = 0.0f;
+        c.S[1] = c.S[0] * 0.0625f;             // the high nibbles are read in place (16 q)
+        c.B[0] = c.B[1] = 0.0f;
         return c;
     }
     static uint pos(uint j, int g) { return gguf_pos32(j, g); }
     static float4 q(thread const chunk& c, int g, threadgroup const float*) {
-        return gguf_bytes_less(gguf_nibbles32(c.q, g), 8);
+        return g < 2 ? gguf_nibbles_minus(c.q[g], GGUF_LO, 1032.0h) : gguf_nibbles_minus(c.q[g - 2], GGUF_HI, 1152.0h);
     }
 };
 
 struct gguf_q4_1 {
     enum { BS = GGUF_Q4_1_BLOCK, TS = GGUF_Q4_1_BYTES, LANES = BS / GGUF_Q4_1_CHUNK,
-           GROUPS = 4, GPS = 4, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
-    struct chunk { uint2 q; float S[1]; float B[1]; };
+           GROUPS = 4, GPS = 2, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
+    struct chunk { uint2 q; float S[2]; float B[2]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
         c.q = io_u64<gguf_align(TS, 4, 8)>(b + 4 + 8 * j);
         c.S[0] = io_half(b);
-        c.B[0] = io_half(b + 2);
+        c.S[1] = c.S[0] * 0.0625f;             // the high nibbles are read in place (16 q)
+        c.B[0] = c.B[1] = io_half(b + 2);
         return c;
     }
     static uint pos(uint j, int g) { return gguf_pos32(j, g); }
     static float4 q(thread const chunk& c, int g, threadgroup const float*) {
-        return gguf_bytes(gguf_nibbles32(c.q, g));
+        return gguf_nibbles_minus(c.q[g & 1], g < 2 ? GGUF_LO : GGUF_HI, 1024.0h);
     }
 };
 
@@ -206,7 +216,7 @@ struct gguf_q4_k {
     }
     static uint pos(uint j, int g) { return gguf_pos_k4(j, g); }
     static float4 q(thread const chunk& c, int g, threadgroup const float*) {
-        return gguf_bytes(g < 4 ? gguf_lo(c.q[g]) : c.q[g - 4] & 0xF0F0F0F0u);
+        return gguf_nibbles_minus(c.q[g & 3], g < 4 ? GGUF_LO : GGUF_HI, 1024.0h);
     }
 };
 
