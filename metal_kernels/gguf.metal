@@ -33,25 +33,22 @@ constexpr int gguf_align(int ts, int off, int stride) {
 
 inline uint gguf_lo(uint w) { return w & 0x0F0F0F0Fu; }                 // the low nibble of each byte
 inline uint gguf_hi(uint w) { return (w >> 4) & 0x0F0F0F0Fu; }          // the high nibble of each byte
-// The four bytes of w (byte 0 first) as floats through half bits: 0x6400 | b is the half 1024 + b, exact, and
-// the bias comes off in half arithmetic, exact too (integer -> float conversions cost four times as much).
-inline float4 gguf_bytes_minus(uint w, half bias) {
-    const half2 e = as_type<half2>((w & 0x00FF00FFu) | 0x64006400u) - bias;          // bytes 0, 2
-    const half2 o = as_type<half2>(((w >> 8) & 0x00FF00FFu) | 0x64006400u) - bias;   // bytes 1, 3
+// Quants to floats through half bits: `mask` keeps one field of bytes 0 and 2 (and, after w >> 8, of bytes 1
+// and 3) in the low 10 bits of each 16-bit half; 0x6400 | field is the half 1024 + field, exact, and the bias
+// comes off in half arithmetic, exact too: no integer -> float conversion (each costs four simple ops).
+// Returned in byte order. GGUF_HI keeps the high nibbles in place: 16 times their value (the low and the high
+// nibbles of a word can share its w >> 8).
+constant constexpr uint GGUF_BYTE = 0x00FF00FFu, GGUF_LO = 0x000F000Fu, GGUF_HI = 0x00F000F0u;
+inline float4 gguf_quants(uint w, uint w8, uint mask, half bias) {           // w8 = w >> 8
+    const half2 e = as_type<half2>((w & mask) | 0x64006400u) - bias;           // bytes 0, 2
+    const half2 o = as_type<half2>((w8 & mask) | 0x64006400u) - bias;          // bytes 1, 3
     return float4(float(e.x), float(o.x), float(e.y), float(o.y));
 }
-inline float4 gguf_bytes(uint w) { return gguf_bytes_minus(w, 1024.0h); }                  // 0 .. 255
-// The bytes less an offset (Q4_0: 8, Q5_0: 16, Q6_K: 32, Q3_K: 4), in the same subtraction: q - offset, exact.
-inline float4 gguf_bytes_less(uint w, int offset) { return gguf_bytes_minus(w, half(1024 + offset)); }
-inline float4 gguf_sbytes(uint w) { return gguf_bytes_minus(w ^ 0x80808080u, 1152.0h); }   // int8
-// The low nibbles (LO) or, in place, the high nibbles times 16 (HI) of the four bytes, less a bias, the same
-// way; the low and the high nibbles of one word share its shift.
-constant constexpr uint GGUF_LO = 0x000F000Fu, GGUF_HI = 0x00F000F0u;
-inline float4 gguf_nibbles_minus(uint w, uint mask, half bias) {
-    const half2 e = as_type<half2>((w & mask) | 0x64006400u) - bias;
-    const half2 o = as_type<half2>(((w >> 8) & mask) | 0x64006400u) - bias;
-    return float4(float(e.x), float(o.x), float(e.y), float(o.y));
-}
+inline float4 gguf_quants(uint w, uint mask, half bias) { return gguf_quants(w, w >> 8, mask, bias); }
+inline float4 gguf_bytes(uint w) { return gguf_quants(w, GGUF_BYTE, 1024.0h); }                   // 0 .. 255
+// Less an offset (Q4_0: 8, Q5_0: 16, Q6_K: 32, Q3_K: 4) in the same subtraction: q - offset, exact.
+inline float4 gguf_bytes_less(uint w, int offset) { return gguf_quants(w, GGUF_BYTE, half(1024 + offset)); }
+inline float4 gguf_sbytes(uint w) { return gguf_quants(w ^ 0x80808080u, GGUF_BYTE, 1152.0h); }    // int8
 inline float4 gguf_table(uint w, threadgroup const float* t) {
     const uchar4 i = as_type<uchar4>(w);
     return float4(t[i.x], t[i.y], t[i.z], t[i.w]);
@@ -98,7 +95,7 @@ struct gguf_q4_0 {
     }
     static uint pos(uint j, int g) { return gguf_pos32(j, g); }
     static float4 q(thread const chunk& c, int g, threadgroup const float*) {
-        return g < 2 ? gguf_nibbles_minus(c.q[g], GGUF_LO, 1032.0h) : gguf_nibbles_minus(c.q[g - 2], GGUF_HI, 1152.0h);
+        return g < 2 ? gguf_quants(c.q[g], GGUF_LO, 1032.0h) : gguf_quants(c.q[g - 2], GGUF_HI, 1152.0h);
     }
 };
 
@@ -116,7 +113,7 @@ struct gguf_q4_1 {
     }
     static uint pos(uint j, int g) { return gguf_pos32(j, g); }
     static float4 q(thread const chunk& c, int g, threadgroup const float*) {
-        return gguf_nibbles_minus(c.q[g & 1], g < 2 ? GGUF_LO : GGUF_HI, 1024.0h);
+        return gguf_quants(c.q[g & 1], g < 2 ? GGUF_LO : GGUF_HI, 1024.0h);
     }
 };
 
@@ -199,10 +196,11 @@ inline uint gguf_pos_k4(uint j, int g) { return 64 * (j >> 1) + 16 * (j & 1) + (
 struct gguf_q4_k {
     enum { BS = GGUF_Q4_K_BLOCK, TS = GGUF_Q4_K_BYTES, LANES = BS / GGUF_Q4_K_CHUNK,
            GROUPS = 8, GPS = 4, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
-    struct chunk { uint4 q; float S[2]; float B[2]; };
+    struct chunk { uint4 q; uint4 q8; float S[2]; float B[2]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
         c.q = io_u128<gguf_align(TS, 16, 16)>(b + 16 + 16 * j);
+        c.q8 = c.q >> 8u;                      // shared by the low and the high nibbles
         const uint4 head = io_u128<gguf_align(TS, 0, 16)>(b);           // d, dmin, the 12 scale bytes
         const float2 d = float2(as_type<half2>(head.x));
         const float4 sm = gguf_k_scales_mins(head.y, head.z, head.w, 2 * (j >> 1));
@@ -216,7 +214,7 @@ struct gguf_q4_k {
     }
     static uint pos(uint j, int g) { return gguf_pos_k4(j, g); }
     static float4 q(thread const chunk& c, int g, threadgroup const float*) {
-        return gguf_nibbles_minus(c.q[g & 3], g < 4 ? GGUF_LO : GGUF_HI, 1024.0h);
+        return gguf_quants(c.q[g & 3], c.q8[g & 3], g < 4 ? GGUF_LO : GGUF_HI, 1024.0h);
     }
 };
 
