@@ -41,31 +41,11 @@
 
 #define ATTN_LOG2E 1.4426950408889634f
 #define ATTN_UNROLL _Pragma("clang loop unroll(full)")   // loops over fragments: compile-time trip counts
-#define ATTN_BQ 32                  // query rows per threadgroup of attention_mma (4 simdgroups x 8)
-#define ATTN_SIMDS 4
+// ATTN_BQ (query rows per threadgroup of attention_mma), ATTN_SIMDS, ATTN_VEC_ROWS, ATTN_VEC_SIMDS and the
+// attention_params struct come from attention.py (source.define / source.Params), like the kernels'
+// template instantiations (KernelSpec.instantiate).
 #define ATTN_THREADS (ATTN_SIMDS * 32)
 #define ATTN_KV_BYTES 18432         // threadgroup bytes of one staged K or V block, rows padded
-#define ATTN_VEC_ROWS 8             // (query row, head) pairs per threadgroup of attention_vec
-#define ATTN_VEC_SIMDS 4
-#define ATTN_VEC_THREADS (ATTN_VEC_SIMDS * 32)
-
-struct attention_params {
-    long Lq;
-    long Lk;
-    long D;
-    long Hq;
-    long Hk;
-    long has_mask;
-    long mask_sb;
-    long mask_sh;
-    long mask_sq;
-    long mask_sk;
-    long group_base;
-    long q_blocks;
-    long splits;
-    long split_keys;
-    long pairs;
-};
 
 // Keys per block of attention_mma: the largest of 128, 64, 32, 16 whose padded block fits ATTN_KV_BYTES.
 constexpr int attn_block_keys(int elem_bytes, int dk) {
@@ -417,39 +397,3 @@ kernel void attention_vec_merge(device const float* part [[buffer(0)]],
     }
 }
 
-template [[host_name("attention_vec2_float")]] [[kernel]] decltype(attention_vec<float, 2>) attention_vec<float, 2>;
-template [[host_name("attention_vec4_float")]] [[kernel]] decltype(attention_vec<float, 4>) attention_vec<float, 4>;
-template [[host_name("attention_vec8_float")]] [[kernel]] decltype(attention_vec<float, 8>) attention_vec<float, 8>;
-template [[host_name("attention_mma40_float")]] [[kernel]] decltype(attention_mma<float, 40>) attention_mma<float, 40>;
-template [[host_name("attention_mma64_float")]] [[kernel]] decltype(attention_mma<float, 64>) attention_mma<float, 64>;
-template [[host_name("attention_mma72_float")]] [[kernel]] decltype(attention_mma<float, 72>) attention_mma<float, 72>;
-template [[host_name("attention_mma80_float")]] [[kernel]] decltype(attention_mma<float, 80>) attention_mma<float, 80>;
-template [[host_name("attention_mma96_float")]] [[kernel]] decltype(attention_mma<float, 96>) attention_mma<float, 96>;
-template [[host_name("attention_mma128_float")]] [[kernel]] decltype(attention_mma<float, 128>) attention_mma<float, 128>;
-template [[host_name("attention_mma160_float")]] [[kernel]] decltype(attention_mma<float, 160>) attention_mma<float, 160>;
-template [[host_name("attention_mma256_float")]] [[kernel]] decltype(attention_mma<float, 256>) attention_mma<float, 256>;
-template [[host_name("attention_vec2_half")]] [[kernel]] decltype(attention_vec<half, 2>) attention_vec<half, 2>;
-template [[host_name("attention_vec4_half")]] [[kernel]] decltype(attention_vec<half, 4>) attention_vec<half, 4>;
-template [[host_name("attention_vec8_half")]] [[kernel]] decltype(attention_vec<half, 8>) attention_vec<half, 8>;
-template [[host_name("attention_mma40_half")]] [[kernel]] decltype(attention_mma<half, 40>) attention_mma<half, 40>;
-template [[host_name("attention_mma64_half")]] [[kernel]] decltype(attention_mma<half, 64>) attention_mma<half, 64>;
-template [[host_name("attention_mma72_half")]] [[kernel]] decltype(attention_mma<half, 72>) attention_mma<half, 72>;
-template [[host_name("attention_mma80_half")]] [[kernel]] decltype(attention_mma<half, 80>) attention_mma<half, 80>;
-template [[host_name("attention_mma96_half")]] [[kernel]] decltype(attention_mma<half, 96>) attention_mma<half, 96>;
-template [[host_name("attention_mma128_half")]] [[kernel]] decltype(attention_mma<half, 128>) attention_mma<half, 128>;
-template [[host_name("attention_mma160_half")]] [[kernel]] decltype(attention_mma<half, 160>) attention_mma<half, 160>;
-template [[host_name("attention_mma256_half")]] [[kernel]] decltype(attention_mma<half, 256>) attention_mma<half, 256>;
-template [[host_name("attention_vec2_bfloat")]] [[kernel]] decltype(attention_vec<bfloat, 2>) attention_vec<bfloat, 2>;
-template [[host_name("attention_vec4_bfloat")]] [[kernel]] decltype(attention_vec<bfloat, 4>) attention_vec<bfloat, 4>;
-template [[host_name("attention_vec8_bfloat")]] [[kernel]] decltype(attention_vec<bfloat, 8>) attention_vec<bfloat, 8>;
-template [[host_name("attention_mma40_bfloat")]] [[kernel]] decltype(attention_mma<bfloat, 40>) attention_mma<bfloat, 40>;
-template [[host_name("attention_mma64_bfloat")]] [[kernel]] decltype(attention_mma<bfloat, 64>) attention_mma<bfloat, 64>;
-template [[host_name("attention_mma72_bfloat")]] [[kernel]] decltype(attention_mma<bfloat, 72>) attention_mma<bfloat, 72>;
-template [[host_name("attention_mma80_bfloat")]] [[kernel]] decltype(attention_mma<bfloat, 80>) attention_mma<bfloat, 80>;
-template [[host_name("attention_mma96_bfloat")]] [[kernel]] decltype(attention_mma<bfloat, 96>) attention_mma<bfloat, 96>;
-template [[host_name("attention_mma128_bfloat")]] [[kernel]] decltype(attention_mma<bfloat, 128>) attention_mma<bfloat, 128>;
-template [[host_name("attention_mma160_bfloat")]] [[kernel]] decltype(attention_mma<bfloat, 160>) attention_mma<bfloat, 160>;
-template [[host_name("attention_mma256_bfloat")]] [[kernel]] decltype(attention_mma<bfloat, 256>) attention_mma<bfloat, 256>;
-template [[host_name("attention_vec_merge_float")]] [[kernel]] decltype(attention_vec_merge<float>) attention_vec_merge<float>;
-template [[host_name("attention_vec_merge_half")]] [[kernel]] decltype(attention_vec_merge<half>) attention_vec_merge<half>;
-template [[host_name("attention_vec_merge_bfloat")]] [[kernel]] decltype(attention_vec_merge<bfloat>) attention_vec_merge<bfloat>;

@@ -23,16 +23,19 @@ import math
 
 import torch
 
+from . import source
 from .dtypes import MSL_TYPE
 from .registry import KernelSpec, register
 
 __all__ = ["flash_attention", "attention_shape_class", "ATTENTION_HEAD_DIMS"]
 
 DMAX = 256                      # the largest head dim of the kernels
-QUERY_BLOCK = 32                # ATTN_BQ in attention.metal: query rows per threadgroup of attention_mma
-VEC_ROWS = 8                    # ATTN_VEC_ROWS: (query row, head) pairs per threadgroup of attention_vec
-VEC_SIMDS = 4                   # ATTN_VEC_SIMDS
-GROUP_THREADS = 128             # ATTN_THREADS, ATTN_VEC_THREADS
+QUERY_BLOCK = source.define("ATTN_BQ", 32)      # query rows per threadgroup of attention_mma (8 a simdgroup)
+MMA_SIMDS = source.define("ATTN_SIMDS", QUERY_BLOCK // 8)
+VEC_ROWS = source.define("ATTN_VEC_ROWS", 8)    # (query row, head) pairs per threadgroup of attention_vec
+VEC_SIMDS = source.define("ATTN_VEC_SIMDS", 4)
+GROUP_THREADS = 32 * MMA_SIMDS                  # threads a threadgroup of either kernel
+assert GROUP_THREADS == 32 * VEC_SIMDS
 MAX_LAUNCH_GROUPS = (1 << 31) // GROUP_THREADS // 2   # [[threadgroup_position_in_grid]] is 32-bit
 VEC_MAX_QUERIES = 8             # "auto" takes the vector kernel up to this many query rows (decode)
 VARIANTS = ("auto", "simd", "mma")
@@ -41,9 +44,8 @@ REFERENCE_CHUNK_BYTES = 256 << 20
 # instantiation each; another multiple of 8 runs zero-padded in the next one up.
 ATTENTION_HEAD_DIMS = (40, 64, 72, 80, 96, 128, 160, 256)
 VEC_SLOTS = (2, 4, 8)           # attention_vec<T, NT> holds NT elements a lane: D <= 32 NT
-# attention_params in attention.metal: the int64 fields, in order
-PARAMS_FIELDS = ("Lq", "Lk", "D", "Hq", "Hk", "has_mask", "mask_sb", "mask_sh", "mask_sq", "mask_sk",
-                 "group_base", "q_blocks", "splits", "split_keys", "pairs")
+ATTENTION_PARAMS = source.Params("attention_params", "Lq Lk D Hq Hk has_mask mask_sb mask_sh mask_sq mask_sk "
+                                                     "group_base q_blocks splits split_keys pairs")
 # attention_vec splits the keys over more threadgroups (merged by attention_vec_merge) until the grid has
 # VEC_TARGET_GROUPS of them, each split holding at least VEC_MIN_SPLIT_KEYS keys
 VEC_TARGET_GROUPS = 128
@@ -154,14 +156,6 @@ def vec_slots(D: int) -> int:
     return next(n for n in VEC_SLOTS if D <= 32 * n)
 
 
-def pack_params(**values) -> list[int]:
-    """attention_params as the list of int64 the kernel binds (the struct's exact layout)."""
-    if set(values) != set(PARAMS_FIELDS):
-        raise TypeError(f"attention_params: missing {sorted(set(PARAMS_FIELDS) - set(values))}, "
-                        f"unknown {sorted(set(values) - set(PARAMS_FIELDS))}")
-    return [int(values[f]) for f in PARAMS_FIELDS]
-
-
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """t contiguous and 16-byte aligned (the kernels load 16-byte vectors; a view may start anywhere)."""
     t = t.contiguous()
@@ -215,7 +209,7 @@ def flash_attention_metal(lib, q, k, v, mask=None, scale=None, variant="auto"):
         merge = getattr(lib, f"attention_vec_merge_{t}")
         for g0 in range(0, -(-pairs // VEC_SIMDS), MAX_LAUNCH_GROUPS):
             n = min(MAX_LAUNCH_GROUPS, -(-pairs // VEC_SIMDS) - g0)
-            merge(part, out, pack_params(**{**fields, "q_blocks": 1, "group_base": g0 * VEC_SIMDS}),
+            merge(part, out, ATTENTION_PARAMS.pack(**{**fields, "q_blocks": 1, "group_base": g0 * VEC_SIMDS}),
                   threads=n * GROUP_THREADS, group_size=GROUP_THREADS)
     return out
 
@@ -224,7 +218,7 @@ def _launch(kernel, groups: int, fields: dict, tensors: tuple, rest: tuple) -> N
     """kernel(*tensors, params, *rest) over `groups` threadgroups, in launches of at most MAX_LAUNCH_GROUPS."""
     for g0 in range(0, groups, MAX_LAUNCH_GROUPS):
         n = min(MAX_LAUNCH_GROUPS, groups - g0)
-        kernel(*tensors, pack_params(**fields, group_base=g0), *rest, threads=n * GROUP_THREADS,
+        kernel(*tensors, ATTENTION_PARAMS.pack(**fields, group_base=g0), *rest, threads=n * GROUP_THREADS,
                group_size=GROUP_THREADS)
 
 
@@ -284,15 +278,19 @@ def _predict_cases():
                                                      decode, sample=None)]
 
 
+_INSTANCES = {**{f"attention_mma{d}_{t}": f"attention_mma<{t}, {d}>" for t in MSL_TYPE.values()
+                 for d in ATTENTION_HEAD_DIMS},
+              **{f"attention_vec{n}_{t}": f"attention_vec<{t}, {n}>" for t in MSL_TYPE.values() for n in VEC_SLOTS},
+              **{f"attention_vec_merge_{t}": f"attention_vec_merge<{t}>" for t in MSL_TYPE.values()}}
+
 flash_attention = register(KernelSpec(
     name="flash_attention",
     measured_by_caller=True,
     source="attention.metal",
-    entry_points={**{f"attention_mma{d}_{t}": ("tensor",) * 5 + ("int[]", "float")
-                     for t in MSL_TYPE.values() for d in ATTENTION_HEAD_DIMS},
-                  **{f"attention_vec{n}_{t}": ("tensor",) * 5 + ("int[]", "float", "tensor")
-                     for t in MSL_TYPE.values() for n in VEC_SLOTS},
-                  **{f"attention_vec_merge_{t}": ("tensor", "tensor", "int[]") for t in MSL_TYPE.values()}},
+    entry_points={name: ("tensor", "tensor", "int[]") if "merge" in name
+                  else ("tensor",) * 5 + ("int[]", "float") + (("tensor",) if name.startswith("attention_vec") else ())
+                  for name in _INSTANCES},
+    instantiate=_INSTANCES,
     reference=flash_attention_reference,
     metal=flash_attention_metal,
     self_check_cases=_cases,

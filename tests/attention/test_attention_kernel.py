@@ -202,7 +202,7 @@ def test_vector_kernel_splits_long_key_ranges(lib, monkeypatch, Lk, splits):
     assert_matches(got, oracle(q, k, v, mask), torch.float16)
     assert torch.equal(got[:, :, 1], torch.zeros_like(got[:, :, 1]))
     vec = [p for name, p in launched if p is not None]
-    assert vec[0][A.PARAMS_FIELDS.index("splits")] == splits
+    assert vec[0][A.ATTENTION_PARAMS.fields.index("splits")] == splits
     assert any("merge" in name for name, _ in launched) == (splits > 1)
 
 
@@ -307,8 +307,9 @@ def test_kernel_launched_in_chunks_of_groups(lib, monkeypatch, variant):
 
 
 def params(L, D, H, group_base, q_blocks):
-    return A.pack_params(Lq=L, Lk=L, D=D, Hq=H, Hk=H, has_mask=0, mask_sb=0, mask_sh=0, mask_sq=0, mask_sk=0,
-                         group_base=group_base, q_blocks=q_blocks, splits=1, split_keys=L, pairs=H * L)
+    return A.ATTENTION_PARAMS.pack(Lq=L, Lk=L, D=D, Hq=H, Hk=H, has_mask=0, mask_sb=0, mask_sh=0, mask_sq=0,
+                                   mask_sk=0, group_base=group_base, q_blocks=q_blocks, splits=1, split_keys=L,
+                                   pairs=H * L)
 
 
 def test_emulator_window_binds_a_byte_range(lib):
