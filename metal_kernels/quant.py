@@ -35,8 +35,7 @@ from .dtypes import MSL_TYPE
 from .fp8 import fp8_decode_reference
 from .registry import KernelSpec, register
 
-__all__ = ["quant_dequantize", "quant_gemv", "QUANT_FORMATS", "quant_layout", "hadamard", "rotate_weight",
-           "rotate_activation", "QUANT_GEMV_MAX_M"]
+__all__ = ["quant_dequantize", "quant_gemv", "dequantize_weight", "QUANT_FORMATS"]
 
 QUANT_FORMATS = ("nvfp4", "mxfp8", "int8", "w4a8", "w4a4")
 QUANT_GEMV_MAX_M = 8        # QUANT_GEMV_MAX_M in quant.metal
@@ -136,6 +135,11 @@ def _check(qdata, fmt, scale, scale2, codebook, shape, group_size, what):
                              f"{tuple(getattr(codebook, 'shape', ()))}")
         cb = codebook.to(torch.float32).reshape(16)
     return _bytes(qdata), s, s2, cb, N, K, lay
+
+
+def check_weight(qdata, fmt, scale, scale2=None, codebook=None, *, shape, group_size=0, what="weight") -> None:
+    """Raise TypeError / ValueError (starting with `what`) if the tensors do not make a `fmt` weight of `shape`."""
+    _check(qdata, fmt, scale, scale2, codebook, shape, group_size, what)
 
 
 def _check_out_dtype(out_dtype, what):
@@ -447,3 +451,18 @@ quant_gemv = register(KernelSpec(
     atol=2e-4,
     rtol=2e-4,
 ))
+
+
+def dequantize_weight(qdata, fmt, scale, scale2=None, codebook=None, *, shape, group_size=0, convrot=0,
+                      out_dtype=torch.float32) -> torch.Tensor:
+    """The weight in its ORIGINAL basis: quant_dequantize, rotated back where the layout is ConvRot-rotated
+    (convrot = its group size), in comfy_kitchen's dtypes: w4a8 rotates in out_dtype, w4a4 and int8 in
+    float32 before the one rounding to out_dtype (dequantize_w4a8_int8_weight,
+    dequantize_convrot_w4a4_weight, dequantize_int8_convrot_weight_dtype)."""
+    if not convrot:
+        return quant_dequantize(qdata, fmt, scale, scale2, codebook, shape=shape, group_size=group_size,
+                                out_dtype=out_dtype)
+    inner = out_dtype if fmt == "w4a8" else torch.float32
+    stored = quant_dequantize(qdata, fmt, scale, scale2, codebook, shape=shape, group_size=group_size,
+                              out_dtype=inner)
+    return rotate_weight(stored, int(convrot)).to(out_dtype)

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..quant.formats import state_entries as quant_state_entries
 from .formats import ST_DTYPES, CheckpointError, open_checkpoint
 from .ops import RUN_KERNELS, FP8LayerError, fp8_modules, make_fp8_ops, storage_dtype, weight_bytes, wrap_patcher
 from .quantize import (QuantSummary, atomic_save, carried_metadata, comfy_quant_entries, keep_reason,
@@ -46,6 +47,9 @@ def build_state_dict(ck, weight_mode: str = "auto") -> tuple[dict, QuantSummary 
     summary = QuantSummary("e4m3fn", rowwise) if quant else None
     sd: dict[str, torch.Tensor] = {}
     for key in ck.model_keys():
+        if key in ck.quant_layers:          # packed weight, its scales and the marker, as stored
+            sd.update(quant_state_entries(ck, ck.quant_layers[key]))
+            continue
         if key in ck.layers:
             w, scale, fmt = ck.fp8_weight(key)
             sd[key] = w

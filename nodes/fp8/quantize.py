@@ -217,8 +217,9 @@ def quantize_file(src: str, dst: str, fmt: str = "e4m3fn", rowwise: bool = False
     layers: dict[str, str] = {}
     with open_checkpoint(src) as ck:
         meta = carried_metadata(ck.metadata)
-        if ck.layers:
-            raise CheckpointError(f"{ck.name}: already has {len(ck.layers)} FP8 weights; quantize a bf16/fp16/fp32 file")
+        if ck.layers or ck.quant_layers:
+            raise CheckpointError(f"{ck.name}: already has {len(ck.layers) + len(ck.quant_layers)} quantized weights; "
+                                  "quantize a bf16/fp16/fp32 file")
         for key in ck.model_keys():
             t = ck.read_copy(key)
             reason = keep(key, tuple(t.shape), t.dtype)
