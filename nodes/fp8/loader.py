@@ -17,6 +17,9 @@ import time
 import torch
 
 from ..quant.formats import state_entries as quant_state_entries
+from ..quant.ops import RUN_KERNELS as QUANT_KERNELS
+from ..quant.ops import path_note, quant_formats, quant_modules
+from ..quant.ops import weight_bytes as quant_weight_bytes
 from .formats import ST_DTYPES, CheckpointError, open_checkpoint
 from .ops import RUN_KERNELS, FP8LayerError, fp8_modules, make_fp8_ops, storage_dtype, weight_bytes, wrap_patcher
 from .quantize import (QuantSummary, atomic_save, carried_metadata, comfy_quant_entries, keep_reason,
@@ -144,9 +147,24 @@ def load_diffusion_model(path, weight_mode="auto", compute_dtype="auto", model_o
     remember_source(patcher.model, ck)
     stats = weight_bytes(patcher.model)
     log.info("comfy_metal: %s loaded in %.2fs: %d FP8 layers, %.3f bytes per FP8 weight, %.1f MiB total",
-             ck.name, time.perf_counter() - t0, sum(1 for _ in fp8_modules(patcher.model)),
-             stats["bytes_per_fp8_weight"], stats["total_bytes"] / 2**20)
+             ck.name, time.perf_counter() - t0, stats["fp8_layers"], stats["bytes_per_fp8_weight"],
+             stats["total_bytes"] / 2**20)
+    log_quant_layers(ck.name, patcher.model, load_device)
     return patcher
+
+
+def quant_note(model, device) -> str | None:
+    """What the block-quantized (comfy_quant NVFP4, MXFP8, INT8, W4) layers of `model` run on `device`, or None."""
+    formats = {m.quant_fmt for _, m in quant_modules(model)}
+    return path_note(formats, device) if formats else None
+
+
+def log_quant_layers(name: str, model, device) -> None:
+    stats = quant_weight_bytes(model)
+    if stats["quant_weights"]:
+        counts = ", ".join(f"{n} {fmt}" for fmt, n in sorted(quant_formats(model).items()))
+        log.info("comfy_metal: %s: block-quantized layers %s at %.3f bits a weight (%.1f MiB); %s", name, counts,
+                 stats["bits_per_quant_weight"], stats["quant_bytes"] / 2**20, quant_note(model, device))
 
 
 def text_encoder_options(model_options, device: str, compute_dtype: str):
@@ -181,7 +199,9 @@ def load_text_encoder(path, clip_type="stable_diffusion", device="gpu", compute_
     opts, dtype = text_encoder_options(model_options, device, compute_dtype)
     storage = next((st for st in (_fp8_storage(opts["load_device"], ck) for ck in cks) if st is not None), None)
     opts["custom_operations"] = make_fp8_ops(", ".join(ck.name for ck in cks), dtype, storage)
-    return build_text_encoder(path, sds, clip_type, opts, RUN_KERNELS)
+    clip = build_text_encoder(path, sds, clip_type, opts, RUN_KERNELS + QUANT_KERNELS)
+    log_quant_layers(", ".join(ck.name for ck in cks), clip.cond_stage_model, opts["load_device"])
+    return clip
 
 
 def build_text_encoder(path, sds: list, clip_type: str, opts: dict, run_kernels):

@@ -8,7 +8,8 @@ import logging
 import os
 
 from ..common.models import filename_list, model_choices, require_model
-from .loader import COMPUTE_DTYPES, WEIGHT_MODES, _clip_types, load_diffusion_model, load_text_encoder, save_model
+from .loader import (COMPUTE_DTYPES, WEIGHT_MODES, _clip_types, load_diffusion_model, load_text_encoder, quant_note,
+                     save_model)
 
 log = logging.getLogger("comfy_metal")
 
@@ -27,10 +28,10 @@ def _safe_output_path(folder: str, filename: str) -> str:
 QUANTIZE_KERNELS = ["fp8_encode", "fp8_decode"]
 
 
-def _record(node_class: str, kernels: list[str]) -> None:
+def _record(node_class: str, kernels: list[str], note: str | None = None) -> None:
     from ..status import record_node_backend
 
-    record_node_backend(node_class, kernels)
+    record_node_backend(node_class, kernels, note=note)
 
 
 # The loader's attention option -> the Metal Attention mode (None: ComfyUI's own attention).
@@ -88,7 +89,8 @@ class MetalFP8ModelLoader:
         model = load_diffusion_model(path, weight_mode, compute_dtype)
         model = with_attention(model, attention)
         # Quantizing on load encodes (and decodes, for the error summary); an FP8 file loads as is.
-        _record("MetalFP8ModelLoader", QUANTIZE_KERNELS if weight_mode != "auto" else [])
+        _record("MetalFP8ModelLoader", QUANTIZE_KERNELS if weight_mode != "auto" else [],
+                quant_note(model.model, model.load_device))
         return (model,)
 
 
@@ -119,7 +121,7 @@ class MetalFP8TextEncoderLoader:
         path = folder_paths.get_full_path_or_raise(
             "text_encoders", require_model("MetalFP8TextEncoderLoader", "clip_name", clip_name))
         clip = load_text_encoder(path, type, device)
-        _record("MetalFP8TextEncoderLoader", [])
+        _record("MetalFP8TextEncoderLoader", [], quant_note(clip.cond_stage_model, clip.patcher.load_device))
         return (clip,)
 
 
@@ -169,7 +171,7 @@ def _multi_text_encoder_loader(n: int, core: str, sets: str):
                      for i in range(1, n + 1)]
             paths = [folder_paths.get_full_path_or_raise("text_encoders", name) for name in names]
             clip = load_text_encoder(paths, type, device)
-            _record(Loader.__name__, [])
+            _record(Loader.__name__, [], quant_note(clip.cond_stage_model, clip.patcher.load_device))
             return (clip,)
 
     Loader.__name__ = Loader.__qualname__ = f"MetalFP8{('Dual', 'Triple', 'Quadruple')[n - 2]}TextEncoderLoader"

@@ -464,14 +464,15 @@ def fp8_modules(model: torch.nn.Module):
 def weight_bytes(model: torch.nn.Module) -> dict:
     """Bytes held by FP8 layers (weights + scales), their element count, and the rest (block-quantized
     layers: nodes/quant/ops.weight_bytes)."""
-    fp8_bytes = fp8_elems = 0
+    fp8_bytes = fp8_elems = layers = 0
     for _, m in fp8_modules(model):
         if m.fp8_format not in FP8_FORMATS:
             continue
         fp8_bytes += m.weight.nbytes + (m.weight_scale.nbytes if m.weight_scale is not None else 0)
         fp8_elems += m.weight.numel()
+        layers += 1
     total = sum(t.nbytes for t in model.state_dict().values())
-    return {"fp8_bytes": fp8_bytes, "fp8_weights": fp8_elems, "total_bytes": total,
+    return {"fp8_bytes": fp8_bytes, "fp8_weights": fp8_elems, "fp8_layers": layers, "total_bytes": total,
             "bytes_per_fp8_weight": fp8_bytes / fp8_elems if fp8_elems else float("nan")}
 
 

@@ -126,7 +126,8 @@ def describe_layer(entries: dict, layer: str, comfy_format: str, conf: dict, ori
                                  f"expected it next to {wkey}")
         return entries[keys[part]]
 
-    def check(entry, dtypes, shape, meaning):
+    def check(entry, dtypes, shape, meaning, want=None):
+        """`shape`: the allowed shapes, or a number of values (any shape holding them; `want` says which)."""
         if entry.dtype not in dtypes:
             raise QuantFileError(f"tensor {entry.name} ({meaning} of {what}) has dtype {entry.dtype}; expected "
                                  f"{' or '.join(dtypes)}")
@@ -134,7 +135,7 @@ def describe_layer(entries: dict, layer: str, comfy_format: str, conf: dict, ori
         for s in entry.shape:
             numel *= s
         if isinstance(shape, int) and numel != shape or not isinstance(shape, int) and tuple(entry.shape) not in shape:
-            want = f"{shape} value(s)" if isinstance(shape, int) else " or ".join(str(list(s)) for s in shape)
+            want = want or (f"{shape} value(s)" if isinstance(shape, int) else " or ".join(str(list(s)) for s in shape))
             raise QuantFileError(f"tensor {entry.name} ({meaning} of {what}, a [{rows}, {cols}] weight) has shape "
                                  f"{list(entry.shape)}; expected {want}")
 
@@ -146,8 +147,9 @@ def describe_layer(entries: dict, layer: str, comfy_format: str, conf: dict, ori
                                  f"columns padded to whole {block}-value blocks (a multiple of {block})")
         lay = quant_layout(fmt, (rows, K))
         sdt = ("F8_E4M3", "U8") if fmt == "nvfp4" else ("F8_E8M0", "U8")
-        check(need("scale", "its block scales"), sdt, lay["scale"][0] * lay["scale"][1],
-              f"block scales in swizzled {list(lay['scale'])} tiles")
+        srows, scols = lay["scale"]
+        check(need("scale", "its block scales"), sdt, srows * scols, "block scales",
+              f"{[srows, scols]} ({srows * scols} values: one per {block} in cuBLAS's swizzled 128x4 tiles)")
         if fmt == "nvfp4":
             check(need("scale2", "the tensor scale weight_scale_2"), floats, 1, "tensor scale")
     elif fmt == "int8":
