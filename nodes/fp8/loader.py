@@ -18,7 +18,7 @@ import torch
 
 from ..quant.formats import state_entries as quant_state_entries
 from ..quant.ops import RUN_KERNELS as QUANT_KERNELS
-from ..quant.ops import path_note, quant_formats, quant_modules
+from ..quant.ops import QUANT_TAG, path_note, quant_formats, quant_modules
 from ..quant.ops import weight_bytes as quant_weight_bytes
 from .formats import ST_DTYPES, CheckpointError, open_checkpoint
 from .ops import RUN_KERNELS, FP8LayerError, fp8_modules, make_fp8_ops, storage_dtype, weight_bytes, wrap_patcher
@@ -307,6 +307,12 @@ def model_state_for_saving(diffusion_model: torch.nn.Module, quantize_mode: str 
         tensors[key] = t.to(dtype)
 
     for name, m in fp8.items():
+        if m.fp8_format == QUANT_TAG:          # a block-quantized layer: as the file stored it
+            tensors.update(m.quant_file_tensors(name))
+            layers[name] = (m.quant_info or {}).get("conf") or {"format": m.quant_info["comfy_format"]}
+            if m.bias is not None:
+                plain(f"{name}.bias", m.bias.detach().to("cpu"))
+            continue
         w = m.weight.detach().to("cpu").view(FP8_DTYPES[m.fp8_format])
         scale = m.weight_scale.detach().to("cpu") if m.weight_scale is not None else None
         tensors.update(comfy_quant_entries(name, w, scale, m.fp8_format))

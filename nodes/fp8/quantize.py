@@ -199,10 +199,12 @@ def carried_metadata(metadata: dict | None) -> dict:
     return {k: str(v) for k, v in (metadata or {}).items() if k not in STALE_METADATA_KEYS}
 
 
-def quant_metadata(layers: dict[str, str]) -> dict:
-    """Header metadata listing the quantized layers (ComfyUI's _quantization_metadata)."""
+def quant_metadata(layers: dict[str, str | dict]) -> dict:
+    """Header metadata listing the quantized layers (ComfyUI's _quantization_metadata): an FP8 format name,
+    or a block-quantized layer's comfy_quant JSON."""
     return {"_quantization_metadata": json.dumps(
-        {"format_version": "1.0", "layers": {k: {"format": f"float8_{fmt}"} for k, fmt in layers.items()}})}
+        {"format_version": "1.0", "layers": {k: fmt if isinstance(fmt, dict) else {"format": f"float8_{fmt}"}
+                                             for k, fmt in layers.items()}})}
 
 
 def quantize_file(src: str, dst: str, fmt: str = "e4m3fn", rowwise: bool = False, overwrite: bool = False,

@@ -24,7 +24,7 @@ import math
 import torch
 
 from ..fp8.ops import GEMV_MAX_ROWS, FP8LayerError
-from .formats import QUANT_MARKER, ROTATED, read_marker
+from .formats import FILE_KEYS, QUANT_MARKER, ROTATED, marker_tensor, read_marker
 
 QUANT_TAG = "comfy_quant"                 # the layers' fp8_format for a block-quantized weight
 INT8_FAMILY = ("int8", "w4a8", "w4a4")    # where ComfyUI's own path quantizes activations (_int_mm)
@@ -151,6 +151,30 @@ class QuantWeightMixin:
             for f in self._weight_functions():
                 out = f(out)
         return out
+
+    def quant_file_tensors(self, name: str) -> dict:
+        """The layer's tensors as a comfy_quant file stores them (ComfyUI's names and dtypes), on the CPU."""
+        info = self.quant_info or {}
+        fmt = self.quant_fmt
+        e4m3, e8m0 = getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e8m0fnu", None)
+
+        def as_stored(t, code):
+            t = t.detach().to("cpu")
+            return t.view(code) if code is not None and t.dtype == torch.uint8 else t
+
+        weight_dtype = {"nvfp4": None, "mxfp8": e4m3}.get(fmt, torch.int8)
+        scale_dtype = {"nvfp4": e4m3, "mxfp8": e8m0, "w4a8": e4m3}.get(fmt)
+        out = {f"{name}.weight": as_stored(self.weight, weight_dtype)}
+        keys = FILE_KEYS[fmt]
+        for part, t, code in (("scale", self.weight_scale, scale_dtype),
+                              ("scale2", getattr(self, "weight_scale_2", None), None),
+                              ("codebook", getattr(self, "weight_codebook", None), None)):
+            if t is not None:
+                out[f"{name}.{keys[part]}"] = as_stored(t, code)
+        if getattr(self, "pre_quant_scale", None) is not None:
+            out[f"{name}.pre_quant_scale"] = self.pre_quant_scale.detach().to("cpu")
+        out[f"{name}.comfy_quant"] = marker_tensor(info.get("conf") or {"format": info.get("comfy_format")})
+        return {k: v.contiguous() for k, v in out.items()}
 
     def quant_comfy_tensor(self, device, dtype):
         """This weight as ComfyUI's own QuantizedTensor (its _load_quantized_module's layout parameters)."""

@@ -223,3 +223,28 @@ def test_a_block_format_on_a_conv_layer_is_refused(tmp_path):
                                                     r"belongs to a Conv2d"):
         conv.load_state_dict({"weight": qt._qdata, "weight_scale": qt._params.scale, "comfy_metal_quant": marker},
                              strict=False)
+
+
+@pytest.mark.parametrize("variant", ["nvfp4", "mxfp8", "asym_w4a8_int8"])
+def test_saving_writes_the_layers_back_as_stored(tmp_path, variant):
+    """Save Model writes block-quantized layers as they were read (ComfyUI's tensors, dtypes and
+    comfy_quant JSON): reading the saved file gives the same tensors."""
+    from safetensors.torch import load_file
+
+    from comfy_metal.nodes.fp8 import quantize
+
+    path, _, _ = _write(tmp_path, variant)
+    net, _ = _load(path)
+    tensors, layers, _, _ = loader.model_state_for_saving(net)
+    out = tmp_path / "saved.safetensors"
+    quantize.atomic_save(tensors, str(out), quantize.quant_metadata(layers))
+    before, after = load_file(str(path)), load_file(str(out))
+    for k, v in before.items():
+        if k.endswith(".bias") or k.startswith("norm."):     # not quantized: the saver's dtype rules apply
+            continue
+        if k.endswith(".comfy_quant"):
+            assert json.loads(bytes(after[k].tolist())) == json.loads(bytes(v.tolist()))
+        else:
+            assert after[k].dtype == v.dtype and after[k].shape == v.shape, k
+            assert torch.equal(after[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+    assert sorted(formats.open_checkpoint(out).quant_layers) == ["fc1.weight", "fc2.weight"]
