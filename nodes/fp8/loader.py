@@ -16,18 +16,21 @@ import time
 
 import torch
 
+from ..quant.formats import LOAD_MODES as QUANT_LOAD_MODES
+from ..quant.formats import QuantFileError, quantize_entries
 from ..quant.formats import state_entries as quant_state_entries
 from ..quant.ops import RUN_KERNELS as QUANT_KERNELS
 from ..quant.ops import QUANT_TAG, path_note, quant_formats, quant_modules
 from ..quant.ops import weight_bytes as quant_weight_bytes
 from .formats import ST_DTYPES, CheckpointError, open_checkpoint
 from .ops import RUN_KERNELS, FP8LayerError, fp8_modules, make_fp8_ops, storage_dtype, weight_bytes, wrap_patcher
-from .quantize import (QuantSummary, atomic_save, carried_metadata, comfy_quant_entries, keep_reason,
+from .quantize import (LayerError, QuantSummary, atomic_save, carried_metadata, comfy_quant_entries, keep_reason,
                            quant_metadata, quantize, relative_error)
 
 log = logging.getLogger("comfy_metal")
 
-WEIGHT_MODES = ["auto", "e4m3fn tensorwise", "e4m3fn rowwise"]
+WEIGHT_MODES = ["auto", "e4m3fn tensorwise", "e4m3fn rowwise", *QUANT_LOAD_MODES]
+SAVE_MODES = ["e4m3fn tensorwise", "e4m3fn rowwise"]
 COMPUTE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -47,7 +50,8 @@ def build_state_dict(ck, weight_mode: str = "auto") -> tuple[dict, QuantSummary 
         raise ValueError(f"weight mode {weight_mode!r} is not one of {WEIGHT_MODES}")
     quant = weight_mode != "auto"
     rowwise = weight_mode.endswith("rowwise")
-    summary = QuantSummary("e4m3fn", rowwise) if quant else None
+    block = weight_mode in QUANT_LOAD_MODES
+    summary = QuantSummary(weight_mode if block else "e4m3fn", rowwise) if quant else None
     sd: dict[str, torch.Tensor] = {}
     for key in ck.model_keys():
         if key in ck.quant_layers:          # packed weight, its scales and the marker, as stored
@@ -66,6 +70,14 @@ def build_state_dict(ck, weight_mode: str = "auto") -> tuple[dict, QuantSummary 
             reason = keep_reason(key, tuple(entry.shape), ST_DTYPES[entry.dtype])
             if reason is None:
                 t = ck.read_copy(key)      # not the memory map: its pages would stay resident
+                if block:                  # NVFP4 / INT8 with ComfyUI's own quantizer
+                    try:
+                        entries, rel, mx = quantize_entries(key, t, weight_mode)
+                    except QuantFileError as e:
+                        raise FP8LoadError(f"{ck.name}: {e}") from None
+                    summary.add(key, LayerError("", tuple(t.shape), rel, mx))
+                    sd.update(entries)
+                    continue
                 q, scale = quantize(t, "e4m3fn", rowwise)
                 summary.add(key, relative_error(t, q, scale, "e4m3fn"))
                 sd[key] = q

@@ -8,8 +8,8 @@ import logging
 import os
 
 from ..common.models import filename_list, model_choices, require_model
-from .loader import (COMPUTE_DTYPES, WEIGHT_MODES, _clip_types, load_diffusion_model, load_text_encoder, quant_note,
-                     save_model)
+from .loader import (COMPUTE_DTYPES, SAVE_MODES, WEIGHT_MODES, _clip_types, load_diffusion_model, load_text_encoder,
+                     quant_note, save_model)
 
 log = logging.getLogger("comfy_metal")
 
@@ -57,11 +57,13 @@ class MetalFP8ModelLoader:
         return {"required": {
             "unet_name": (model_choices("diffusion_models", filename_list("diffusion_models")), {"tooltip":
                           "The diffusion model file (from ComfyUI/models/diffusion_models/): FP8 files keep their "
-                          "weights at 1 byte each; bf16/fp16/fp32 files load as they are unless weight_mode "
-                          "quantizes them."}),
+                          "weights at 1 byte each, ComfyUI's NVFP4 / MXFP8 / INT8 / W4A8 / W4A4 (comfy_quant) files "
+                          "at their own size; bf16/fp16/fp32 files load as they are unless weight_mode quantizes "
+                          "them."}),
             "weight_mode": (WEIGHT_MODES, {"default": "auto", "tooltip":
-                            "auto: FP8 weights stay FP8, others as in the file. e4m3fn tensorwise/rowwise: also "
-                            "quantize bf16/fp16/fp32 Linear weights (norms, embeddings, first/last layers stay)."}),
+                            "auto: quantized weights stay as stored, others as in the file. e4m3fn tensorwise/"
+                            "rowwise, nvfp4, int8 tensorwise: also quantize bf16/fp16/fp32 Linear weights (norms, "
+                            "embeddings, first/last layers stay; nvfp4 and int8 with ComfyUI's own quantizers)."}),
             "compute_dtype": (list(COMPUTE_DTYPES), {"default": "auto", "tooltip":
                               "The dtype activations are computed in (FP8 weights are widened to it inside each "
                               "layer). auto: the dtype ComfyUI picks for this model on this device (bf16 on Apple "
@@ -77,7 +79,9 @@ class MetalFP8ModelLoader:
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "load"
     CATEGORY = "Comfy Metal/Loaders"
-    DESCRIPTION = "Loads a diffusion model keeping FP8 weights at 1 byte each (Metal FP8 kernels on Apple GPUs)."
+    DESCRIPTION = ("Loads a diffusion model keeping FP8 weights at 1 byte each and ComfyUI's NVFP4, MXFP8, INT8, "
+                   "W4A8 and W4A4 (comfy_quant) weights at their own size (Metal kernels on Apple GPUs; INT8 there "
+                   "runs weight-only, without _int_mm).")
 
     def load(self, unet_name, weight_mode="auto", compute_dtype="auto", attention="auto"):
         import folder_paths
@@ -102,7 +106,7 @@ class MetalFP8TextEncoderLoader:
         return {"required": {
             "clip_name": (model_choices("text_encoders", filename_list("text_encoders")), {"tooltip":
                           "The text encoder file (from ComfyUI/models/text_encoders/); FP8 weights stay 1 byte "
-                          "each."}),
+                          "each, NVFP4 / MXFP8 / INT8 / W4 (comfy_quant) weights at their own size."}),
             "type": (_clip_types(), {"tooltip": "Which model family the text encoder is for (as in ComfyUI's "
                                                 "Load CLIP: flux, wan, sd3, ...); sets its tokenizer and layout."}),
             "device": (["gpu", "cpu"], {"default": "gpu" if mps_available() else "cpu", "tooltip":
@@ -113,7 +117,8 @@ class MetalFP8TextEncoderLoader:
     RETURN_TYPES = ("CLIP",)
     FUNCTION = "load"
     CATEGORY = "Comfy Metal/Loaders"
-    DESCRIPTION = "Loads a text encoder keeping FP8 weights at 1 byte each; on Macs it runs on the GPU by default."
+    DESCRIPTION = ("Loads a text encoder keeping FP8 (and comfy_quant NVFP4 / MXFP8 / INT8 / W4) weights at their "
+                   "stored size; on Macs it runs on the GPU by default.")
 
     def load(self, clip_name, type="stable_diffusion", device="gpu"):
         import folder_paths
@@ -192,7 +197,7 @@ class MetalFP8SaveModel:
             "filename": ("STRING", {"default": "model_fp8_e4m3fn", "tooltip":
                          "File name inside ComfyUI/models/diffusion_models/ (.safetensors is added); no folders "
                          "outside it."}),
-            "quantize_mode": (WEIGHT_MODES[1:], {"default": "e4m3fn tensorwise", "tooltip":
+            "quantize_mode": (SAVE_MODES, {"default": "e4m3fn tensorwise", "tooltip":
                               "For models without FP8 layers: how to quantize their Linear weights (tensorwise: "
                               "one scale per weight; rowwise: one scale per output row, more accurate)."}),
             "overwrite": ("BOOLEAN", {"default": False, "tooltip":

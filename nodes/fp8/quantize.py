@@ -103,18 +103,22 @@ class QuantSummary:
     errors: list = dataclasses.field(default_factory=list)
     kept: dict = dataclasses.field(default_factory=dict)     # key -> reason
 
+    def _what(self) -> str:
+        return "FP8" if self.fmt in ("e4m3fn", "e5m2") else "comfy_quant"
+
     def add(self, key, err: LayerError):
         err.key = key
         self.errors.append(err)
 
     def text(self, top: int = 5) -> str:
         if not self.errors:
-            return f"FP8 quantization ({self.fmt}): no layer quantized; {len(self.kept)} kept in high precision"
+            return f"{self._what()} quantization ({self.fmt}): no layer quantized; {len(self.kept)} kept in high precision"
         rel = sorted(e.rel_error for e in self.errors)
         mean = sum(rel) / len(rel)
         med = rel[len(rel) // 2]
         worst = sorted(self.errors, key=lambda e: -e.rel_error)[:top]
-        lines = [f"FP8 quantization ({self.fmt}, {'per-row' if self.rowwise else 'per-tensor'} scale): "
+        scale = "block scales" if self.fmt == "nvfp4" else "per-row scale" if self.rowwise else "per-tensor scale"
+        lines = [f"{self._what()} quantization ({self.fmt}, {scale}): "
                  f"{len(self.errors)} layers quantized, {len(self.kept)} kept in high precision; relative error "
                  f"mean {mean:.3%}, median {med:.3%}, max {rel[-1]:.3%}"]
         for e in worst:

@@ -195,3 +195,38 @@ def state_entries(ck, q: QuantLayer) -> dict:
 
 def formats_text() -> str:
     return ", ".join(f"{name} ({BITS[fmt]} bits a weight)" for name, fmt in BLOCK_FORMATS.items())
+
+
+# Quantize-on-load weight modes -> (comfy_quant format, ComfyUI layout)
+LOAD_MODES = {"nvfp4": ("nvfp4", "TensorCoreNVFP4Layout"), "int8 tensorwise": ("int8_tensorwise", "TensorWiseINT8Layout")}
+
+
+def quantize_entries(key: str, t: torch.Tensor, mode: str) -> tuple[dict, float, float]:
+    """One high-precision Linear weight quantized with ComfyUI's own quantizer for `mode` (comfy.quant_ops, i.e.
+    comfy_kitchen's quantize_nvfp4 / quantize_int8_tensorwise): (state-dict entries as a file would hold them,
+    with the marker; relative error; max abs error). Needs ComfyUI (and comfy_kitchen, its requirement)."""
+    try:
+        import comfy.quant_ops as cq
+    except ImportError as e:
+        raise QuantFileError(f"weight mode {mode!r} quantizes with ComfyUI's own quantizers, which are not "
+                             f"importable here: {e}") from None
+    comfy_format, layout = LOAD_MODES[mode]
+    if not getattr(cq, "_CK_AVAILABLE", False):
+        raise QuantFileError(f"weight mode {mode!r} needs comfy_kitchen (one of ComfyUI's requirements), which "
+                             "ComfyUI could not import")
+    wf = t.float()
+    qt = cq.QuantizedTensor.from_float(wf, layout)
+    diff = wf - qt.dequantize().float()
+    denom = wf.norm().item()
+    rel = diff.norm().item() / denom if denom > 0 else 0.0
+    layer = key[: -len(".weight")]
+    stored = qt.state_dict(key)
+    keys = {"weight": key, **{part: f"{layer}.{suffix}" for part, suffix in FILE_KEYS[BLOCK_FORMATS[comfy_format]].items()
+                              if f"{layer}.{suffix}" in stored}}
+    q = QuantLayer(layer, comfy_format, BLOCK_FORMATS[comfy_format], keys, conf={"format": comfy_format})
+    out = {key: stored[key]}
+    for part, k in keys.items():
+        if part in STATE_KEYS:
+            out[f"{layer}.{STATE_KEYS[part]}"] = stored[k]
+    out[f"{layer}.{QUANT_MARKER}"] = marker_tensor(q.marker())
+    return out, rel, diff.abs().max().item() if diff.numel() else 0.0

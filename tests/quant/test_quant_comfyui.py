@@ -254,3 +254,29 @@ def test_bad_file_through_executor_names_file_tensor_expected_found(comfyui, flu
     assert "expected" in msg and "[64, " in msg, msg
     prompt["1"]["inputs"]["unet_name"] = name
     comfyui.run_prompt(prompt, execute=["1"])
+
+
+@pytest.mark.parametrize("mode, variant", [("nvfp4", "nvfp4"), ("int8 tensorwise", "int8_tensorwise")])
+def test_quantize_on_load_equals_comfyuis_own_quantization(comfyui, pack, flux_sd, mode, variant):
+    """weight_mode nvfp4 / int8 tensorwise quantizes a bf16 file's Linear weights while loading, with ComfyUI's
+    own quantizers: the layers hold exactly what a file quantized by ComfyUI would (same bytes), at that size."""
+    from safetensors.torch import save_file
+
+    folder = comfyui.models_dir("diffusion_models")
+    src = folder / "tiny_flux_bf16_quant_src.safetensors"
+    if not src.exists():
+        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in flux_sd.items()}, str(src))
+        comfyui.refresh_models()
+    (ours,) = pack("nodes.fp8.nodes").MetalFP8ModelLoader().load(src.name, mode, "fp32")
+    qops = pack("nodes.quant.ops")
+    mods = dict(qops.quant_modules(ours.model.diffusion_model))
+    assert len(mods) >= 8 and qops.quant_formats(ours.model) == {qm.VARIANTS[variant][0]: len(mods)}
+    import comfy.quant_ops as cq
+
+    bf16 = {k: v.to(torch.bfloat16) for k, v in flux_sd.items()}
+    for name, m in mods.items():
+        qt = cq.QuantizedTensor.from_float(bf16[name + ".weight"].float(), qm.VARIANTS[variant][1])
+        assert torch.equal(m.weight.view(torch.uint8), qt._qdata.view(torch.uint8)), name
+    stats = qops.weight_bytes(ours.model)
+    assert qm.VARIANTS[variant][4] <= stats["bits_per_quant_weight"] <= qm.VARIANTS[variant][4] + 0.01
+    assert torch.isfinite(_flux_sample(comfyui, ours, steps=1)).all()
