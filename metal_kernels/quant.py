@@ -147,11 +147,12 @@ def _check_out_dtype(out_dtype, what):
         raise TypeError(f"{what}: out_dtype {out_dtype} is not supported; expected float32, float16 or bfloat16")
 
 
-def _unswizzle_index(N: int, nblocks: int, ncb: int, device) -> torch.Tensor:
-    """(N, nblocks) int64 positions of each row's block scales in the swizzled layout."""
-    r = torch.arange(N, device=device, dtype=torch.int64).reshape(-1, 1)
-    c = torch.arange(nblocks, device=device, dtype=torch.int64).reshape(1, -1)
-    return ((r >> 7) * ncb + (c >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 + (c & 3)
+def _unswizzle(s: torch.Tensor, N: int, nblocks: int, lay: dict) -> torch.Tensor:
+    """Block scale bytes in the swizzled layout (quant_swizzle in quant.metal) -> (N, nblocks) in row order:
+    tile (row block, column block) holds row r at [r % 32][r / 32 % 4][column % 4]."""
+    rows, cols = lay["scale"]
+    t = s.reshape(rows // 128, cols // 4, 32, 4, 4).permute(0, 3, 2, 1, 4)
+    return t.reshape(rows, cols)[:N, :nblocks]
 
 
 def _e8m0(e: torch.Tensor) -> torch.Tensor:
@@ -159,19 +160,19 @@ def _e8m0(e: torch.Tensor) -> torch.Tensor:
     return torch.where(e == 0, torch.zeros_like(e), e << 23).view(torch.float32)
 
 
-def _nibbles(q: torch.Tensor, high_first: bool) -> torch.Tensor:
-    """uint8 (R, C) -> int64 (R, 2C) nibble codes in value order."""
-    b = q.to(torch.int64)
-    hi, lo = b >> 4, b & 15
-    pair = (hi, lo) if high_first else (lo, hi)
-    return torch.stack(pair, dim=-1).reshape(q.shape[0], -1)
+def _nibble_values(q: torch.Tensor, levels: torch.Tensor, high_first: bool) -> torch.Tensor:
+    """uint8 (R, C) of two 4-bit codes a byte -> (R, 2C) of levels[code] in value order (levels: 16 values;
+    one lookup of a 256-entry table of pairs per byte)."""
+    code = torch.arange(256, device=levels.device)
+    first, second = (code >> 4, code & 15) if high_first else (code & 15, code >> 4)
+    pairs = torch.stack([levels[first], levels[second]], dim=-1)            # (256, 2)
+    return torch.nn.functional.embedding(q.to(torch.int32), pairs).reshape(q.shape[0], -1)
 
 
 def _w4a8_grid(q, s, cb, N, K, group_size) -> torch.Tensor:
     """The weight on the INT8 grid (N, K) float32: comfy_kitchen's _dequant_int4_grouped_to_int8."""
-    u = _nibbles(q, high_first=False)
     levels = cb if cb is not None else _cached("grid", q.device)
-    values = levels[u]
+    values = _nibble_values(q, levels, high_first=False)
     srel = fp8_decode_reference(s, "e4m3fn", out_dtype=torch.float32) if s.dtype == torch.uint8 else s
     values = values.view(N, K // group_size, group_size) * srel.float().unsqueeze(-1)
     return values.view(N, K).round().clamp_(-127, 127)
@@ -182,25 +183,24 @@ def quant_dequantize_reference(qdata, fmt, scale, scale2=None, codebook=None, *,
     q, s, s2, cb, N, K, lay = _check(qdata, fmt, scale, scale2, codebook, shape, group_size, "quant_dequantize")
     _check_out_dtype(out_dtype, "quant_dequantize")
     dev = q.device
-    if fmt == "nvfp4":
-        lut = torch.tensor(_E2M1, dtype=out_dtype, device=dev)
-        vals = lut[_nibbles(q, high_first=True)[:N, :K]]
-        idx = _unswizzle_index(N, lay["padded"][1] // 16, lay["ncb"], dev)
-        bs = fp8_decode_reference(s[idx], "e4m3fn", out_dtype=torch.float32)
-        total = s2.reshape(()).to(out_dtype) * bs.to(out_dtype)          # in out_dtype, as comfy_kitchen
-        return vals * total.repeat_interleave(16, dim=1)[:, :K]
-    if fmt == "mxfp8":
-        vals = fp8_decode_reference(q[:N, :K], "e4m3fn", out_dtype=torch.float32)
-        idx = _unswizzle_index(N, lay["padded"][1] // 32, lay["ncb"], dev)
-        bs = _e8m0(s[idx]).repeat_interleave(32, dim=1)[:, :K]
-        return (vals * bs).to(out_dtype)
+    if fmt in BLOCK:
+        Kp, blk = lay["padded"][1], BLOCK[fmt]
+        codes = _unswizzle(s, N, Kp // blk, lay)
+        if fmt == "nvfp4":
+            vals = _nibble_values(q[:N], torch.tensor(_E2M1, dtype=out_dtype, device=dev), high_first=True)
+            bs = fp8_decode_reference(codes, "e4m3fn", out_dtype=torch.float32)
+            total = s2.reshape(()).to(out_dtype) * bs.to(out_dtype)      # in out_dtype, as comfy_kitchen
+            out = vals.view(N, Kp // blk, blk) * total.unsqueeze(-1)
+        else:
+            vals = fp8_decode_reference(q[:N], "e4m3fn", out_dtype=torch.float32)
+            out = (vals.view(N, Kp // blk, blk) * _e8m0(codes).unsqueeze(-1)).to(out_dtype)
+        return out.view(N, Kp)[:, :K]
     if fmt == "int8":
         sc = s.reshape(()) if s.numel() == 1 else s.reshape(N, 1)
         return (q.view(torch.int8).float() * sc).to(out_dtype)
     if fmt == "w4a8":
         return (_w4a8_grid(q, s, cb, N, K, group_size) * s2.reshape(N, 1)).to(out_dtype)
-    u = _nibbles(q, high_first=False)
-    signed = torch.where(u >= 8, u - 16, u).float()
+    signed = _nibble_values(q, _cached("signed", dev), high_first=False)
     return (signed * s.reshape(N, 1)).to(out_dtype)
 
 
@@ -233,12 +233,14 @@ _CACHED: dict[tuple, torch.Tensor] = {}
 
 
 def _cached(name: str, device) -> torch.Tensor:
-    """16 cached floats on `device`: "grid" the W4A8 levels without a codebook (code - 8), "dummy" bound
-    where a kernel's optional input is unused (never read)."""
+    """16 cached floats on `device`: "grid" the W4A8 levels without a codebook (code - 8), "signed" the W4A4
+    nibbles' values, "dummy" bound where a kernel's optional input is unused (never read)."""
     key = (name, str(device))
     t = _CACHED.get(key)
     if t is None:
-        t = torch.arange(16, dtype=torch.float32) - 8.0 if name == "grid" else torch.zeros(16)
+        t = {"grid": torch.arange(16, dtype=torch.float32) - 8.0,             # code - 8
+             "signed": torch.tensor([float(c - 16 * (c >= 8)) for c in range(16)]),   # two's complement
+             "dummy": torch.zeros(16)}[name]
         t = _CACHED[key] = t.to(device)
     return t
 

@@ -280,3 +280,52 @@ def test_quantize_on_load_equals_comfyuis_own_quantization(comfyui, pack, flux_s
     stats = qops.weight_bytes(ours.model)
     assert qm.VARIANTS[variant][4] <= stats["bits_per_quant_weight"] <= qm.VARIANTS[variant][4] + 0.01
     assert torch.isfinite(_flux_sample(comfyui, ours, steps=1)).all()
+
+
+@pytest.mark.parametrize("variant", ["asym_w4a8_int8"])
+def test_text_encoder_matches_stock_on_the_dequantized_weights(comfyui, pack, variant, monkeypatch):
+    """A full-size random CLIP-L (ComfyUI's CLIPTextModel, its tokenizer ships with ComfyUI) with its Linear
+    layers quantized by ComfyUI, through Load Text Encoder (FP8, Metal) and CLIPTextEncode in the executor,
+    weight-only (W4A8: the Mac path, faked here), against the stock CLIPLoader on ComfyUI's dequantized
+    weights (fp16, ComfyUI's CPU text-encoder dtype)."""
+    import json
+    import os
+
+    import comfy.clip_model
+    import comfy.ops
+    import comfy.sd1_clip
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(os.path.dirname(comfy.sd1_clip.__file__), "sd1_clip_config.json")) as f:
+        config = json.load(f)
+    net = comfy.clip_model.CLIPTextModel(config, torch.float32, "cpu", comfy.ops.manual_cast)
+    fm.fill_module_(net, seed=5, std=0.02)
+    sd = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    del net
+    folder = comfyui.models_dir("text_encoders")
+    name, oracle = f"clip_l_{variant}.safetensors", f"clip_l_{variant}_dequantized.safetensors"
+    layers = qm.write_comfy_quant(folder / name, sd, variant, ("embeddings", "text_projection"), folder / oracle)
+    save_file({k: v.to(torch.float16).contiguous() for k, v in load_file(str(folder / oracle)).items()},
+              str(folder / oracle))
+    comfyui.refresh_models()
+    assert len(layers) == 72
+    qops = pack("nodes.quant.ops")
+    monkeypatch.setattr(qops, "weight_only", lambda device: True)
+    text = "a photo of a cat on a red sofa"
+    prompt = {"1": {"class_type": "MetalFP8TextEncoderLoader",
+                    "inputs": {"clip_name": name, "type": "stable_diffusion", "device": "cpu"}},
+              "2": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 0], "text": text}}}
+    res = comfyui.run_prompt(prompt, execute=["1", "2"])
+    ours, ca = res.node_outputs["1"][0], res.node_outputs["2"][0]
+    ours = ours[0] if isinstance(ours, list) else ours
+    if not isinstance(ca[0][0], torch.Tensor):
+        ca = ca[0]
+    assert len(dict(qops.quant_modules(ours.cond_stage_model))) == 72
+    assert qops.quant_paths(ours.cond_stage_model) == {qops.WEIGHT_ONLY: 72}
+    (stock,) = comfyui.nodes.CLIPLoader().load_clip(oracle, "stable_diffusion", "cpu")
+    (cb,) = comfyui.nodes.CLIPTextEncode().encode(stock, text)
+    a, b = ca[0][0].float(), cb[0][0].float()
+    pa, pb = ca[0][1]["pooled_output"].float(), cb[0][1]["pooled_output"].float()
+    print(f"clip-l {variant} ours vs stock(dequantized): cond rel {rel(a, b):.2e}, pooled rel {rel(pa, pb):.2e}")
+    # both in ComfyUI's CPU text-encoder dtype (fp16): only the rounding of the dequantized weights differs
+    assert torch.isfinite(a).all() and a.shape == b.shape and rel(a, b) < 1e-2 and rel(pa, pb) < 1e-2

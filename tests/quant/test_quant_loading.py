@@ -248,3 +248,11 @@ def test_saving_writes_the_layers_back_as_stored(tmp_path, variant):
             assert after[k].dtype == v.dtype and after[k].shape == v.shape, k
             assert torch.equal(after[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
     assert sorted(formats.open_checkpoint(out).quant_layers) == ["fc1.weight", "fc2.weight"]
+
+
+def test_int8_runs_weight_only_exactly_on_mps():
+    """MPS has no _int_mm: the INT8 family runs weight-only there; CPU and CUDA keep ComfyUI's own path."""
+    assert qops.weight_only("mps") and qops.weight_only(torch.device("mps"))
+    assert not qops.weight_only("cpu") and not qops.weight_only("cuda")
+    assert "no _int_mm" in qops.path_note({"int8", "w4a8"}, "mps")
+    assert "nvfp4 weight-only" in qops.path_note({"nvfp4"}, "cpu")

@@ -15,7 +15,23 @@ import textwrap
 import torch
 
 from ...common.report import Table, human_bytes, median_seconds
-from .fp8 import _COMFY_SETUP, _LOAD_OURS, _LOAD_STOCK, _PRELUDE, TO_DEVICE, _comfy_path, _run
+from .fp8 import _COMFY_SETUP, _LOAD_OURS, _LOAD_REPORT, _LOAD_STOCK, _PRELUDE, TO_DEVICE, _comfy_path, _run
+
+# The FP8 section's load scripts, reporting bits a weight over the QUANTIZED Linear layers only (ours: a
+# quant_shape; stock: a QuantizedTensor weight), packed weights and every scale.
+_QUANT_REPORT = textwrap.dedent("""
+    n = b = 0
+    for mod in m.model.modules():
+        w = getattr(mod, "weight", None)
+        shape = getattr(mod, "quant_shape", None) or (tuple(w.shape) if type(w).__name__ == "QuantizedTensor" else None)
+        if type(mod).__name__ != "Linear" or shape is None:
+            continue
+        n += shape[0] * shape[1]
+        b += sum(t.nbytes for key, t in mod.state_dict().items() if not key.endswith(("bias", "comfy_quant")))
+    print(json.dumps({"seconds": p.seconds, "peak": p.grown, "bpw": b / n, "size": m.model_size(),
+                      "loaded": m.loaded_size()}))
+""")
+_LOAD_OURS_Q, _LOAD_STOCK_Q = (s.replace(_LOAD_REPORT, _QUANT_REPORT) for s in (_LOAD_OURS, _LOAD_STOCK))
 
 FORMATS = {  # variant -> (comfy_quant format, layout, from_float kwargs, comfy_quant JSON extras)
     "nvfp4": ("nvfp4", "TensorCoreNVFP4Layout", {}, {}),
@@ -59,7 +75,7 @@ _MAKE = _PRELUDE + _COMFY_SETUP + textwrap.dedent("""
 
 
 def load_table(quick: bool) -> Table:
-    t = Table("comfy_quant loading: bits a Linear weight as held, load time, peak RSS growth during the load",
+    t = Table("comfy_quant loading: bits a quantized weight as held, load time, peak RSS growth during the load",
               ["loader", "format", "file size", "bits/weight", "load s", "peak RSS growth", "on device"])
     comfy = _comfy_path()
     if comfy is None:
@@ -74,7 +90,7 @@ def load_table(quick: bool) -> Table:
         for variant in FORMATS:
             path = f"{prefix}_{variant}.safetensors"
             size = os.path.getsize(path)
-            for script, name in ((_LOAD_OURS, "MetalFP8ModelLoader"), (_LOAD_STOCK, "ComfyUI UNETLoader (stock)")):
+            for script, name in ((_LOAD_OURS_Q, "MetalFP8ModelLoader"), (_LOAD_STOCK_Q, "ComfyUI UNETLoader (stock)")):
                 try:
                     r = _run(script, comfy, path)
                     t.add(name, variant, human_bytes(size), round(8 * r["bpw"], 3), round(r["seconds"], 3),
@@ -83,8 +99,8 @@ def load_table(quick: bool) -> Table:
                     t.add(name, variant, human_bytes(size), "error", "", str(e)[:60], "")
     t.note = (f"Flux-shaped h{hidden} d{depth}+{single}, bf16 random weights, Linear layers with K % 256 == 0 "
               "quantized by ComfyUI's own quantizers (input/output projections stay bf16). Both rows time: build "
-              f"the MODEL from the file, then {TO_DEVICE}. bits/weight: Linear weights + all their scales "
-              "(stock ComfyUI's QuantizedTensor state dict likewise). peak RSS growth: kernel high-water mark "
+              f"the MODEL from the file, then {TO_DEVICE}. bits/weight: the quantized Linear layers' packed weights "
+              "and all their scales, as held (stock: its QuantizedTensor state dicts). peak RSS growth: kernel high-water mark "
               "reset before the load (Linux) or 1 ms RSS sampling.")
     return t
 
