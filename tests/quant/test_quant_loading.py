@@ -256,3 +256,20 @@ def test_int8_runs_weight_only_exactly_on_mps():
     assert not qops.weight_only("cpu") and not qops.weight_only("cuda")
     assert "no _int_mm" in qops.path_note({"int8", "w4a8"}, "mps")
     assert "nvfp4 weight-only" in qops.path_note({"nvfp4"}, "cpu")
+
+
+def test_nvfp4_pre_quant_scale_multiplies_the_input(tmp_path):
+    """ModelOpt NVFP4 files may carry a per-input-feature pre_quant_scale (AWQ smoothing): ComfyUI multiplies
+    the input by it before the layer; so do the pack's layers. An input_scale (for FP4 activations) is ignored."""
+    from safetensors.torch import load_file
+
+    path, _, deq = _write(tmp_path, "nvfp4")
+    t = load_file(str(path))
+    pqs = torch.rand(K) + 0.5
+    t["fc1.pre_quant_scale"] = pqs
+    t["fc1.input_scale"] = torch.tensor(0.01)
+    save_file(t, str(tmp_path / "pqs.safetensors"))
+    net, ck_ = _load(tmp_path / "pqs.safetensors")
+    assert "fc1.pre_quant_scale" in ck_.aux_keys and "fc1.input_scale" in ck_.aux_keys
+    x = torch.randn(3, K)
+    torch.testing.assert_close(net.fc1(x), (x * pqs) @ deq["fc1.weight"].T + deq["fc1.bias"], rtol=1e-5, atol=1e-5)
