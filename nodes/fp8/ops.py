@@ -14,6 +14,10 @@ LoRA: `MetalFP8ModelPatcher` (a `comfy.model_patcher.ModelPatcher`) does not rew
 for a patched FP8 weight it installs ComfyUI's own `LowVramPatch` on the layer, which the forward
 applies to the decoded weight (`comfy.lora.calculate_weight`) -- no re-quantization, no bf16 copy.
 Modules without an FP8 weight behave exactly like `comfy.ops.manual_cast`.
+
+ComfyUI's block formats (comfy_quant NVFP4, MXFP8, INT8, W4A8, W4A4) are taken by the mixins of
+nodes/quant/ops.py in front of Linear and Embedding (their state dict carries a marker,
+`_load_packed_weight`); the same patcher, forward hooks and accounting apply to them.
 """
 from __future__ import annotations
 
