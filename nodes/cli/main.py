@@ -43,10 +43,16 @@ def doctor(args) -> int:
         if k["backend"] == "reference" and k["device"] == "mps":
             failed = True
     report["measured"] = metal_kernels.dispatch.measured_records()
+    from ..status import dispatch_state, force_reference_enabled, loaded_models, memory_info, plain_summary, short_report
+
+    state = {**dispatch_state(run_pending=True), "force_reference": force_reference_enabled(), "memory": memory_info(),
+             "loaded_models": loaded_models()}
+    report["summary"] = plain_summary(state)       # the Metal tab's words (verdict, saved, what to do)
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
         print()
         return 1 if failed else 0
+    print(short_report(report["summary"], state["memory"], more="The tables below have the details.") + "\n")
     caps = Table("Capabilities", ["probe", "value"])
     for key, value in status["capabilities"].items():
         caps.add(key, value)

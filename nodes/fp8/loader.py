@@ -23,7 +23,8 @@ from ..quant.ops import RUN_KERNELS as QUANT_KERNELS
 from ..quant.ops import QUANT_TAG, path_note, quant_formats, quant_modules
 from ..quant.ops import weight_bytes as quant_weight_bytes
 from .formats import ST_DTYPES, CheckpointError, open_checkpoint
-from .ops import RUN_KERNELS, FP8LayerError, fp8_modules, make_fp8_ops, storage_dtype, weight_bytes, wrap_patcher
+from .ops import (RUN_KERNELS, FP8LayerError, fp8_modules, make_fp8_ops, record_quantized, storage_dtype, weight_bytes,
+                  wrap_patcher)
 from .quantize import (LayerError, QuantSummary, atomic_save, carried_metadata, comfy_quant_entries, keep_reason,
                            quant_metadata, quantize, relative_error)
 
@@ -162,6 +163,7 @@ def load_diffusion_model(path, weight_mode="auto", compute_dtype="auto", model_o
              ck.name, time.perf_counter() - t0, stats["fp8_layers"], stats["bytes_per_fp8_weight"],
              stats["total_bytes"] / 2**20)
     log_quant_layers(ck.name, patcher.model, load_device)
+    record_quantized(patcher.model, ck.name)
     return patcher
 
 
@@ -234,6 +236,7 @@ def build_text_encoder(path, sds: list, clip_type: str, opts: dict, run_kernels)
     clip.patcher = wrap_patcher(clip.patcher)
     clip.patcher.cached_patcher_init = None
     record_forward_kernels(clip.cond_stage_model, run_kernels)
+    record_quantized(clip.cond_stage_model, os.path.basename(str(path)))
     return clip
 
 

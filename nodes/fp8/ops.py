@@ -22,6 +22,7 @@ nodes/quant/ops.py in front of Linear and Embedding (their state dict carries a 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -478,6 +479,27 @@ def weight_bytes(model: torch.nn.Module) -> dict:
     total = sum(t.nbytes for t in model.state_dict().values())
     return {"fp8_bytes": fp8_bytes, "fp8_weights": fp8_elems, "fp8_layers": layers, "total_bytes": total,
             "bytes_per_fp8_weight": fp8_bytes / fp8_elems if fp8_elems else float("nan")}
+
+
+def quantized_memory(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes the model's weights take, bytes they would take with its quantized layers, FP8, GGUF or a
+    comfy_quant block format, in bf16): what the pack's loaders save, for the status displays."""
+    held = sum(t.nbytes for t in model.state_dict().values())
+    as_bf16 = held
+    for _, m in fp8_modules(model):
+        own = sum(t.nbytes for t in (m.weight, m.weight_scale, getattr(m, "weight_scale_2", None),
+                                     getattr(m, "weight_codebook", None)) if t is not None)
+        shape = getattr(m, "quant_shape", None) or getattr(m, "gguf_shape", None) or m.weight.shape
+        as_bf16 += 2 * math.prod(shape) - own
+    return held, as_bf16
+
+
+def record_quantized(model: torch.nn.Module, name: str) -> None:
+    """Tell the status displays (nodes/status) about a model a loader made with quantized layers."""
+    from ..status import record_loaded_model
+
+    if any(True for _ in fp8_modules(model)):
+        record_loaded_model(model, name, *quantized_memory(model))
 
 
 # ------------------------------------------------------------------------------------------------

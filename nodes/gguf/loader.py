@@ -18,7 +18,7 @@ from ..fp8.loader import (COMPUTE_DTYPES, FP8LoadError, _call_with_supported, _c
                           _wrap_errors, build_text_encoder, text_encoder_options)
 from ..common.models import model_choices, require_model
 from ..fp8.nodes import _record
-from ..fp8.ops import wrap_patcher
+from ..fp8.ops import record_quantized, wrap_patcher
 from .ops import RUN_KERNELS, GGUFTensor, gguf_modules, make_gguf_ops, weight_bytes
 from .reader import (IMAGE_ARCHS, LLAMA_ARCHS, TEXT_ARCHS, GGUFFile, GGUFFileError, llama_state_dict,
                      t5_key, uses_llama_cpp_names)
@@ -58,6 +58,7 @@ def _log_loaded(name, patcher_model, t0):
     log.info("comfy_metal: %s loaded in %.2fs: %d GGUF layers, %.3f bytes per quantised weight, %.1f MiB total",
              name, time.perf_counter() - t0, sum(1 for _ in gguf_modules(patcher_model)),
              stats["bytes_per_gguf_weight"], stats["total_bytes"] / 2**20)
+    record_quantized(patcher_model, name)
 
 
 def load_diffusion_model(path, compute_dtype="auto", model_options=None):
@@ -136,7 +137,7 @@ def load_text_encoder(paths, clip_type="stable_diffusion", device="gpu", compute
     names = "+".join(os.path.basename(str(p)) for p in paths)
     opts, dtype = text_encoder_options(model_options, device, compute_dtype)
     opts["custom_operations"] = make_gguf_ops(names, dtype)
-    return build_text_encoder(paths[0], sds, clip_type, opts, RUN_KERNELS)
+    return build_text_encoder(names, sds, clip_type, opts, RUN_KERNELS)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ def test_doctor_json_reports_every_kernel_and_runs_the_pipeline(tmp_path):
     assert set(kernels) == set(REGISTRY)
     for name, k in kernels.items():
         assert k["backend"] in ("metal", "emulator", "reference") and k["reason"], name
+    assert report["summary"]["verdict"].startswith("No Apple GPU here")     # the Metal tab's words
     caps = report["status"]["capabilities"]
     assert "native_fp8_e4m3fn_on_mps" in caps and "torch.mps.compile_shader" in caps
     stages = {s["stage"]: s for s in report["stages"]}
@@ -50,6 +51,8 @@ def test_doctor_text_report_is_readable_and_writes_nothing_into_the_current_fold
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for heading in ("Capabilities", "Kernels (COMFY_METAL_BACKEND=auto)", "End-to-end pipeline on synthetic weights"):
         assert heading in proc.stdout
+    # it leads with the Metal tab's verdict in words
+    assert proc.stdout.lstrip().startswith("No Apple GPU here: Comfy Metal runs its plain PyTorch code"), proc.stdout[:500]
     assert os.listdir(cwd) == []
     png = pathlib.Path(re.search(r"PNG written to (\S+\.png)", proc.stdout).group(1))
     assert png.is_absolute() and png.parent.parent == tmp.resolve(), png

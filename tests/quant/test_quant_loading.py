@@ -79,6 +79,9 @@ def test_layers_compute_with_comfy_kitchens_weights_at_the_stored_size(tmp_path,
     assert qops.quant_paths(net) == {qops.WEIGHT_ONLY: 2}
     stats = qops.weight_bytes(net)
     assert stats["quant_weights"] == HIDDEN * K + N * HIDDEN
+    held, as_bf16 = fp8_ops.quantized_memory(net)        # what the status displays say the loader saves
+    assert held == sum(t.nbytes for t in net.state_dict().values())
+    assert as_bf16 == held - stats["quant_bytes"] + 2 * stats["quant_weights"]
     bits = qm.VARIANTS[variant][4]
     assert bits <= stats["bits_per_quant_weight"] <= bits + 0.27 + (0.8 if variant == "nvfp4" else 0)  # N = 64:
     # NVFP4's swizzled block scales are padded to 128 rows
