@@ -112,7 +112,8 @@ class QuantSummary:
 
     def text(self, top: int = 5) -> str:
         if not self.errors:
-            return f"{self._what()} quantization ({self.fmt}): no layer quantized; {len(self.kept)} kept in high precision"
+            return (f"{self._what()} quantization ({self.fmt}): no layer quantized; {len(self.kept)} kept in high "
+                    "precision")
         rel = sorted(e.rel_error for e in self.errors)
         mean = sum(rel) / len(rel)
         med = rel[len(rel) // 2]

@@ -30,7 +30,6 @@ QUANT_MARKER = "comfy_metal_quant"
 # comfy_quant format -> the kernels' format name
 BLOCK_FORMATS = {"nvfp4": "nvfp4", "mxfp8": "mxfp8", "int8_tensorwise": "int8", "asym_w4a8_int8": "w4a8",
                  "convrot_w4a4": "w4a4"}
-ROTATED = ("w4a8", "w4a4")              # always ConvRot-rotated; int8 only with "convrot": true
 # Where each part is stored in the file (suffix after the layer name) and in the state dict handed to ComfyUI.
 FILE_KEYS = {
     "nvfp4": {"scale": "weight_scale", "scale2": "weight_scale_2"},
@@ -198,7 +197,8 @@ def formats_text() -> str:
 
 
 # Quantize-on-load weight modes -> (comfy_quant format, ComfyUI layout)
-LOAD_MODES = {"nvfp4": ("nvfp4", "TensorCoreNVFP4Layout"), "int8 tensorwise": ("int8_tensorwise", "TensorWiseINT8Layout")}
+LOAD_MODES = {"nvfp4": ("nvfp4", "TensorCoreNVFP4Layout"),
+              "int8 tensorwise": ("int8_tensorwise", "TensorWiseINT8Layout")}
 
 
 def quantize_entries(key: str, t: torch.Tensor, mode: str) -> tuple[dict, float, float]:
@@ -221,8 +221,8 @@ def quantize_entries(key: str, t: torch.Tensor, mode: str) -> tuple[dict, float,
     rel = diff.norm().item() / denom if denom > 0 else 0.0
     layer = key[: -len(".weight")]
     stored = qt.state_dict(key)
-    keys = {"weight": key, **{part: f"{layer}.{suffix}" for part, suffix in FILE_KEYS[BLOCK_FORMATS[comfy_format]].items()
-                              if f"{layer}.{suffix}" in stored}}
+    parts = FILE_KEYS[BLOCK_FORMATS[comfy_format]].items()
+    keys = {"weight": key, **{part: f"{layer}.{suffix}" for part, suffix in parts if f"{layer}.{suffix}" in stored}}
     q = QuantLayer(layer, comfy_format, BLOCK_FORMATS[comfy_format], keys, conf={"format": comfy_format})
     out = {key: stored[key]}
     for part, k in keys.items():

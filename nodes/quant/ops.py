@@ -24,7 +24,7 @@ import math
 import torch
 
 from ..fp8.ops import GEMV_MAX_ROWS, FP8LayerError
-from .formats import FILE_KEYS, QUANT_MARKER, ROTATED, marker_tensor, read_marker
+from .formats import FILE_KEYS, QUANT_MARKER, marker_tensor, read_marker
 
 QUANT_TAG = "comfy_quant"                 # the layers' fp8_format for a block-quantized weight
 INT8_FAMILY = ("int8", "w4a8", "w4a4")    # where ComfyUI's own path quantizes activations (_int_mm)
@@ -66,9 +66,6 @@ class QuantWeightMixin:
     quant_info: dict | None = None         # the marker: format names, file tensor name, comfy_quant JSON
     quant_last_path: str | None = None
 
-    def _quant_expected_shape(self) -> tuple:
-        return tuple(self._fp8_expected_shape())
-
     def _quant_buffer(self, name: str, t: torch.Tensor | None) -> None:
         self._buffers.pop(name, None)
         self.__dict__.pop(name, None)
@@ -86,7 +83,7 @@ class QuantWeightMixin:
         codebook = state_dict.pop(prefix + "weight_codebook", None)
         pqs = state_dict.pop(prefix + "pre_quant_scale", None)
         fmt, group, rot = info["format"], int(info.get("group_size") or 0), int(info.get("convrot") or 0)
-        shape = self._quant_expected_shape()
+        shape = tuple(self._fp8_expected_shape())
         source = self._fp8_source or "checkpoint"
         name = f"{type(self).__name__} {prefix.rstrip('.')}"
         tensor = info.get("tensor") or prefix + "weight"
@@ -324,4 +321,4 @@ def quant_paths(model: torch.nn.Module) -> dict[str, int]:
 
 
 __all__ = ["QUANT_TAG", "QuantWeightMixin", "QuantLinearMixin", "QuantEmbeddingMixin", "quant_modules", "weight_bytes",
-           "quant_formats", "quant_paths", "path_note", "weight_only", "ROTATED", "RUN_KERNELS"]
+           "quant_formats", "quant_paths", "path_note", "weight_only", "RUN_KERNELS"]

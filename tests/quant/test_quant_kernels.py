@@ -183,7 +183,8 @@ def test_unaligned_storage_takes_the_byte_path(lib):
 
 
 CASES = [("nvfp4", 40, 72, {}), ("nvfp4", 200, 272, {}), ("mxfp8", 33, 50, {}), ("int8", 5, 37, {}),
-         ("int8", 48, 80, {}), ("w4a8", 7, 48, {"group_size": 16}), ("w4a8", 5, 64, {"group_size": 32, "codebook": False}),
+         ("int8", 48, 80, {}), ("w4a8", 7, 48, {"group_size": 16}),
+         ("w4a8", 5, 64, {"group_size": 32, "codebook": False}),
          ("w4a8", 4, 80, {"group_size": 16, "f32_srel": True}), ("w4a4", 5, 70, {}), ("w4a4", 9, 256, {})]
 
 

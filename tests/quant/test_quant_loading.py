@@ -30,7 +30,8 @@ K, N, HIDDEN = 128, 64, 256
 
 def _sd(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {"fc1.weight": torch.randn(HIDDEN, K, generator=g) * K ** -0.5, "fc1.bias": torch.randn(HIDDEN, generator=g) * 0.1,
+    return {"fc1.weight": torch.randn(HIDDEN, K, generator=g) * K ** -0.5,
+            "fc1.bias": torch.randn(HIDDEN, generator=g) * 0.1,
             "fc2.weight": torch.randn(N, HIDDEN, generator=g) * HIDDEN ** -0.5,
             "norm.weight": torch.ones(K), "norm.bias": torch.zeros(K)}
 
@@ -112,9 +113,9 @@ def test_int8_embedding_gathers_rows_like_comfy_kitchen(convrot):
     sd = {f"emb.{k[4:]}": v for k, v in qt.state_dict("emb.weight").items()}
     conf = {"format": "int8_tensorwise", **({"convrot": True, "convrot_groupsize": convrot} if convrot else {})}
     sd["emb.comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
-    q = qformats.describe_layer({k: formats.TensorEntry(k, {torch.int8: "I8", torch.float32: "F32", torch.uint8: "U8"}[v.dtype],
-                                                       tuple(v.shape), 0, 0) for k, v in sd.items()},
-                               "emb", "int8_tensorwise", conf, "test")
+    st = {torch.int8: "I8", torch.float32: "F32", torch.uint8: "U8"}
+    entries = {k: formats.TensorEntry(k, st[v.dtype], tuple(v.shape), 0, 0) for k, v in sd.items()}
+    q = qformats.describe_layer(entries, "emb", "int8_tensorwise", conf, "test")
     ops = fp8_ops.make_fp8_ops("emb.safetensors", standalone=True)
     emb = ops.Embedding(vocab, dim)
     state = {"weight": sd["emb.weight"], "weight_scale": sd["emb.weight_scale"],
@@ -142,7 +143,11 @@ def test_gemv_on_faked_mps_only_where_measured_faster(tmp_path, monkeypatch):
     from comfy_metal.metal_kernels import quant
 
     real_gemv = quant.quant_gemv
-    monkeypatch.setattr(quant, "quant_gemv", lambda *a, **k: (setattr(clock, "t", clock.t + 5.0), real_gemv(*a, **k))[1])
+    def slow_gemv(*a, **k):
+        clock.t += 5.0
+        return real_gemv(*a, **k)
+
+    monkeypatch.setattr(quant, "quant_gemv", slow_gemv)
     try:
         x = torch.randn(3, HIDDEN)
         torch.testing.assert_close(net.fc2(x), x @ deq["fc2.weight"].T, rtol=1e-5, atol=1e-5)
@@ -182,8 +187,8 @@ BAD = {
                                r"bad\.safetensors: nvfp4 layer fc2 .* has no tensor fc2\.weight_scale_2 \(the tensor "
                                r"scale weight_scale_2\); expected it next to fc2\.weight"),
     "block size that does not divide": ("nvfp4", lambda t: t.__setitem__("fc2.weight", t["fc2.weight"][:, :124]),
-                                        r"bad\.safetensors: tensor fc2\.weight .* holds \[64, 248\] values; nvfp4 stores "
-                                        r"rows and columns padded to whole 16-value blocks"),
+                                        r"bad\.safetensors: tensor fc2\.weight .* holds \[64, 248\] values; nvfp4 "
+                                        r"stores rows and columns padded to whole 16-value blocks"),
     "group size that does not divide": ("asym_w4a8_int8", lambda t: _conf(t, "fc1", {"format": "asym_w4a8_int8",
                                                                                       "group_size": 24}),
                                         r"bad\.safetensors: tensor fc1\.weight .*: w4a8: K = 128 with group size 24"),
@@ -192,7 +197,8 @@ BAD = {
                        r"read either\).*supported: .*nvfp4"),
     "unknown format": ("int8_tensorwise", lambda t: _conf(t, "fc1", {"format": "int3_magic"}),
                        r"bad\.safetensors: layer fc1 .* unknown format 'int3_magic'.*supported: .*convrot_w4a4"),
-    "wrong dtype": ("mxfp8", lambda t: t.__setitem__("fc1.weight_scale", t["fc1.weight_scale"].view(torch.uint8).float()),
+    "wrong dtype": ("mxfp8", lambda t: t.__setitem__("fc1.weight_scale",
+                                                     t["fc1.weight_scale"].view(torch.uint8).float()),
                     r"bad\.safetensors: tensor fc1\.weight_scale .* has dtype F32; expected F8_E8M0 or U8"),
     "asymmetric w4a8": ("asym_w4a8_int8", lambda t: t.__setitem__("fc1.weight_correction", torch.zeros(8, HIDDEN)),
                         r"bad\.safetensors: tensor fc1\.weight_correction: .* asymmetric"),

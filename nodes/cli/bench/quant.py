@@ -100,8 +100,8 @@ def load_table(quick: bool) -> Table:
     t.note = (f"Flux-shaped h{hidden} d{depth}+{single}, bf16 random weights, Linear layers with K % 256 == 0 "
               "quantized by ComfyUI's own quantizers (input/output projections stay bf16). Both rows time: build "
               f"the MODEL from the file, then {TO_DEVICE}. bits/weight: the quantized Linear layers' packed weights "
-              "and all their scales, as held (stock: its QuantizedTensor state dicts). peak RSS growth: kernel high-water mark "
-              "reset before the load (Linux) or 1 ms RSS sampling.")
+              "and all their scales, as held (stock: its QuantizedTensor state dicts). peak RSS growth: kernel "
+              "high-water mark reset before the load (Linux) or 1 ms RSS sampling.")
     return t
 
 
@@ -138,5 +138,6 @@ def bench(quick: bool = False) -> list[Table]:
         try:
             tables.append(make(quick))
         except Exception as e:
-            tables.append(Table(f"quant bench section {make.__name__} failed", ["error"], [[f"{type(e).__name__}: {e}"]]))
+            tables.append(Table(f"quant bench section {make.__name__} failed", ["error"],
+                                [[f"{type(e).__name__}: {e}"]]))
     return tables
