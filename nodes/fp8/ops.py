@@ -372,6 +372,7 @@ def make_fp8_ops(source: str = "", compute_dtype: torch.dtype | None = None,
     class Linear(QuantLinearMixin, FP8LinearMixin, base.Linear):
         _fp8_source = source
         _fp8_storage = storage
+        quant_comfy_path = not standalone
 
         def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
             self._fp8_init(in_features, out_features, bias, device, dtype)

@@ -65,6 +65,7 @@ class QuantWeightMixin:
     quant_rot: int = 0                     # ConvRot group size, 0 if not rotated
     quant_info: dict | None = None         # the marker: format names, file tensor name, comfy_quant JSON
     quant_last_path: str | None = None
+    quant_comfy_path = False               # op sets built for ComfyUI: its own INT8 path off MPS
 
     def _quant_buffer(self, name: str, t: torch.Tensor | None) -> None:
         self._buffers.pop(name, None)
@@ -208,7 +209,8 @@ class QuantLinearMixin(QuantWeightMixin):
         if self._weight_functions():
             self.quant_last_path = "dequantised (patched)"
             y = torch.nn.functional.linear(x2, self.fp8_decoded_weight(x.device, dtype), bias)
-        elif self.quant_fmt in INT8_FAMILY and not weight_only(x.device) and _comfy_quant_ops() is not None:
+        elif self.quant_comfy_path and self.quant_fmt in INT8_FAMILY and not weight_only(x.device) \
+                and _comfy_quant_ops() is not None:
             self.quant_last_path = COMFY_PATH
             y = torch.nn.functional.linear(x2, self.quant_comfy_tensor(x.device, dtype), bias)
         else:
@@ -293,13 +295,14 @@ def quant_formats(model: torch.nn.Module) -> dict[str, int]:
     return out
 
 
-def path_note(formats, device) -> str:
-    """What the block-quantized layers of `formats` (kernel names) run on `device`, in words."""
+def path_note(formats, device, comfy_path: bool = True) -> str:
+    """What the block-quantized layers of `formats` (kernel names) run on `device`, in words (comfy_path: the
+    layers would take ComfyUI's own INT8 path where there is one)."""
     device = torch.device(device)
     int8 = sorted(f for f in formats if f in INT8_FAMILY)
     parts = []
     if int8:
-        if weight_only(device) or _comfy_quant_ops() is None:
+        if weight_only(device) or not comfy_path or _comfy_quant_ops() is None:
             parts.append(f"{'/'.join(int8)} weight-only on {device.type} (quant_gemv <= {GEMV_MAX_ROWS} rows, "
                          "quant_dequantize + matmul above; no _int_mm)")
         else:

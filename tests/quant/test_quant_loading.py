@@ -76,7 +76,7 @@ def test_layers_compute_with_comfy_kitchens_weights_at_the_stored_size(tmp_path,
     for M in (1, 3, 8, 20):              # GEMV and dequantise + matmul
         x = torch.randn(M, K)
         torch.testing.assert_close(net(x), ref(x), rtol=2e-5, atol=2e-6)
-    # standalone (no ComfyUI): every format weight-only
+    # the standalone op set (no ComfyUI in its layers): every format weight-only
     assert qops.quant_paths(net) == {qops.WEIGHT_ONLY: 2}
     stats = qops.weight_bytes(net)
     assert stats["quant_weights"] == HIDDEN * K + N * HIDDEN
