@@ -52,9 +52,10 @@ def _roundup(x: int, m: int) -> int:
 
 
 def quant_layout(fmt: str, shape, group_size: int = 0) -> dict:
-    """The stored shapes of a weight of logical `shape` (N, K): {"qdata": shape, "scale": shape or numel
-    ("swizzled" formats give the flat byte count), "scale2": numel or None, ...} plus the padded (Np, Kp).
-    Raises ValueError naming what does not fit (K not a multiple of the block, a bad group size)."""
+    """The stored shapes of a weight of logical `shape` (N, K): {"qdata": shape, "scale": shape (nvfp4 / mxfp8:
+    the swizzled tiles' (rows, columns)), "scale2": values or None, "padded": (Np, Kp)}, and "ncb" (tiles a row
+    of scale tiles) for the block formats. Raises ValueError naming what does not fit (an odd K of 4-bit
+    values, a bad group size)."""
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"quant format {fmt!r} is not supported; expected one of {', '.join(QUANT_FORMATS)}")
     N, K = (int(s) for s in shape)
@@ -194,7 +195,8 @@ def quant_dequantize_reference(qdata, fmt, scale, scale2=None, codebook=None, *,
         else:
             vals = fp8_decode_reference(q[:N], "e4m3fn", out_dtype=torch.float32)
             out = (vals.view(N, Kp // blk, blk) * _e8m0(codes).unsqueeze(-1)).to(out_dtype)
-        return out.view(N, Kp)[:, :K]
+        out = out.view(N, Kp)
+        return out if K == Kp else out[:, :K].contiguous()
     if fmt == "int8":
         sc = s.reshape(()) if s.numel() == 1 else s.reshape(N, 1)
         return (q.view(torch.int8).float() * sc).to(out_dtype)
