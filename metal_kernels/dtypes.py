@@ -1,6 +1,7 @@
 """The one home of the dtype names the kernels and the pack use.
 
-MSL_TYPE: torch float dtype -> the MSL type name in entry-point suffixes (`sampler_lincomb_half`, ...).
+MSL_TYPE: torch float dtype -> the MSL type name in entry-point suffixes (`sampler_lincomb_half`, ...);
+DTYPE_OF_MSL the other way round.
 FP8_DTYPES / FORMAT_OF_DTYPE: FP8 format name ("e4m3fn", "e5m2") <-> torch dtype (None where this torch
 lacks it); QUANT_FORMAT_NAME: ComfyUI's comfy_quant format string -> our format name.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 MSL_TYPE = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
+DTYPE_OF_MSL = {name: dtype for dtype, name in MSL_TYPE.items()}
 
 FP8_DTYPES = {"e4m3fn": getattr(torch, "float8_e4m3fn", None), "e5m2": getattr(torch, "float8_e5m2", None)}
 FORMAT_OF_DTYPE = {dtype: name for name, dtype in FP8_DTYPES.items() if dtype is not None}

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from .dtypes import MSL_TYPE
 from .registry import KernelSpec, register
 
 __all__ = ["gguf_dequantize", "gguf_gemv", "GGUF_QUANTS", "gguf_logical_shape", "gguf_byte_shape"]
@@ -34,7 +35,6 @@ GGUF_QUANTS: dict[str, tuple[int, int]] = {
     "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
 }
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-FLOAT_KIND = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
 GEMV_MAX_M = 8        # GGUF_GEMV_MAX_M in gguf.metal
 GEMV_COLS = 4         # GGUF_GEMV_COLS in gguf.metal
 GROUP = 256
@@ -82,7 +82,7 @@ def _check_data(data, qtype, what="gguf data") -> tuple[int, int]:
 
 
 def _check_out_dtype(out_dtype):
-    if out_dtype not in FLOAT_KIND:
+    if out_dtype not in MSL_TYPE:
         raise TypeError(f"out_dtype {out_dtype} is not supported; expected float32, float16 or bfloat16")
 
 
@@ -265,7 +265,7 @@ def gguf_dequantize_reference(data, qtype, out_dtype=torch.float32):
 
 
 def _prepare_gemv(x, data, qtype, bias, out_dtype):
-    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_KIND:
+    if not isinstance(x, torch.Tensor) or x.dtype not in MSL_TYPE:
         raise TypeError(f"gguf_gemv: x must be a float32/float16/bfloat16 tensor, got "
                         f"{getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() < 1:
@@ -314,7 +314,7 @@ def gguf_dequantize_metal(lib, data, qtype, out_dtype=torch.float32):
         return out
     src = data.contiguous()
     nthreads = min((n + 3) // 4, MAX_THREADS)
-    kernel = getattr(lib, f"gguf_dequant_{qtype.lower()}_{FLOAT_KIND[out_dtype]}")
+    kernel = getattr(lib, f"gguf_dequant_{qtype.lower()}_{MSL_TYPE[out_dtype]}")
     kernel(src, out, n, nthreads, threads=nthreads, group_size=min(GROUP, nthreads))
     return out
 
@@ -367,7 +367,7 @@ def random_blocks(qtype: str, rows: int, blocks_per_row: int, gen: torch.Generat
 def _dequant_cases(device):
     gen = torch.Generator().manual_seed(18)
     out = []
-    dtypes = list(FLOAT_KIND)
+    dtypes = list(MSL_TYPE)
     for i, qtype in enumerate(GGUF_QUANTS):
         for j, dtype in enumerate(dtypes):
             rows = (3, 1, 2)[(i + j) % 3]
@@ -394,7 +394,7 @@ gguf_dequantize = register(KernelSpec(
     name="gguf_dequantize",
     source="gguf.metal",
     entry_points={f"gguf_dequant_{q}_{k}": ("tensor", "tensor", "int", "int")
-                  for q in _QNAMES for k in FLOAT_KIND.values()},
+                  for q in _QNAMES for k in MSL_TYPE.values()},
     reference=gguf_dequantize_reference,
     metal=gguf_dequantize_metal,
     self_check_cases=_dequant_cases,

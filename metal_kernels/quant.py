@@ -429,6 +429,38 @@ def _cases(device, gemv: bool):
     return out
 
 
+def _predict_gemv():
+    """`bench --predict` cases: each format's GEMV at M = 1 on the decode shapes (Flux's 3072 square,
+    Llama-3-8B's 4096 -> 14336), bf16 activations."""
+    from .perf.cases import GEMV_SHAPES, PredictCase
+
+    def case(fmt, n, k, variant):
+        def run(lib, device):
+            gen = torch.Generator().manual_seed(6)
+            q, s, s2, cb, kw = random_weight(fmt, n, k, gen, **variant)
+            x = torch.randn(1, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+            to = (lambda t: None if t is None else t.to(device))
+            return quant_gemv_metal(lib, x, to(q), fmt, to(s), to(s2), to(cb), **kw)
+        return run
+    return [PredictCase(f"{fmt} M=1 {lbl}", case(fmt, n, k, variant), quick=(fmt, lbl) == ("nvfp4", "3072x3072"))
+            for fmt, variant in (("nvfp4", {}), ("mxfp8", {}), ("int8", {}), ("w4a8", {"group_size": 16}),
+                                 ("w4a4", {}))
+            for lbl, n, k in GEMV_SHAPES]
+
+
+def _predict_dequant():
+    from .perf.cases import PredictCase
+
+    def case(fmt, variant):
+        def run(lib, device):
+            q, s, s2, cb, kw = random_weight(fmt, 3072, 3072, torch.Generator().manual_seed(7), **variant)
+            to = (lambda t: None if t is None else t.to(device))
+            return quant_dequantize_metal(lib, to(q), fmt, to(s), to(s2), to(cb), out_dtype=torch.bfloat16, **kw)
+        return run
+    return [PredictCase(f"{fmt} 3072x3072 -> bf16", case(fmt, variant), quick=fmt == "nvfp4")
+            for fmt, variant in (("nvfp4", {}), ("mxfp8", {}), ("int8", {}), ("w4a8", {"group_size": 16}))]
+
+
 _KINDS = ("nvfp4", "mxfp8", "int8", "w4a8", "w4a8f", "w4a4")
 
 quant_dequantize = register(KernelSpec(
@@ -439,6 +471,7 @@ quant_dequantize = register(KernelSpec(
     reference=quant_dequantize_reference,
     metal=quant_dequantize_metal,
     self_check_cases=lambda device: _cases(device, gemv=False),
+    predict_cases=_predict_dequant,
     atol=0.0,
     rtol=0.0,
 ))
@@ -452,6 +485,7 @@ quant_gemv = register(KernelSpec(
     reference=quant_gemv_reference,
     metal=quant_gemv_metal,
     self_check_cases=lambda device: _cases(device, gemv=True),
+    predict_cases=_predict_gemv,
     atol=2e-4,
     rtol=2e-4,
 ))

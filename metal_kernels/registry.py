@@ -34,6 +34,8 @@ class KernelSpec:
     measured_by_caller: the caller times this kernel against the platform op itself (attention against
         ComfyUI's, the GEMVs against decode + matmul), so the dispatch does not time it again against
         its reference (see dispatch.measured_backend).
+    predict_cases: `predict_cases() -> list[perf.PredictCase]`, the kernel at real model shapes for
+        `bench --predict` (None: its entry in metal_kernels/perf/cases.py's CASES, if any).
     """
 
     name: str
@@ -46,6 +48,7 @@ class KernelSpec:
     rtol: float = 1e-5
     compare: Callable[[Any, Any], str | None] | None = None
     measured_by_caller: bool = False
+    predict_cases: Callable[[], list] | None = None
 
     def __post_init__(self):
         for entry, kinds in self.entry_points.items():

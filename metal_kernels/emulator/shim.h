@@ -679,6 +679,8 @@ inline T combine(T a, T b) {
 // site).  G is the segment width: 32 for simd_*, 4 for quad_*.
 template <class T, int OP, uint32_t G = kSimdWidth>
 void resolve(SimdGroup& g, uint32_t mask, uint32_t width) {
+  __EMU_PROF(prof_collective(OP == OP_BARRIER ? 2 : (OP <= OP_XOR || (OP >= OP_PREFIX_EXCL_SUM && OP <= OP_PREFIX_INCL_PROD)),
+                             G, mask);)
   for (uint32_t b = 0; b < width; b += G) {
     const uint32_t e = b + G < width ? b + G : width;
     const uint32_t w = e - b;
@@ -866,17 +868,19 @@ inline simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(T v) {
 }
 // every lane loads/stores the whole matrix here (on the GPU the simdgroup shares the work): not race-checked
 template <class T, int C, int R, class U, class O = ulong2>
-__attribute__((no_sanitize("thread"))) inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const U* src, ulong elements_per_row = C,
+__attribute__((no_sanitize("thread"), noinline)) inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const U* src, ulong elements_per_row = C,
                            O origin = O(0), bool transpose = false) {
   const ulong ox = (ulong)origin[0], oy = (ulong)origin[1];
+  __EMU_PROF(__emu::prof_matrix(src, elements_per_row, ox, oy, transpose, false, (uintptr_t)__builtin_return_address(0));)
   for (int r = 0; r < R; r++)
     for (int c = 0; c < C; c++)
       d.e[r][c] = (T)(transpose ? src[(oy + c) * elements_per_row + ox + r] : src[(oy + r) * elements_per_row + ox + c]);
 }
 template <class T, int C, int R, class U, class O = ulong2>
-__attribute__((no_sanitize("thread"))) inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, U* dst, ulong elements_per_row = C,
+__attribute__((no_sanitize("thread"), noinline)) inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, U* dst, ulong elements_per_row = C,
                             O origin = O(0), bool transpose = false) {
   const ulong ox = (ulong)origin[0], oy = (ulong)origin[1];
+  __EMU_PROF(__emu::prof_matrix(dst, elements_per_row, ox, oy, transpose, true, (uintptr_t)__builtin_return_address(0));)
   for (int r = 0; r < R; r++)
     for (int c = 0; c < C; c++) {
       if (transpose) dst[(oy + c) * elements_per_row + ox + r] = (U)a.e[r][c];
@@ -886,6 +890,7 @@ __attribute__((no_sanitize("thread"))) inline void simdgroup_store(const simdgro
 template <class TD, class TA, class TB, class TC, int N>
 inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, N, N>& d, const simdgroup_matrix<TA, N, N>& a,
                                           const simdgroup_matrix<TB, N, N>& b, const simdgroup_matrix<TC, N, N>& c) {
+  __EMU_PROF(__emu::prof_mma();)  // one 8x8x8 multiply-accumulate of the simdgroup: 512 MACs
   float t[N][N];
   for (int r = 0; r < N; r++)
     for (int k = 0; k < N; k++) {

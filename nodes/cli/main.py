@@ -75,7 +75,13 @@ def doctor(args) -> int:
 
 def bench(args) -> int:
     tables: list[Table] = []
-    for module in _modules(BENCH_MODULES):
+    if args.predict is not None:    # the performance model's table instead of the timed sections
+        from .bench import predict
+
+        for table in predict.predict_tables(args.predict or None, quick=args.quick, only=args.only):
+            print(table.render() + "\n", flush=True)
+            tables.append(table)
+    for module in _modules(BENCH_MODULES if args.predict is None else ()):
         name = "bench_" + module.__name__.rpartition(".")[2]    # --only matches e.g. "vae" or "bench_vae"
         wanted = [o for o in args.only or () if o.partition(":")[0] in name]
         if args.only and not wanted:
@@ -107,8 +113,13 @@ def main(argv=None) -> int:
     p = sub.add_parser("bench", help="print benchmark tables")
     p.add_argument("--quick", action="store_true", help="small sizes only")
     p.add_argument("--only", nargs="*", help="only bench modules whose name contains one of these; MODULE:PART "
-                                             "for one part of a module that has parts (vae:encode)")
+                                             "for one part of a module that has parts (vae:encode); with "
+                                             "--predict: only kernels whose name contains one of these")
     p.add_argument("--json", metavar="FILE", help="also save the tables as JSON")
+    p.add_argument("--predict", nargs="?", const="", default=None, metavar="CHIP",
+                   help="predicted times of every kernel at real model shapes from the emulator's performance model "
+                        "(model predictions, not measurements; measured times beside them on a Mac); CHIP (e.g. "
+                        "'M4 Max') picks the chip of the roofline / bound / inefficiency columns")
     p.set_defaults(fn=bench)
     for module in _modules((".run_workflow",)):
         module.add_parser(sub)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import sys
 import time
 
 import torch
@@ -238,17 +237,6 @@ def build_text_encoder(path, sds: list, clip_type: str, opts: dict, run_kernels)
     record_forward_kernels(clip.cond_stage_model, run_kernels)
     record_quantized(clip.cond_stage_model, os.path.basename(str(path)))
     return clip
-
-
-def _clip_types() -> list[str]:
-    try:
-        # ComfyUI's own nodes.py, already imported by ComfyUI before it loads packs. Looked up, not
-        # imported: outside ComfyUI a bare `import nodes` could pick up an unrelated folder (even this
-        # pack's own nodes/ when run from the repo root).
-        comfy_nodes = sys.modules["nodes"]
-        return list(comfy_nodes.CLIPLoader.INPUT_TYPES()["required"]["type"][0])
-    except Exception:
-        return ["stable_diffusion", "sd3", "flux", "wan", "hidream", "qwen_image", "lumina2", "ltxv", "mochi"]
 
 
 # ------------------------------------------------------------------------------------------------

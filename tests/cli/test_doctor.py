@@ -41,7 +41,7 @@ def test_doctor_json_reports_every_kernel_and_runs_the_pipeline(tmp_path):
 
 def test_doctor_text_report_is_readable_and_writes_nothing_into_the_current_folder(tmp_path):
     """Without --out the PNG goes into a new temporary folder (the report prints its path), never into
-    the folder the doctor runs in (the README's quick start in a clone left comfy-metal-doctor/ there)."""
+    the folder the doctor runs in (the README's quick start runs it in a clone)."""
     import re
 
     cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"

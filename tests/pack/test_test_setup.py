@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("folder", ["comfy-metal", "ComfyUI-Metal"])
 def test_suite_runs_from_a_checkout_whose_name_is_no_module_name(tmp_path, folder):
     """The README installs the pack as custom_nodes/comfy-metal: pytest must not import the root
-    __init__.py under that folder's name (it did, and every test errored at setup)."""
+    __init__.py under that folder's name (every test would error at setup)."""
     clone = tmp_path / "custom_nodes" / folder
     shutil.copytree(ROOT, clone, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info",
                                                                ".pytest_cache", "node_modules"))

@@ -30,7 +30,7 @@ HF = "https://huggingface.co/"
 # The decode node of the pack (nodes/vae/nodes.py).
 DECODE = "MetalVAEDecodeTiled"
 # Images (GroupNorm KL VAE): budget from the free memory, seam mode auto (the node's default: exact, stage
-# by stage over the whole image, where the budget holds it; feather tiles otherwise; README Low-memory VAE).
+# by stage over the whole image, where the budget holds it; feather tiles otherwise; docs/vae.md).
 IMAGE_DECODE = {"memory_budget_gb": 0.0, "overlap": 0, "temporal_chunk": 0, "temporal_overlap": 0,
                 "seam_mode": "auto"}
 # Video (causal Wan VAE, RMS norms): a fixed 2 GiB of tile memory, the VAE's own causal chunking per tile.
