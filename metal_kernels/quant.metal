@@ -12,10 +12,12 @@
 // The W4 formats and rotated INT8 hold ConvRot-rotated weights: these kernels return the stored (rotated)
 // basis; the host rotates the activation (x @ H per group) or the dequantised weight (quant.py).
 //
-// A CHUNK is 16 consecutive bytes of a row (QVPC = 16 or 32 values). Every lane of the GEMV loads whole
-// chunks (one uint4 where the rows are 16-byte aligned, else byte by byte), applies each block scale once
-// to the block's partial sum, and the row scale once after the single simd_sum. The chunk holding the end
-// of the row is read byte by byte, guarded by row_bytes (weights) and K (x). Offsets inside a row are 32-bit.
+// A CHUNK is 16 consecutive bytes of a row (VPC = 16 or 32 values). Every lane of the GEMV loads whole
+// chunks (one uint4 where the rows are 16-byte aligned, else byte by byte) and the chunk's x in 16-byte
+// loads (where x's rows are whole vectors: xvec), applies each block scale once to the block's partial sum,
+// and the row scale once after the single simd_sum. The chunk holding the end of the row is read byte by
+// byte, guarded by row_bytes (weights) and K (x). The dequantiser stores 16 bytes at a time where the
+// output rows are whole vectors (xvec). Offsets inside a row are 32-bit.
 //
 // quant_dequant_<fmt>_<out>: one thread per chunk (gid = n * nchunks + c), values in the operations and
 //   roundings of comfy_kitchen's dequantize_* (the nvfp4 scales are multiplied in the output dtype, as
@@ -45,10 +47,6 @@ inline float quant_e2m1(uint nib) {
 
 // e8m0 -> float as comfy_kitchen's e8m0_to_f32: 2^(e - 127), 0 for e == 0 (and e == 255 gives inf).
 inline float quant_e8m0(uint e) { return e == 0u ? 0.0f : as_type<float>(e << 23); }
-
-inline float quant_s4(uint nib) { return float(int(nib) - int((nib & 8u) << 1)); }
-
-inline float quant_i8(uint b) { return float(int(b) - int((b & 0x80u) << 1)); }
 
 // Byte i (0..15) of a chunk.
 inline uint quant_byte(uint4 q, uint i) { return (q[i >> 2] >> ((i & 3u) * 8u)) & 0xFFu; }
@@ -88,17 +86,66 @@ struct QArgs {
     uint K;                    // values a row
     uint row_bytes;
     uint p;                    // nvfp4/mxfp8: tiles a row of scale tiles; int8: scale mode; w4a8: group size
+    bool xvec;                 // rows of x (and of the dequantised output) are whole 16-byte vectors
+    threadgroup const float* lut;   // GEMV: the 16 e2m1 values (nvfp4), in threadgroup memory
 };
 
-// sum_j x[k0 + j] * w[j] over the chunk's NV values (those < K in the row's last chunk).
+// Eight consecutive values of x from 16-byte aligned memory, in 16-byte loads, as floats.
+inline void quant_load8(device const float* p, thread float* v) {
+    const float4 a = *((device const float4*)p), b = *((device const float4*)(p + 4));
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+inline void quant_load8(device const half* p, thread float* v) {
+    const uint4 q = *((device const uint4*)p);
+    for (uint i = 0; i < 4u; ++i) {
+        const float2 f = float2(as_type<half2>(q[i]));
+        v[2u * i] = f.x;
+        v[2u * i + 1u] = f.y;
+    }
+}
+inline void quant_load8(device const bfloat* p, thread float* v) {
+    const uint4 q = *((device const uint4*)p);
+    for (uint i = 0; i < 4u; ++i) {
+        v[2u * i] = bf16_bits_to_float(ushort(q[i] & 0xFFFFu));
+        v[2u * i + 1u] = bf16_bits_to_float(ushort(q[i] >> 16));
+    }
+}
+
+// sum_j x[k0 + j] * w[j] over the chunk's NV values (those < K in the row's last chunk); 16-byte loads of x
+// where its rows are whole vectors (xvec).
 template <typename XT, int NV, bool FULL>
-inline float quant_xdot(device const XT* x, uint K, uint k0, thread const float* w) {
+inline float quant_xdot(device const XT* x, uint K, uint k0, bool xvec, thread const float* w) {
     float part = 0.0f;
+    if (FULL && xvec) {
+        for (int j0 = 0; j0 < NV; j0 += 8) {
+            float xv[8];
+            quant_load8(x + k0 + uint(j0), xv);
+            for (int j = 0; j < 8; ++j) part = fma(xv[j], w[j0 + j], part);
+        }
+        return part;
+    }
     for (int j = 0; j < NV; ++j) {
         if (!FULL && k0 + uint(j) >= K) break;
         part = fma(quant_load(x + k0 + uint(j)), w[j], part);
     }
     return part;
+}
+
+// Eight values to 16-byte aligned memory in 16-byte stores (v already rounded to the output type).
+inline void quant_store8(device float* p, thread const float* v) {
+    *((device float4*)p) = float4(v[0], v[1], v[2], v[3]);
+    *((device float4*)(p + 4)) = float4(v[4], v[5], v[6], v[7]);
+}
+inline void quant_store8(device half* p, thread const float* v) {
+    uint4 q;
+    for (uint i = 0; i < 4u; ++i) q[i] = as_type<uint>(half2(half(v[2u * i]), half(v[2u * i + 1u])));
+    *((device uint4*)p) = q;
+}
+inline void quant_store8(device bfloat* p, thread const float* v) {
+    uint4 q;
+    for (uint i = 0; i < 4u; ++i)
+        q[i] = uint(bf16_bits_from_float(v[2u * i])) | (uint(bf16_bits_from_float(v[2u * i + 1u])) << 16);
+    *((device uint4*)p) = q;
 }
 
 // Each format: VPC values a chunk;
@@ -115,15 +162,20 @@ struct quant_nvfp4 {
             w[2u * i + 1u] = quant_e2m1(byte & 15u);
         }
     }
+    enum { LUT = 1 };
     template <typename XT, int MM, bool FULL>
     static void dot(thread const QArgs& a, uint n, uint c, uint4 q, device const XT* x, thread float* acc) {
         const uint sb = quant_swizzle(n, 2u * c, a.p);           // the chunk's two blocks: bytes sb, sb + 1
         for (uint b = 0; b < 2u; ++b) {
             float w[16];
-            values(q, b, w);
+            for (uint i = 0; i < 8u; ++i) {                      // one conflict-free table read a value
+                const uint byte = quant_byte(q, b * 8u + i);
+                w[2u * i] = a.lut[byte >> 4];
+                w[2u * i + 1u] = a.lut[byte & 15u];
+            }
             const float bs = fp8_e4m3fn_to_float(a.s[sb + b]);
             for (int m = 0; m < MM; ++m)
-                acc[m] = fma(quant_xdot<XT, 16, FULL>(x + uint(m) * a.K, a.K, c * 32u + b * 16u, w), bs, acc[m]);
+                acc[m] = fma(quant_xdot<XT, 16, FULL>(x + uint(m) * a.K, a.K, c * 32u + b * 16u, a.xvec, w), bs, acc[m]);
         }
     }
     static float finish(thread const QArgs& a, uint, float t) { return t * a.s2[0]; }
@@ -141,18 +193,30 @@ struct quant_nvfp4 {
     }
 };
 
+// e4m3fn bytes 0, 2 (hi: 1, 3) of a word as 2^-8 times their value, through half bits: the 7 low bits at half's
+// exponent / mantissa, the sign at half's (subnormal codes stay subnormal halves); the NaN code stays NaN.
+inline float2 quant_e4m3_pair(uint w, bool hi) {
+    const uint t = (hi ? w >> 8 : w) & 0x00FF00FFu;
+    const float2 f = float2(as_type<half2>(((t & 0x007F007Fu) << 7) | ((t & 0x00800080u) << 8)));
+    return select(f, float2(NAN), bool2((t & 0x7Fu) == 0x7Fu, (t & 0x007F0000u) == 0x007F0000u));
+}
+
 struct quant_mxfp8 {
-    enum { VPC = 16 };
+    enum { VPC = 16, LUT = 0 };
     static void values(uint4 q, thread float* w) {
         for (uint i = 0; i < 16u; ++i) w[i] = fp8_e4m3fn_to_float(uchar(quant_byte(q, i)));
     }
     template <typename XT, int MM, bool FULL>
     static void dot(thread const QArgs& a, uint n, uint c, uint4 q, device const XT* x, thread float* acc) {
         float w[16];
-        values(q, w);
-        const float bs = quant_e8m0(a.s[quant_swizzle(n, c >> 1, a.p)]);   // half of a 32-value block
+        for (uint i = 0; i < 4u; ++i) {
+            const float2 e = quant_e4m3_pair(q[i], false), o = quant_e4m3_pair(q[i], true);
+            w[4u * i] = e.x; w[4u * i + 1u] = o.x; w[4u * i + 2u] = e.y; w[4u * i + 3u] = o.y;
+        }
+        // half of a 32-value block; 2^8 restores the half-bits decode's scale
+        const float bs = quant_e8m0(a.s[quant_swizzle(n, c >> 1, a.p)]) * 256.0f;
         for (int m = 0; m < MM; ++m)
-            acc[m] = fma(quant_xdot<XT, 16, FULL>(x + uint(m) * a.K, a.K, c * 16u, w), bs, acc[m]);
+            acc[m] = fma(quant_xdot<XT, 16, FULL>(x + uint(m) * a.K, a.K, c * 16u, a.xvec, w), bs, acc[m]);
     }
     static float finish(thread const QArgs&, uint, float t) { return t; }
     template <typename OT>
@@ -164,15 +228,18 @@ struct quant_mxfp8 {
 };
 
 struct quant_int8 {
-    enum { VPC = 16 };
+    enum { VPC = 16, LUT = 0 };
     static void values(uint4 q, thread float* w) {
-        for (uint i = 0; i < 16u; ++i) w[i] = quant_i8(quant_byte(q, i));
+        for (uint i = 0; i < 4u; ++i) {
+            const float4 f = float4(as_type<char4>(q[i]));
+            w[4u * i] = f.x; w[4u * i + 1u] = f.y; w[4u * i + 2u] = f.z; w[4u * i + 3u] = f.w;
+        }
     }
     template <typename XT, int MM, bool FULL>
     static void dot(thread const QArgs& a, uint, uint c, uint4 q, device const XT* x, thread float* acc) {
         float w[16];
         values(q, w);
-        for (int m = 0; m < MM; ++m) acc[m] += quant_xdot<XT, 16, FULL>(x + uint(m) * a.K, a.K, c * 16u, w);
+        for (int m = 0; m < MM; ++m) acc[m] += quant_xdot<XT, 16, FULL>(x + uint(m) * a.K, a.K, c * 16u, a.xvec, w);
     }
     static float finish(thread const QArgs& a, uint n, float t) { return t * a.s2[a.p == 1u ? 0u : n]; }
     template <typename OT>
@@ -193,7 +260,7 @@ inline float quant_srel(device const uchar* s, uint i, bool f32) {
 // (p = group size: the chunk's 32 values span 32 / p groups, or part of one).
 template <bool F32>
 struct quant_w4a8_t {
-    enum { VPC = 32 };
+    enum { VPC = 32, LUT = 0 };
     static void values(thread const QArgs& a, uint n, uint c, uint4 q, thread float* w) {
         const uint k0 = c * 32u;
         uint g = n * (a.K / a.p) + k0 / a.p;
@@ -218,7 +285,7 @@ struct quant_w4a8_t {
     static void dot(thread const QArgs& a, uint n, uint c, uint4 q, device const XT* x, thread float* acc) {
         float w[32];
         values(a, n, c, q, w);
-        for (int m = 0; m < MM; ++m) acc[m] += quant_xdot<XT, 32, FULL>(x + uint(m) * a.K, a.K, c * 32u, w);
+        for (int m = 0; m < MM; ++m) acc[m] += quant_xdot<XT, 32, FULL>(x + uint(m) * a.K, a.K, c * 32u, a.xvec, w);
     }
     static float finish(thread const QArgs& a, uint n, float t) { return t * a.s2[n]; }
     template <typename OT>
@@ -230,19 +297,24 @@ struct quant_w4a8_t {
 };
 
 struct quant_w4a4 {
-    enum { VPC = 32 };
+    enum { VPC = 32, LUT = 0 };
+    // Four bytes at a time: each nibble moved to the top of its byte, then an arithmetic shift of the char
+    // sign-extends it.
     static void values(uint4 q, thread float* w) {
-        for (uint i = 0; i < 16u; ++i) {
-            const uint byte = quant_byte(q, i);
-            w[2u * i] = quant_s4(byte & 15u);
-            w[2u * i + 1u] = quant_s4(byte >> 4);
+        for (uint i = 0; i < 4u; ++i) {
+            const float4 lo = float4(as_type<char4>(q[i] << 4) >> char4(4));
+            const float4 hi = float4(as_type<char4>(q[i] & 0xF0F0F0F0u) >> char4(4));
+            for (uint j = 0; j < 4u; ++j) {
+                w[8u * i + 2u * j] = lo[j];
+                w[8u * i + 2u * j + 1u] = hi[j];
+            }
         }
     }
     template <typename XT, int MM, bool FULL>
     static void dot(thread const QArgs& a, uint, uint c, uint4 q, device const XT* x, thread float* acc) {
         float w[32];
         values(q, w);
-        for (int m = 0; m < MM; ++m) acc[m] += quant_xdot<XT, 32, FULL>(x + uint(m) * a.K, a.K, c * 32u, w);
+        for (int m = 0; m < MM; ++m) acc[m] += quant_xdot<XT, 32, FULL>(x + uint(m) * a.K, a.K, c * 32u, a.xvec, w);
     }
     static float finish(thread const QArgs& a, uint n, float t) { return t * a.s2[n]; }
     template <typename OT>
@@ -258,7 +330,8 @@ typedef quant_w4a8_t<true> quant_w4a8f;
 
 #define QUANT_ARGS_FROM_BUFFERS                                                                  \
     QArgs a;                                                                                    \
-    a.s = s; a.s2 = s2; a.cb = cb; a.K = uint(K); a.row_bytes = uint(row_bytes); a.p = uint(p);
+    a.s = s; a.s2 = s2; a.cb = cb; a.K = uint(K); a.row_bytes = uint(row_bytes); a.p = uint(p); a.xvec = xvec != 0;  \
+    a.lut = nullptr;
 
 // Chunk c of row n (gid = n * nchunks + c), written as the values < K of out row n.
 #define QUANT_DEQUANT_KERNEL(NAME, F, OT)                                                        \
@@ -272,6 +345,7 @@ kernel void NAME(device const uchar* w [[buffer(0)]],                           
                  constant long& row_bytes [[buffer(7)]],                                        \
                  constant long& p [[buffer(8)]],                                                \
                  constant long& vec [[buffer(9)]],                                              \
+                 constant long& xvec [[buffer(10)]],                                            \
                  uint gid [[thread_position_in_grid]]) {                                        \
     QUANT_ARGS_FROM_BUFFERS                                                                     \
     const uint nchunks = (a.K + F::VPC - 1u) / F::VPC;                                          \
@@ -282,6 +356,10 @@ kernel void NAME(device const uchar* w [[buffer(0)]],                           
     float v[F::VPC];                                                                            \
     F::template deq<OT>(a, n, c, q, v);                                                         \
     device OT* dst = out + ulong(n) * a.K + c * F::VPC;                                         \
+    if (full && a.xvec) {                                                                       \
+        for (uint j = 0; j < uint(F::VPC); j += 8u) quant_store8(dst + j, v + j);                \
+        return;                                                                                 \
+    }                                                                                           \
     const uint count = full ? uint(F::VPC) : a.K - c * F::VPC;                                  \
     for (uint j = 0; j < count; ++j) quant_store(dst + j, v[j]);                                \
 }
@@ -340,9 +418,17 @@ kernel void NAME(device const XT* x [[buffer(0)]],                              
                  constant long& p [[buffer(11)]],                                               \
                  constant long& has_bias [[buffer(12)]],                                        \
                  constant long& vec [[buffer(13)]],                                             \
+                 constant long& xvec [[buffer(14)]],                                            \
                  uint gid [[thread_position_in_grid]],                                          \
+                 uint lid [[thread_index_in_threadgroup]],                                      \
                  uint lane [[thread_index_in_simdgroup]]) {                                     \
     QUANT_ARGS_FROM_BUFFERS                                                                     \
+    threadgroup float lut[16];                                                                  \
+    if (F::LUT) {        /* every threadgroup has >= 32 threads: the host launches whole simdgroups */ \
+        if (lid < 16u) lut[lid] = quant_e2m1(lid);                                              \
+        threadgroup_barrier(mem_flags::mem_threadgroup);                                        \
+    }                                                                                           \
+    a.lut = lut;                                                                                \
     const uint n0 = (gid / 32u) * QUANT_GEMV_ROWS;                                              \
     if (n0 >= uint(N)) return;                                                                  \
     switch (M) {                                                                                \

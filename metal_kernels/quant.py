@@ -286,7 +286,9 @@ def quant_dequantize_metal(lib, qdata, fmt, scale, scale2=None, codebook=None, *
     q, s, s2, cb, vec = _buffers(q, fmt, s, s2, cb, q.device)
     threads = N * ((K + VPC[fmt] - 1) // VPC[fmt])
     kernel = getattr(lib, f"quant_dequant_{kind}_{MSL_TYPE[out_dtype]}")
-    kernel(q, s, s2, cb, out, N, K, q.shape[1], p, int(vec), threads=threads, group_size=min(GROUP, threads))
+    ovec = K * out.element_size() % 16 == 0        # whole 16-byte vectors a row (out itself is fresh: aligned)
+    kernel(q, s, s2, cb, out, N, K, q.shape[1], p, int(vec), int(ovec), threads=threads,
+           group_size=min(GROUP, threads))
     return out
 
 
@@ -307,12 +309,15 @@ def quant_gemv_metal(lib, x, qdata, fmt, scale, scale2=None, codebook=None, bias
     kernel = getattr(lib, f"quant_gemv_{kind}_{MSL_TYPE[x.dtype]}")
     threads = (N + GEMV_ROWS - 1) // GEMV_ROWS * 32
     x2 = x2.contiguous()
+    xvec = K * x2.element_size() % 16 == 0              # x's rows whole 16-byte vectors (each chunk's x too)
+    if xvec and x2.data_ptr() % 16:
+        x2 = x2.clone()                                 # x is small: a fresh (aligned) buffer
     chunks = []
     for m0 in range(0, M, QUANT_GEMV_MAX_M):
         xm = x2 if M <= QUANT_GEMV_MAX_M else x2[m0:m0 + QUANT_GEMV_MAX_M].clone()    # own buffer: no offsets
         y = torch.empty(xm.shape[0], N, dtype=x.dtype, device=device)
         kernel(xm, q, s, s2, cb, b, y, xm.shape[0], K, N, q.shape[1], p, int(bias is not None), int(vec),
-               threads=threads, group_size=min(GROUP, threads))
+               int(xvec), threads=threads, group_size=min(GROUP, threads))
         chunks.append(y)
     y = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
     return y.reshape(lead + (N,))
@@ -466,7 +471,7 @@ _KINDS = ("nvfp4", "mxfp8", "int8", "w4a8", "w4a8f", "w4a4")
 quant_dequantize = register(KernelSpec(
     name="quant_dequantize",
     source="quant.metal",
-    entry_points={f"quant_dequant_{k}_{t}": ("tensor",) * 5 + ("int",) * 5
+    entry_points={f"quant_dequant_{k}_{t}": ("tensor",) * 5 + ("int",) * 6
                   for k in _KINDS for t in MSL_TYPE.values()},
     reference=quant_dequantize_reference,
     metal=quant_dequantize_metal,
@@ -480,7 +485,7 @@ quant_gemv = register(KernelSpec(
     name="quant_gemv",
     measured_by_caller=True,
     source="quant.metal",
-    entry_points={f"quant_gemv_{k}_{t}": ("tensor",) * 7 + ("int",) * 7
+    entry_points={f"quant_gemv_{k}_{t}": ("tensor",) * 7 + ("int",) * 8
                   for k in _KINDS for t in MSL_TYPE.values()},
     reference=quant_gemv_reference,
     metal=quant_gemv_metal,
