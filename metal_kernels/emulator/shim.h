@@ -890,7 +890,8 @@ __attribute__((no_sanitize("thread"), noinline)) inline void simdgroup_store(con
 template <class TD, class TA, class TB, class TC, int N>
 inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, N, N>& d, const simdgroup_matrix<TA, N, N>& a,
                                           const simdgroup_matrix<TB, N, N>& b, const simdgroup_matrix<TC, N, N>& c) {
-  __EMU_PROF(__emu::prof_mma();)  // one 8x8x8 multiply-accumulate of the simdgroup: 512 MACs
+  // one 8x8x8 multiply-accumulate of the simdgroup: 512 MACs (on 16-bit operands: the FP16 pipeline)
+  __EMU_PROF(__emu::prof_mma(sizeof(TA) == 2 && sizeof(TB) == 2);)
   float t[N][N];
   for (int r = 0; r < N; r++)
     for (int k = 0; k < N; k++) {
