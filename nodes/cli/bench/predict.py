@@ -87,7 +87,7 @@ def predict_tables(chip_name: str | None = None, quick: bool = False, only=None)
                          *([""] if on_mps else []))
                 continue
             log.info("bench --predict: %s / %s profiled in %.1f s", spec.name, case.label, time.perf_counter() - t_case)
-            preds = {c: perf.predict(profiles, c, locate) for c in columns}
+            preds = {c: perf.predict(profiles, c, locate, flops=case.flops) for c in columns}
             r = preds[ref.name]
             pct = 100 * r.roofline
             row = [spec.name, case.label, *[preds[c].time_us for c in columns], f"{pct:.0f}%" if pct >= 10 else
