@@ -79,9 +79,17 @@ def _log_once(key, level, message):
         log.log(level, message)
 
 
-def compile_library(backend: str, only: str | None = None):
-    """Compile (once per process and backend) the shared library. Raises MetalUnavailable."""
+def compile_library(backend: str, only: str | None = None, constants: dict | None = None,
+                    threadgroup_memory: dict | None = None):
+    """Compile (once per process, backend and specialisation) the shared library. Raises MetalUnavailable.
+
+    `constants` ({index or name: value}) and `threadgroup_memory` ({kernel: {n: bytes}}) specialise the source
+    (specialize.py) before either backend compiles it: torch.mps.compile_shader has no function-constant values
+    and no threadgroup-memory lengths, so the Mac and the emulator compile the same specialised text."""
     key = backend if only is None else f"{backend}:{only}"
+    if constants or threadgroup_memory:
+        key += ":" + repr((sorted((str(k), repr(v)) for k, v in (constants or {}).items()),
+                           sorted((k, sorted(v.items())) for k, v in (threadgroup_memory or {}).items())))
     with _lock:
         if key in _libraries:
             lib = _libraries[key]
@@ -90,6 +98,10 @@ def compile_library(backend: str, only: str | None = None):
             return lib
         try:
             src = library_source(only)
+            if constants or threadgroup_memory:
+                from .specialize import specialize
+
+                src = specialize(src, constants, threadgroup_memory)
             if backend == "metal":
                 if not (hasattr(torch, "mps") and hasattr(torch.mps, "compile_shader")):
                     raise MetalUnavailable(f"torch {torch.__version__} has no torch.mps.compile_shader (needs 2.7+)")

@@ -676,10 +676,14 @@ def test_compile_error_surfaces_clang_message():
     assert "msl_source.metal:4:" in msg and "undefined_name" in msg and "error" in msg
 
 
-def test_unsupported_signatures_are_rejected():
-    with pytest.raises(MSLCompileError, match="threadgroup"):
-        compile_library("kernel void k(device float* x [[buffer(0)]], threadgroup float* t [[threadgroup(0)]], "
-                        "uint i [[thread_position_in_grid]]) { x[i] = t[0]; }")
+def test_unsized_threadgroup_parameter_compiles_but_is_refused_at_launch():
+    """Metal compiles a [[threadgroup(n)]] parameter; torch's kernels cannot size it (no
+    setThreadgroupMemoryLength): the launch is refused, pointing at specialize()."""
+    lib = compile_library("kernel void k(device float* x [[buffer(0)]], threadgroup float* t [[threadgroup(0)]], "
+                          "uint i [[thread_position_in_grid]]) { x[i] = t[0]; }")
+    assert lib.kernel_names == ["k"]
+    with pytest.raises(EmulatorError, match=r"threadgroup\(0\)\]\] has no size.*specialise"):
+        lib.k(torch.zeros(4))
     # like torch, a library without kernels compiles (and has no kernels)
     assert compile_library("inline float helper(float x) { return x; }").kernel_names == []
 
