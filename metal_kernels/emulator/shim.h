@@ -567,6 +567,7 @@ inline T ldexp(T x, I k) {
     return (T)__builtin_ldexpf((float)x, (int)k);
   } else {
     T r;
+#pragma clang loop unroll(full)
     for (int i = 0; i < __emu::vlen<T>; i++) {
       if constexpr (__emu::vlen<I> == 1) r[i] = (__emu::elem_t<T>)__builtin_ldexpf((float)x[i], (int)k);
       else r[i] = (__emu::elem_t<T>)__builtin_ldexpf((float)x[i], (int)k[i]);
@@ -613,6 +614,7 @@ __EMU_P1(signbit, __builtin_signbit(v))
   inline auto NAME(T x) {                                                                    \
     typedef bool __emu_bv __attribute__((ext_vector_type(__emu::vlen<T>)));                  \
     __emu_bv r;                                                                              \
+    _Pragma("clang loop unroll(full)")                                                       \
     for (int i = 0; i < __emu::vlen<T>; i++) r[i] = NAME(x[i]);                              \
     return r;                                                                                \
   }
@@ -670,6 +672,7 @@ inline A select(A a, B b, C c) {
   } else {
     A bb = __emu::conv<A>(b);
     A r;
+#pragma clang loop unroll(full)
     for (int i = 0; i < __emu::vlen<A>; i++) {
       bool ci;
       if constexpr (__emu::vlen<C> == 1) ci = (bool)c;
@@ -714,6 +717,9 @@ inline T mulhi(T a, T b) {
 template <class T>
 inline __emu::elem_t<T> dot(T a, T b) {
   float s = 0;
+  // the loops over a vector's lanes are unrolled, as on the GPU: a profiled loop would count its counter and
+  // compare as kernel work
+#pragma clang loop unroll(full)
   for (int i = 0; i < __emu::vlen<T>; i++) s += (float)a[i] * (float)b[i];
   return (__emu::elem_t<T>)s;
 }
@@ -741,6 +747,7 @@ template <class T>
 inline bool all(T v) {
   if constexpr (__emu::vlen<T> == 1) return (bool)v;
   else {
+#pragma clang loop unroll(full)
     for (int i = 0; i < __emu::vlen<T>; i++)
       if (!v[i]) return false;
     return true;
@@ -750,6 +757,7 @@ template <class T>
 inline bool any(T v) {
   if constexpr (__emu::vlen<T> == 1) return (bool)v;
   else {
+#pragma clang loop unroll(full)
     for (int i = 0; i < __emu::vlen<T>; i++)
       if (v[i]) return true;
     return false;

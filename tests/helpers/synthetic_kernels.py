@@ -176,6 +176,25 @@ kernel void block_copy(device float* out [[buffer(0)]], const device block34* a 
   out[tid] = s;
 }
 
+// y = W x, one simdgroup a row: its lanes read 4 bytes (gemv_f1) or 16 bytes (gemv_f4) of the row at a time
+kernel void gemv_f1(device float* y [[buffer(0)]], const device float* w [[buffer(1)]],
+                    const device float* x [[buffer(2)]], constant int& k [[buffer(3)]],
+                    uint row [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]]) {
+  float s = 0.0f;
+  for (int i = int(lane); i < k; i += 32) s += w[row * uint(k) + uint(i)] * x[i];
+  s = simd_sum(s);
+  if (lane == 0) y[row] = s;
+}
+
+kernel void gemv_f4(device float* y [[buffer(0)]], const device float4* w [[buffer(1)]],
+                    const device float4* x [[buffer(2)]], constant int& k4 [[buffer(3)]],
+                    uint row [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]]) {
+  float s = 0.0f;
+  for (int i = int(lane); i < k4; i += 32) s += dot(w[row * uint(k4) + uint(i)], x[i]);
+  s = simd_sum(s);
+  if (lane == 0) y[row] = s;
+}
+
 // rows of a matrix times a vector every group reads whole: one thread per row
 kernel void rows(device float* y [[buffer(0)]], const device float* w [[buffer(1)]],
                  const device float* x [[buffer(2)]], constant int& n [[buffer(3)]], constant int& k [[buffer(4)]],

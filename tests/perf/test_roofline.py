@@ -71,6 +71,23 @@ def test_bank_conflicts_bind_the_threadgroup_limit(lib, stride):
         assert not any("bank conflicted" in t for _, t in r.inefficiencies)
 
 
+def test_gemv_with_16_byte_lanes_issues_a_quarter_of_the_loads_at_the_same_dram_time(lib):
+    # fp32 GEMV, one simdgroup a row: float4 lanes move the same lines with a quarter of the load instructions;
+    # large enough to be bandwidth-bound either way, as on the GPU
+    n, k = 4096, 4096
+    w, x = aligned(n * k, fill=torch.randn(n * k)), aligned(k, fill=torch.randn(k))
+    p1 = lib.gemv_f1.profile(torch.empty(n), w, x, k, threads=32 * n, group_size=32, sample=3)
+    p4 = lib.gemv_f4.profile(torch.empty(n), w, x, k // 4, threads=32 * n, group_size=32, sample=3)
+    l1, l4 = p1.memory["device_load"], p4.memory["device_load"]
+    assert l1.instructions == pytest.approx(4 * l4.instructions) and (l1.mean_width, l4.mean_width) == (4, 16)
+    assert l1.lines == pytest.approx(l4.lines) and l1.sectors == pytest.approx(l4.sectors)
+    assert p1.unique_bytes == p4.unique_bytes
+    r1, r4 = predict(p1, "M2 Max"), predict(p4, "M2 Max")
+    assert r1.bound == r4.bound == "dram" and r1.time_us == pytest.approx(r4.time_us)
+    # ~6 instructions an element against ~2.5 (2 loads, 5 FP ops and 3 loop/address ops per 4 elements)
+    assert r1.limits_us["issue"] > 2 * r4.limits_us["issue"]
+
+
 def test_64_bit_divisions_bind_the_issue_limit(lib):
     p = lib.div64.profile(torch.empty(64 * 1024, dtype=torch.int64), 200, threads=64 * 1024, group_size=256, sample=3)
     r = predict(p, "M4 Max")
