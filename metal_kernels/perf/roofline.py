@@ -25,7 +25,7 @@ import dataclasses
 import math
 from typing import Callable, Sequence
 
-from ..emulator.profiler import Profile
+from ..emulator.profiler import MACS_PER_MMA, Profile
 from . import chips as C
 
 LIMITS = ("dram", "l1", "issue", "threadgroup", "mma")
@@ -96,7 +96,7 @@ def compute_peak_tflops(flops16: float, flops: float, chip: C.Chip) -> float:
 
 def _executed_flops(p: Profile) -> tuple[float, float]:
     """(all, 16-bit) FLOPs the launch executes: the lanes' arithmetic and the simdgroup matrices."""
-    return p.flops + p.mma_flops, p.flops16 + 2.0 * 512 * p.mma16
+    return p.flops + p.mma_flops, p.flops16 + 2.0 * MACS_PER_MMA * p.mma16
 
 
 def _launch(p: Profile, chip: C.Chip, locate: Callable[[int], str] | None, useful_flops: float | None):
