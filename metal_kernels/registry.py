@@ -41,6 +41,10 @@ class KernelSpec:
         for an accumulation, ("flags",) for a sampler step's NaN flags. The measured dispatch times a
         kernel on the call's own inputs and copies only these; the self-check fails a kernel that writes
         into any other argument.
+    instantiate: host name -> the template-id of a kernel template of `source` (e.g.
+        "gemv<gemv_vec<gemv_e4m3fn>, half>"); source.library_source writes one
+        `template [[host_name(...)]]` line for each after the file. Entry points not listed here are
+        kernels the file defines itself.
     """
 
     name: str
@@ -55,6 +59,7 @@ class KernelSpec:
     measured_by_caller: bool = False
     predict_cases: Callable[[], list] | None = None
     writes: tuple[str, ...] = ()
+    instantiate: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.writes:
@@ -67,6 +72,9 @@ class KernelSpec:
             bad = [k for k in kinds if k not in ARG_KINDS]
             if bad:
                 raise ValueError(f"kernel {self.name}: entry point {entry} has unknown argument kinds {bad}")
+        unknown = sorted(set(self.instantiate) - set(self.entry_points))
+        if unknown:
+            raise ValueError(f"kernel {self.name}: instantiations {unknown} are not entry points")
 
 
 REGISTRY: dict[str, KernelSpec] = {}
