@@ -91,7 +91,7 @@ def test_sd_vae_shared_statistics_vs_untiled(comfyui, sd_vae, caplog):
     codec = vt.codec_from_comfy(sd_vae)
     feather = psnr(sd_vae.process_output(vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=16)).decode(z))
                       .movedim(1, -1), ref)
-    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=16, shared_stats=True))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=16, seam="exact"))
     out = eng.decode(z)
     dec = sd_vae.first_stage_model.decoder
     n_gn = sum(isinstance(m, torch.nn.GroupNorm) for m in dec.modules())
@@ -119,7 +119,7 @@ def test_sd_vae_exact_holds_45_db_at_small_budgets(comfyui, sd_vae, caplog):
     import dataclasses
 
     from comfy_metal.nodes import vae as vt
-    from comfy_metal.nodes.vae import engine
+    from comfy_metal.nodes.vae import planner
     from comfy_metal.nodes.vae.nodes import MetalVAEDecodeTiled
 
     torch.manual_seed(5)
@@ -133,7 +133,7 @@ def test_sd_vae_exact_holds_45_db_at_small_budgets(comfyui, sd_vae, caplog):
     budget = int(untiled["peak"] * 0.6)
 
     def run(c, **kw):
-        eng = vt.TiledVAE(c, vt.TilingOptions(budget_bytes=budget, shared_stats=True, **kw))
+        eng = vt.TiledVAE(c, vt.TilingOptions(budget_bytes=budget, seam="exact", **kw))
         with vt.measure_peak(cpu) as m, torch.no_grad():
             out = eng.decode(z)
         p = psnr(sd_vae.process_output(out).movedim(1, -1), ref)
@@ -146,7 +146,7 @@ def test_sd_vae_exact_holds_45_db_at_small_budgets(comfyui, sd_vae, caplog):
     assert info.scheme == "stages" and info.bands > len(codec.decode_stages) and p >= 45.0
     assert peak <= budget + out.numel() * 4
     info, p, _, _ = run(dataclasses.replace(codec, decode_stages=None), tile=32)
-    assert info.shared_stats and info.tiles > 1 and info.overlap >= engine.EXACT_OVERLAP and p >= 45.0
+    assert info.shared_stats and info.tiles > 1 and info.overlap >= planner.EXACT_OVERLAP and p >= 45.0
     caplog.clear()
     with caplog.at_level("INFO", logger="comfy_metal"):
         (images,) = MetalVAEDecodeTiled().decode({"samples": z}, sd_vae, memory_budget_gb=budget / 2**30)
@@ -352,8 +352,8 @@ def test_sd_vae_untiled_mid_block_raises_psnr(comfyui, sd_vae):
     _, per_tile = run(untiled_head=False)
     eng, head = run()
     assert eng.info.untiled_head and not eng.info.shared_stats
-    _, per_tile_stats = run(untiled_head=False, shared_stats=True)
-    eng, head_stats = run(shared_stats=True)
+    _, per_tile_stats = run(untiled_head=False, seam="exact")
+    eng, head_stats = run(seam="exact")
     print("feather", per_tile, "->", head, "; shared statistics", per_tile_stats, "->", head_stats)
     assert head > per_tile
     assert head_stats > per_tile_stats and head_stats >= 45.0
@@ -414,7 +414,7 @@ def test_kl_encode_stages_are_the_encoder(comfyui, sd_vae_with_encoder, flux_vae
     """The codec's encode stages (one per down level, then mid block + norm_out + conv_out + quant_conv +
     the posterior's mode) chain to exactly ComfyUI's first_stage_model.encode."""
     from comfy_metal.nodes import vae as vt
-    from comfy_metal.nodes.vae.engine import _chain
+    from comfy_metal.nodes.vae.planner import chain as _chain
 
     vae = sd_vae_with_encoder if which == "sd" else flux_vae_with_encoder
     codec = vt.codec_from_comfy(vae)
@@ -446,16 +446,16 @@ def test_sd_vae_encode_untiled_rest_vs_untiled(comfyui, sd_vae_with_encoder, cap
     budget = int(untiled["peak"] * 0.5)
     codec = vt.codec_from_comfy(vae)
     got = {}
-    for shared in (False, True):
-        eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, shared_stats=shared))
+    for shared in ("feather", "exact"):
+        eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, seam=shared))
         out = eng.encode(x)
-        assert out.shape == ref.shape and eng.info.tiles > 1 and eng.info.untiled_tail and not eng.info.over_budget
+        assert out.shape == ref.shape and eng.info.tiles > 1 and eng.info.untiled_rest and not eng.info.over_budget
         assert 1 <= eng.info.tiled_stages < len(codec.encode_stages)
         got[shared] = psnr(out, ref, peak=peak)
-    print("ComfyUI tiled", p_comfy, "feather", got[False], "exact", got[True], "budget", budget / 2**20, "MiB,",
+    print("ComfyUI tiled", p_comfy, "feather", got["feather"], "exact", got["exact"], "budget", budget / 2**20, "MiB,",
           eng.info.tiles, "tiles,", eng.info.tiled_stages, "stage(s) tiled,", eng.info.passes, "passes")
-    assert got[True] >= 45.0 and got[True] > p_comfy + 10
-    assert got[False] >= p_comfy - 1.0
+    assert got["exact"] >= 45.0 and got["exact"] > p_comfy + 10
+    assert got["feather"] >= p_comfy - 1.0
     with caplog.at_level("INFO", logger="comfy_metal"):
         (lat,) = MetalVAEEncodeTiled().encode(pixels, vae, memory_budget_gb=budget / 2**30, seam_mode=EXACT)
     assert _tiles_logged(caplog.text) > 1 and "mid block untiled" in caplog.text

@@ -147,9 +147,9 @@ class _Case:
         return out
 
 
-def _ours(case, label, codec, z, tile, overlap, shared_stats=False):
+def _ours(case, label, codec, z, tile, overlap, seam="feather"):
     # the tile is fixed; the auto budget only sizes shared statistics' block cache (a quarter of it)
-    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=tile, overlap=overlap, shared_stats=shared_stats))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=tile, overlap=overlap, seam=seam))
     case.run(label, lambda: eng.decode(z),
              tiles=lambda: "{} x {}x{} (ov {})".format(eng.info.tiles, *eng.info.tile_shape, eng.info.overlap))
     return eng
@@ -205,7 +205,7 @@ def _sdxl(quick, device, comfy_sd, AutoencoderKL, diffusers_problem) -> Table:
             case.note(f"ComfyUI rows n/a: {comfy_sd}")
         _ours(case, "ours, feather, ComfyUI's overlap", codec, z, tile, comfy_overlap)
         _ours(case, "ours, feather", codec, z, tile, vt.default_overlap(tile))
-        eng = _ours(case, "ours, shared GroupNorm stats", codec, z, tile, vt.default_overlap(tile), shared_stats=True)
+        eng = _ours(case, "ours, shared GroupNorm stats", codec, z, tile, vt.default_overlap(tile), seam="exact")
         case.note(f"Ours is one pass at ComfyUI's tile size (tiles shrunk to the shortest length covering the "
                   f"image). Shared stats runs all tiles in lock-step from one GroupNorm to the next "
                   f"({eng.info.passes} passes, each recomputing only the block holding that GroupNorm from each "
@@ -258,8 +258,8 @@ def _at_comfy_peak(quick, device, comfy_sd, AutoencoderKL, diffusers_problem) ->
                 continue
             budget = int(case.comfy[1])
             got, chose = {}, ""
-            for label, shared in (("feather", False), ("exact (shared statistics)", True), ("auto", None)):
-                eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, shared_stats=shared))
+            for label, seam in (("feather", "feather"), ("exact (shared statistics)", "exact"), ("auto", "auto")):
+                eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, seam=seam))
                 case.run(f"ours, budget = ComfyUI tiled peak, {label}", lambda: eng.decode(z),
                          tiles=lambda: _plan_cell(eng.info))
                 got[label] = case.table.rows[-1][4]
@@ -360,13 +360,13 @@ def _encode_at_comfy_peak(quick, device, comfy_sd, AutoencoderKL, diffusers_prob
                 continue
             budget = int(case.comfy[1])
             got, chose, tiled = {}, "", None
-            for label, shared in (("feather", False), ("exact (shared statistics)", True), ("auto", None)):
-                eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, shared_stats=shared))
+            for label, seam in (("feather", "feather"), ("exact (shared statistics)", "exact"), ("auto", "auto")):
+                eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, seam=seam))
                 case.run(f"ours, budget = ComfyUI tiled peak, {label}", lambda: eng.encode(x),
                          tiles=lambda: _plan_cell(eng.info))
                 got[label] = case.table.rows[-1][4]
                 chose = eng.info.auto or chose
-                tiled = eng.info if shared is False else tiled
+                tiled = eng.info if seam == "feather" else tiled
             case.note(f"Budget = ComfyUI's measured tiled-encode peak ({human_bytes(budget)}). Latent PSNR vs the "
                       f"untiled encode (peak = its largest magnitude): feather {got.get('feather')} dB, exact "
                       f"{got.get('exact (shared statistics)')} dB, auto {got.get('auto')} dB ({chose}). Exact runs "
@@ -375,7 +375,7 @@ def _encode_at_comfy_peak(quick, device, comfy_sd, AutoencoderKL, diffusers_prob
                       + (f"Feather's tiles run the encoder's first {tiled.tiled_stages} of {len(codec.encode_stages) - 1} "
                          f"down levels, blended at their output resolution; the rest, its mid block (attention "
                          f"included), norm_out and conv_out run once over the whole image."
-                         if tiled is not None and tiled.untiled_tail else "Feather's tiles ran the whole encoder "
+                         if tiled is not None and tiled.untiled_rest else "Feather's tiles ran the whole encoder "
                          "(its rest did not fit untiled)."))
         except Exception as e:
             case.note(f"{name} encode case failed: {type(e).__name__}: {e}")
@@ -414,9 +414,8 @@ def _wan22(quick, device, comfy_sd) -> list[Table]:
             comfy_overlap = 1 if quick else COMFY_OVERLAP_PX // 16
             need = None
             if device.type == "cpu":
-                probe = vt.TiledVAE(codec)
-                a, b = probe.calibrate(codec.decode_stream, z)
-                need = a + b * h * w
+                cal = vt.planner.Planner(codec, vt.TilingOptions(), 1 << 40).calibrate(codec.decode_stream, z)
+                need = cal["a"] + cal["b"] * h * w
             free = _available_bytes()
             if need is not None and free is not None and need > 0.7 * free:
                 case.table.add("untiled (ComfyUI VAE.decode)", "1", "skipped", f"~{human_bytes(need)} predicted", "",
