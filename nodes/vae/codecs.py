@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from . import causal
 from .stagewise import comfy_tail_stages, diffusers_tail_stages
 from .stagewise_encode import comfy_body_stages, diffusers_body_stages
 
@@ -63,6 +64,11 @@ class Codec:
     # encode_input: the VAE's input transform for the pixels those stages read (the node sets process_input).
     encode_body_stages: list | None = None
     encode_input: Callable | None = None
+    # Causal 3-D video VAEs (Wan 2.1 / Qwen-Image, Wan 2.2): the decoder and the encoder as causal.Program
+    # stages (exact stage by stage over the whole frame), or why not (`programs_note`).
+    decode_program: object = None
+    encode_program: object = None
+    programs_note: str = ""
 
     def frames_out(self, t_latent: int) -> int:
         return t_latent if not self.video else 1 + 4 * (t_latent - 1)
@@ -193,7 +199,8 @@ def codec_from_comfy(vae) -> Codec | None:
                 yield torch.cat(out, 2) if isinstance(out, (list, tuple)) else out
         return Codec("comfy-wan21", int(scale), decode=lambda z: fsm.decode(z), encode=lambda x: fsm.encode(x),
                      decode_stream=stream, module=fsm, device=device, dtype=dtype, video=True,
-                     out_channels=getattr(vae, "conv_out_channels", 3), latent_channels=vae.latent_channels)
+                     out_channels=getattr(vae, "conv_out_channels", 3), latent_channels=vae.latent_channels,
+                     **_wan_programs(fsm))
     if latent_dim == 3 and cls == "WanVAE" and mod.endswith("wan.vae2_2"):
         def stream(z):
             import comfy.ldm.wan.vae2_2 as wan
@@ -208,11 +215,19 @@ def codec_from_comfy(vae) -> Codec | None:
                 yield wan.unpatchify(out, patch_size=2)
         return Codec("comfy-wan22", int(scale), decode=lambda z: fsm.decode(z), encode=lambda x: fsm.encode(x),
                      decode_stream=stream, module=fsm, device=device, dtype=dtype, video=True,
-                     out_channels=3, latent_channels=vae.latent_channels)
+                     out_channels=3, latent_channels=vae.latent_channels, **_wan_programs(fsm))
     hunyuan = _comfy_hunyuan_video_codec(vae, fsm, latent_dim, scale, device, dtype)
     if hunyuan is not None:
         return hunyuan
     return None
+
+
+def _wan_programs(fsm) -> dict:
+    """The Codec fields of a WanVAE's stage programs (causal.py): each a Program, or None with the reason."""
+    dec, enc = causal.program(fsm, encode=False), causal.program(fsm, encode=True)
+    notes = [f"{what}: {p}" for what, p in (("decoder", dec), ("encoder", enc)) if isinstance(p, str)]
+    return {"decode_program": None if isinstance(dec, str) else dec,
+            "encode_program": None if isinstance(enc, str) else enc, "programs_note": "; ".join(notes)}
 
 
 def _comfy_kl_split(fsm):

@@ -8,7 +8,7 @@ core is testable without ComfyUI.
 
 * Untiled: the codec's own decode/encode in one call.
 * Stages (exact, one pass): the whole input stage by stage in bands of rows (stagewise.py and
-  stagewise_encode.py for KL VAEs).
+  stagewise_encode.py for KL VAEs, causal.py for the causal 3-D video VAEs).
 * Tiles (one pass, feather): the latent is cut into overlapping tiles (tiles.py); each decoded tile is
   weighted by a separable feather mask whose weights sum to exactly 1 over every output pixel and added
   into an fp32 accumulator by the `vae_blend_accumulate` kernel (Metal on MPS).
@@ -40,6 +40,7 @@ from .codecs import Codec
 from .memory import auto_budget, is_oom
 from .pad import MetalPadMode, pad_mode_for
 from .planner import AUTO, FEATHER, MIN_TILE, STAGES, STATS_CACHE_SHARE, UNTILED, Plan, chain
+from .causal import CausalStages
 from .shared_stats import SharedGroupNormStats, _StopAtGroupNorm
 from .stagewise import StagewiseDecode
 from .stagewise_encode import StagewiseEncode
@@ -166,7 +167,8 @@ class TiledVAE:
     def _execute(self, p: Plan, x: torch.Tensor, encode: bool) -> torch.Tensor:
         self._record(p)
         if p.scheme == STAGES:
-            out = self._encode_stages(p, x) if encode else self._decode_stages(p, x)
+            out = self._causal_stages(p, x, encode) if self.codec.video else \
+                self._encode_stages(p, x) if encode else self._decode_stages(p, x)
             if out is not None:
                 return out
             what = "encode" if encode else "decode"
@@ -203,8 +205,7 @@ class TiledVAE:
         if feats is None:
             return None
         self.info.untiled_head = True
-        sw = StagewiseDecode(c.decode_stages, c.device, c.dtype, planner.CPU_WORKSPACE_FACTOR
-                             if c.device.type == "cpu" else 1.0)
+        sw = StagewiseDecode(c.decode_stages, c.device, c.dtype, planner.workspace_factor(c.device))
         out_bytes = x.shape[0] * c.out_channels * h * w * c.scale ** 2 * 4
         try:
             with torch.no_grad(), pad_mode_for(c.device, self.opt.route_pads):
@@ -222,8 +223,8 @@ class TiledVAE:
         """The KL encoder's down path stage by stage over the whole image (stagewise_encode.py), then the rest of
         the encoder once over its latent-resolution output; None when it runs out of memory."""
         c = self.codec
-        sw = StagewiseEncode(c.encode_body_stages, c.device, c.dtype, planner.CPU_WORKSPACE_FACTOR
-                             if c.device.type == "cpu" else 1.0, prepare=c.encode_input)
+        sw = StagewiseEncode(c.encode_body_stages, c.device, c.dtype, planner.workspace_factor(c.device),
+                             prepare=c.encode_input)
         try:
             with torch.no_grad(), pad_mode_for(c.device, self.opt.route_pads):
                 feats = sw.run(x, p.stages)
@@ -239,10 +240,37 @@ class TiledVAE:
         z = z.to(device=self._out_device(c.device, z.numel() * 4, final=True), dtype=torch.float32)
         return self._finish(z, "encode (stage by stage)")
 
-    def _finish(self, out, what):
+    def _causal_stages(self, p: Plan, x, encode):
+        """A causal 3-D video VAE stage by stage over the whole frame (causal.py); None when it runs out of
+        memory (the caller plans tiles)."""
+        c = self.codec
+        prog = c.encode_program if encode else c.decode_program
+        runner = CausalStages(prog, c.device, c.dtype, planner.workspace_factor(c.device), prepare=c.encode_input)
+        try:
+            with torch.no_grad():
+                if encode:
+                    out = runner.run(x, p.stages)
+                    out = out.to(self._out_device(c.device, out.numel() * 4, final=True))
+                else:
+                    n, _, t, h, w = x.shape
+                    shape = (n, c.out_channels, prog.out_frames(t), h * c.scale, w * c.scale)
+                    out = torch.empty(shape, dtype=torch.float32, device=self._out_device(c.device,
+                                                                                          math.prod(shape) * 4))
+                    runner.run(x, p.stages, out=out)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            e = out = None
+            return None
+        self.info.passes, self.info.bands = 1, runner.bands_run
+        return self._finish(out, f"{'encode' if encode else 'decode'} (stage by stage)",
+                            bad=None if encode else runner.nonfinite)
+
+    def _finish(self, out, what, bad=None):
+        """The stage schemes' end: progress done, NaN/inf in the output (`bad` when counted already) warned."""
         if self.opt.progress is not None:
             self.opt.progress(1, 1)
-        bad = int((~torch.isfinite(out)).sum())
+        bad = _nonfinite(out) if bad is None else bad
         if bad:
             self.info.nonfinite = bad
             log.warning(f"comfy_metal: VAE {what}: {bad} NaN/inf values in the output (from the input or the "
@@ -510,6 +538,12 @@ class TiledVAE:
             t_off += chunk.shape[2] if chunk.dim() == 5 else 1
             del chunk
         return acc
+
+
+def _nonfinite(t: torch.Tensor, chunk: int = 1 << 22) -> int:
+    """NaN/inf values in t, counted a chunk at a time (no output-sized temporaries)."""
+    flat = t.reshape(-1) if t.is_contiguous() else t.flatten()
+    return sum(int(piece.isfinite().logical_not_().sum()) for piece in flat.split(chunk))
 
 
 def _empty_cache(device):

@@ -11,7 +11,9 @@ Schemes, in the order auto tries them:
   reach the same result as one tile).
 * "stages": exact, one pass. Image KL VAEs: conv_in and the mid block once over the whole latent, then the
   up path stage by stage over the whole image in bands of rows with whole-image GroupNorm moments
-  (stagewise.py); their encoders run the down path that way (stagewise_encode.py).
+  (stagewise.py); their encoders run the down path that way (stagewise_encode.py). Causal 3-D video VAEs
+  (Wan 2.1 / Qwen-Image, Wan 2.2): every stage over the whole frame in bands of rows, chunk by chunk in
+  time with the VAE's own chunking and a whole-frame causal cache per convolution (causal.py).
 * "tiles": overlapping tiles, feather-blended (`exact=False`: each tile normalises itself) or in lock-step
   from one GroupNorm to the next with whole-image statistics (`exact=True`, shared_stats.py). Decode may
   run the head (conv_in + mid block) once over the whole latent first (`head`); encode may tile only the
@@ -35,6 +37,7 @@ from .codecs import Codec
 from .memory import measure_peak
 from .pad import pad_mode_for
 from .shared_stats import SharedGroupNormStats
+from .causal import CausalStages
 from .stagewise import StagewiseDecode
 from .stagewise_encode import StagewiseEncode
 from .tiles import plan_tiles
@@ -108,6 +111,11 @@ def chain(stages):
     return run
 
 
+def workspace_factor(device: torch.device) -> float:
+    """The cost model's factor on band and tile working memory for what convolutions allocate inside the op."""
+    return CPU_WORKSPACE_FACTOR if device.type == "cpu" else 1.0
+
+
 def score_limited(device: torch.device) -> bool:
     """Whether attention score matrices on `device` must stay under MPS_MAX_SCORE_ELEMENTS."""
     return device.type == "mps"
@@ -175,7 +183,7 @@ class Planner:
         return int(m["peak"])
 
     def workspace(self) -> float:
-        return CPU_WORKSPACE_FACTOR if self.codec.device.type == "cpu" else 1.0
+        return workspace_factor(self.codec.device)
 
     def calibrate(self, fn, sample: torch.Tensor, encode: bool = False, budget: float | None = None) -> dict:
         """{"points", "a", "b"} of peak = a + b * tile_area (latent pixels), from two small tiles on the
@@ -439,9 +447,51 @@ class Planner:
             log.warning(f"comfy_metal: VAE {'encode' if encode else 'decode'}: attention over the whole {h}x{w} "
                         f"latent would build a score matrix past MPS's 2^31-element limit (wrong results "
                         f"there); tiles of at most {self.attention_side(x)} latent px run the whole VAE")
+        if c.video:
+            chosen = self._video_stages(x, h, w, seam, encode)
+            if chosen.scheme == STAGES:
+                return chosen
+            p = self._plan_encode(x, h, w, seam, whole) if encode else self._plan_decode(x, h, w, seam, whole)
+            p.reason = chosen.reason or p.reason
+            return p
         if encode:
             return self._plan_encode(x, h, w, seam, whole)
         return self._plan_decode(x, h, w, seam, whole)
+
+    def _video_stages(self, x, h, w, seam, encode) -> Plan:
+        """Causal 3-D video VAEs: every stage over the whole frame in bands of rows, chunk by chunk in time
+        with whole-frame causal caches (causal.py), when its plan fits the budget and (seam mode auto) it is
+        not predicted slower than both ComfyUI's tiled run and feather tiles. A TILES plan with only a reason
+        otherwise."""
+        c, opt = self.codec, self.opt
+        prog = c.encode_program if encode else c.decode_program
+        what = "encode" if encode else "decode"
+        if prog is None or seam == FEATHER or not opt.stages or opt.tile is not None:
+            why = (f"no stages for this VAE's {'encoder' if encode else 'decoder'}"
+                   + (f" ({c.programs_note})" if c.programs_note else "") if prog is None else "a fixed tile size")
+            return Plan(TILES, reason=f"auto: feather ({why})" if seam == AUTO else "")
+        runner = CausalStages(prog, c.device, c.dtype, self.workspace())
+        sp = runner.plan(tuple(x.shape), self.budget * HEADROOM)
+        if sp is None:
+            why = "exact stage by stage does not fit the budget (the causal caches and two whole-frame buffers)"
+            log.info(f"comfy_metal: VAE {what}: {why}; tiles instead")
+            return Plan(TILES, reason=f"auto: feather ({why})" if seam == AUTO else "")
+        comfy = comfy_tiled_work(c, tuple(x.shape), encode)
+        reason = ""
+        if seam == AUTO:
+            detail = f"predicted {sp.work:.2f} passes, ComfyUI tiled {comfy:.2f}"
+            if sp.work > comfy * (1 + 1e-6):
+                feather = Plan(TILES)
+                fn = c.encode if encode else (c.decode_stream or c.decode)
+                tile = self.tile_for_budget(feather, fn, x, self.budget, h, w, encode=encode)
+                feather_work = self.feather_work(tile, h, w)
+                one_tile = self.tile_hw(tile, h, w) == (h, w)    # the same run as the stages, with more memory
+                if sp.work > feather_work and not one_tile:
+                    return Plan(TILES, reason=f"auto: feather ({detail}, feather {feather_work:.2f})")
+                detail += f", feather {feather_work:.2f}"
+            reason = f"auto: exact (stage by stage, {detail})"
+        return Plan(STAGES, tile=max(h, w), tile_shape=(h, w), tiles=1, stages=sp, expected_peak=sp.peak,
+                    work=sp.work, reason=reason)
 
     def _head(self, x, budget) -> tuple[int, bool]:
         """(predicted peak, fits) of the decoder's head over the whole latent."""

@@ -2,27 +2,12 @@
 dicts), against ComfyUI's untiled decode/encode of the same VAE. Runs only with COMFYUI_PATH."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from comfy_metal.nodes.common.quality import psnr
+from vae_weights import vae_state_dict
 
-
-def _fill(module: torch.nn.Module, seed: int) -> dict:
-    """Explicit random weights (ComfyUI layers skip init), at PyTorch's default init scale
-    (uniform +-1/sqrt(fan_in), as the diffusers models in test_vae.py get), norms near 1."""
-    gen = torch.Generator().manual_seed(seed)
-    sd = {}
-    for k, v in module.state_dict().items():
-        if v.dim() > 1:
-            sd[k] = (torch.rand(v.shape, generator=gen) * 2 - 1) / math.sqrt(v[0].numel())
-        elif k.endswith(("weight", "gamma")):
-            sd[k] = 1.0 + 0.1 * torch.randn(v.shape, generator=gen)
-        else:
-            sd[k] = 0.05 * torch.randn(v.shape, generator=gen)
-    return sd
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +20,7 @@ def sd_vae(comfyui):
     holder = torch.nn.Module()
     holder.decoder = Decoder(**ddconfig)
     holder.post_quant_conv = torch.nn.Conv2d(4, 4, 1)
-    sd = _fill(holder, 0)
+    sd = vae_state_dict(holder, 0)
     return comfy.sd.VAE(sd=sd)
 
 
@@ -46,7 +31,7 @@ def wan_vae(comfyui):
 
     model = WanVAE(dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                    temperal_downsample=[False, True, True])
-    return comfy.sd.VAE(sd=_fill(model, 1))
+    return comfy.sd.VAE(sd=vae_state_dict(model, 1))
 
 
 def _tiles_logged(text):
@@ -258,7 +243,7 @@ def hunyuan_vae(comfyui):
     ddconfig = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 32,
                 "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0,
                 "conv3d": True, "time_compress": 4}
-    sd = _fill(AutoencoderKL(ddconfig=ddconfig, embed_dim=16), 2)
+    sd = vae_state_dict(AutoencoderKL(ddconfig=ddconfig, embed_dim=16), 2)
     assert "decoder.conv_in.conv.weight" in sd
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(comfy.sd, "AutoencoderKL", narrow)
@@ -374,7 +359,7 @@ def sd_vae_with_encoder(comfyui):
     import comfy.sd
     from comfy.ldm.models.autoencoder import AutoencoderKL
 
-    sd = _fill(AutoencoderKL(ddconfig=ENCODER_DDCONFIG, embed_dim=4), 3)
+    sd = vae_state_dict(AutoencoderKL(ddconfig=ENCODER_DDCONFIG, embed_dim=4), 3)
     return comfy.sd.VAE(sd=sd, config={"params": {"ddconfig": ENCODER_DDCONFIG, "embed_dim": 4}})
 
 
@@ -389,7 +374,7 @@ def flux_vae_with_encoder(comfyui):
     enc = {"target": "comfy.ldm.modules.diffusionmodules.model.Encoder", "params": ddconfig}
     dec = {"target": "comfy.ldm.modules.diffusionmodules.model.Decoder", "params": ddconfig}
     reg = {"target": "comfy.ldm.models.autoencoder.DiagonalGaussianRegularizer"}
-    sd = _fill(AutoencodingEngine(regularizer_config=reg, encoder_config=enc, decoder_config=dec), 4)
+    sd = vae_state_dict(AutoencodingEngine(regularizer_config=reg, encoder_config=enc, decoder_config=dec), 4)
 
     def narrow(encoder_config, **kw):
         params = {**encoder_config["params"], "ch": 32}
