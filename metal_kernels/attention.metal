@@ -158,21 +158,22 @@ ATTENTION_KERNEL(attention_half, half)
 ATTENTION_KERNEL(attention_bfloat, bfloat)
 
 // ---------------------------------------------------------------------------------------------
-// The same attention with simdgroup_matrix 8x8 products (D % 8 == 0; D <= AMMA_ND8 * 8 of the
-// instantiation: 64, 128 or 256). One threadgroup = AMMA_SIMDS simdgroups = AMMA_ROWS query rows of
-// one (b, h); each simdgroup owns 8 rows and keeps them (pre-scaled by scale * log2(e)) and its 8 x D
-// fp32 output as 8x8 matrices. Per block of `bk` keys (bk * D <= AMMA_KV_FLOATS, at most 64): the group
-// stages K (fp32, zero rows past Lk) in threadgroup memory; S = Q K^T by 8x8 products (K loaded
-// transposed); the online softmax runs on S in a per-simdgroup scratch (4 lanes per row, fp32 running
-// max and sum, base 2; keys past Lk and masked keys are -inf); O is rescaled by diag(alpha) (an 8x8
-// product); then V is staged and O += P V. Output: O / l, one write, rows past Lq skipped; a fully
-// masked row (l == 0) gives 0. All offsets 64-bit; group_base as above.
+// The same attention with simdgroup_matrix 8x8 products ("mma": matrix multiply-accumulate; D % 8 == 0;
+// D <= ND8 * 8 of the instantiation: 64, 128 or 256). One threadgroup = ATTN_MMA_SIMDS simdgroups =
+// ATTN_MMA_ROWS query rows of one (b, h); each simdgroup owns 8 rows and keeps them (pre-scaled by
+// scale * log2(e)) and its 8 x D fp32 output as 8x8 matrices. Per block of `bk` keys
+// (bk * D <= ATTN_MMA_KV_FLOATS, at most ATTN_MMA_BK_MAX): the group stages K (fp32, zero rows past Lk) in
+// threadgroup memory; S = Q K^T by 8x8 products (K loaded transposed); the online softmax runs on S in a
+// per-simdgroup scratch (4 lanes per row, fp32 running max and sum, base 2; keys past Lk and masked keys
+// are -inf); O is rescaled by diag(alpha) (an 8x8 product); then V is staged and O += P V. Output: O / l,
+// one write, rows past Lq skipped; a fully masked row (l == 0) gives 0. All offsets 64-bit; group_base as
+// above.
 
-#define AMMA_SIMDS 4
-#define AMMA_ROWS (AMMA_SIMDS * 8)
-#define AMMA_THREADS (AMMA_SIMDS * 32)
-#define AMMA_KV_FLOATS 4096
-#define AMMA_BK_MAX 64
+#define ATTN_MMA_SIMDS 4
+#define ATTN_MMA_ROWS (ATTN_MMA_SIMDS * 8)
+#define ATTN_MMA_THREADS (ATTN_MMA_SIMDS * 32)
+#define ATTN_MMA_KV_FLOATS 4096
+#define ATTN_MMA_BK_MAX 64
 
 template <typename T, int ND8>
 inline void attention_mma_rows(device const T* q, device const T* k, device const T* v, device const float* mask,
@@ -182,7 +183,7 @@ inline void attention_mma_rows(device const T* q, device const T* k, device cons
                                threadgroup float* sq, uint tgid, uint tid, uint lane, uint simd_id) {
     const long g = group_base + long(tgid);
     const long bh = g / q_blocks;
-    const long row0 = (g - bh * q_blocks) * AMMA_ROWS;
+    const long row0 = (g - bh * q_blocks) * ATTN_MMA_ROWS;
     const long b = bh / Hq;
     const long h = bh - b * Hq;
     const long hk = h / (Hq / Hk);
@@ -190,12 +191,12 @@ inline void attention_mma_rows(device const T* q, device const T* k, device cons
     const long kv_base = (b * Hk + hk) * Lk * D;
     const long mask_base = b * mask_sb + h * mask_sh;
     const int nd8 = int(D / 8);
-    long bk = (AMMA_KV_FLOATS / D) / 8 * 8;
-    if (bk > AMMA_BK_MAX) bk = AMMA_BK_MAX;
+    long bk = (ATTN_MMA_KV_FLOATS / D) / 8 * 8;
+    if (bk > ATTN_MMA_BK_MAX) bk = ATTN_MMA_BK_MAX;
     const int nj8 = int(bk / 8);
 
     const long r0 = row0 + long(simd_id) * 8;             // this simdgroup's first query row
-    threadgroup float* my_p = ps + long(simd_id) * (8 * AMMA_BK_MAX);
+    threadgroup float* my_p = ps + long(simd_id) * (8 * ATTN_MMA_BK_MAX);
     threadgroup float* my_s = sq + long(simd_id) * 64;
     const int prow = int(lane / 4);                       // softmax: lanes 4r .. 4r+3 own row r
     const int pcol0 = int(lane % 4);
@@ -222,7 +223,7 @@ inline void attention_mma_rows(device const T* q, device const T* k, device cons
     float l_run = 0.0f;
     for (long kb = 0; kb < Lk; kb += bk) {
         const long nk = Lk - kb < bk ? Lk - kb : bk;
-        for (long t = tid; t < bk * D; t += AMMA_THREADS) {
+        for (long t = tid; t < bk * D; t += ATTN_MMA_THREADS) {
             const long j = t / D;
             kv[t] = j < nk ? float(k[kv_base + (kb + j) * D + (t - j * D)]) : 0.0f;
         }
@@ -279,7 +280,7 @@ inline void attention_mma_rows(device const T* q, device const T* k, device cons
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);     // every simdgroup is done with K (and my_s)
 
-        for (long t = tid; t < bk * D; t += AMMA_THREADS) {
+        for (long t = tid; t < bk * D; t += ATTN_MMA_THREADS) {
             const long j = t / D;
             kv[t] = j < nk ? float(v[kv_base + (kb + j) * D + (t - j * D)]) : 0.0f;
         }
@@ -336,9 +337,9 @@ kernel void NAME(device const T* q [[buffer(0)]],                               
                  uint tid [[thread_index_in_threadgroup]],                                         \
                  uint lane [[thread_index_in_simdgroup]],                                          \
                  uint simd_id [[simdgroup_index_in_threadgroup]]) {                                \
-    threadgroup float kv[AMMA_KV_FLOATS];                                                          \
-    threadgroup float ps[AMMA_SIMDS * 8 * AMMA_BK_MAX];                                            \
-    threadgroup float sq[AMMA_SIMDS * 64];                                                         \
+    threadgroup float kv[ATTN_MMA_KV_FLOATS];                                                      \
+    threadgroup float ps[ATTN_MMA_SIMDS * 8 * ATTN_MMA_BK_MAX];                                    \
+    threadgroup float sq[ATTN_MMA_SIMDS * 64];                                                     \
     attention_mma_rows<T, ND8>(q, k, v, mask, out, Lq, Lk, D, Hq, Hk, scale_log2, has_mask,        \
                                mask_sb, mask_sh, mask_sq, mask_sk, group_base, q_blocks, kv, ps,   \
                                sq, tgid, tid, lane, simd_id);                                      \

@@ -27,7 +27,7 @@ import functools
 import torch
 
 from . import dispatch
-from .dtypes import MSL_TYPE
+from .dtypes import DTYPE_OF_MSL, MSL_TYPE
 from .registry import KernelSpec, register
 
 __all__ = ["moe_route", "moe_experts_gemm", "moe_grouped_gemm", "moe_group", "moe_grouped_linear",
@@ -233,15 +233,13 @@ def _case_bank(E, N, K, wkind, gen):
     if wkind in FP8_FORMATS:
         f8 = torch.float8_e4m3fn if wkind == "e4m3fn" else torch.float8_e5m2
         return src.to(f8).view(torch.uint8), wkind
-    return (src * 0.2).to({"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}[wkind]), None
+    return (src * 0.2).to(DTYPE_OF_MSL[wkind]), None
 
 
 def _case_scale(kind, E, N, gen):
     return {None: None, "scalar": torch.tensor(0.75), "expert": torch.rand(E, generator=gen) + 0.5,
             "row": torch.rand(E, N, generator=gen) + 0.5}[kind]
 
-
-_X_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}
 
 # One case per (weight kind, activation type): every entry point of moe_experts_gemm is self-checked.
 # Small odd shapes; K covers the scalar tail only, one 128-wide step + tail (129, 140, 150) and
@@ -270,7 +268,7 @@ def _gemm_cases(device):
     out = []
     for E, N, K, P, x_div, wkind, xkind, sc, with_bias in _GEMM_CASES:
         w, fmt = _case_bank(E, N, K, wkind, gen)
-        x = torch.randn(P // x_div, K, generator=gen).to(_X_DTYPES[xkind])
+        x = torch.randn(P // x_div, K, generator=gen).to(DTYPE_OF_MSL[xkind])
         row_e = torch.randint(0, E, (P,), generator=gen)
         scale = _case_scale(sc, E, N, gen)
         bias = torch.randn(E, N, generator=gen) if with_bias else None
@@ -392,7 +390,7 @@ def _grouped_cases(device):
     for E, N, K, counts, wkind, xkind, sc, with_bias in _GROUPED_CASES:
         P = sum(counts)
         w, fmt = _case_bank(E, N, K, wkind, gen)
-        xs = torch.randn(P, K, generator=gen).to(_X_DTYPES[xkind])
+        xs = torch.randn(P, K, generator=gen).to(DTYPE_OF_MSL[xkind])
         offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
         scale = _case_scale(sc, E, N, gen)
         bias = torch.randn(E, N, generator=gen) if with_bias else None

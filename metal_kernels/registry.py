@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, Mapping
 
 import torch
@@ -34,6 +35,16 @@ class KernelSpec:
     measured_by_caller: the caller times this kernel against the platform op itself (attention against
         ComfyUI's, the GEMVs against decode + matmul), so the dispatch does not time it again against
         its reference (see dispatch.measured_backend).
+    predict_cases: `predict_cases() -> list[perf.PredictCase]`, the kernel at real model shapes for
+        `bench --predict` (None: its entry in metal_kernels/perf/cases.py's CASES, if any).
+    writes: the parameters (the reference's names) of the tensors the kernel writes into, e.g. ("acc",)
+        for an accumulation, ("flags",) for a sampler step's NaN flags. The measured dispatch times a
+        kernel on the call's own inputs and copies only these; the self-check fails a kernel that writes
+        into any other argument.
+    instantiate: host name -> the template-id of a kernel template of `source` (e.g.
+        "gemv<gemv_vec<gemv_e4m3fn>, half>"); source.library_source writes one
+        `template [[host_name(...)]]` line for each after the file. Entry points not listed here are
+        kernels the file defines itself.
     """
 
     name: str
@@ -46,12 +57,24 @@ class KernelSpec:
     rtol: float = 1e-5
     compare: Callable[[Any, Any], str | None] | None = None
     measured_by_caller: bool = False
+    predict_cases: Callable[[], list] | None = None
+    writes: tuple[str, ...] = ()
+    instantiate: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        if self.writes:
+            params = inspect.signature(self.reference).parameters
+            unknown = [w for w in self.writes if w not in params]
+            if unknown:
+                raise ValueError(f"kernel {self.name}: writes names {unknown}, which are not parameters of its "
+                                 f"reference {list(params)}")
         for entry, kinds in self.entry_points.items():
             bad = [k for k in kinds if k not in ARG_KINDS]
             if bad:
                 raise ValueError(f"kernel {self.name}: entry point {entry} has unknown argument kinds {bad}")
+        unknown = sorted(set(self.instantiate) - set(self.entry_points))
+        if unknown:
+            raise ValueError(f"kernel {self.name}: instantiations {unknown} are not entry points")
 
 
 REGISTRY: dict[str, KernelSpec] = {}

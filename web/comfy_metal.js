@@ -1,19 +1,22 @@
 // Comfy Metal in the ComfyUI frontend:
 //  * a badge on each of the pack's nodes (the node classes the status route lists as the pack's) with
 //    the backend its kernels used on the last run: Metal, Emulator, Reference (click it for the reason), Mixed;
-//  * a "Metal" sidebar tab (or a floating panel on frontends without sidebar tabs) with the
-//    capability probe, each kernel's backend and why, the last node runs, and device memory in use
-//    against the recommended maximum (polled while a prompt runs);
+//  * a "Metal" sidebar tab (or a floating panel on frontends without sidebar tabs): a one-line verdict
+//    in plain words (is the Apple GPU used, for what, how much faster), what the pack saved, what to do,
+//    device memory in use against the recommended maximum (polled while a prompt runs), and under a
+//    collapsed "Details" the switch, what runs where, the timings, the last node runs and the probe;
 //  * the setting "Comfy Metal: force reference kernels" (POST /comfy_metal/settings, this server
 //    process only), also as a switch in the tab;
-//  * the Comfy Metal Status node shows its report (its UI output) in a read-only text box.
+//  * the Comfy Metal Status node shows the same verdict (its UI output) in a read-only text box;
+//  * a toast when a loaded workflow names a model folder that is not installed (the frontend's
+//    Missing Models list shows only files), with where to download it.
 // Data: GET /comfy_metal/status, GET /comfy_metal/memory, websocket event "comfy_metal.backend".
 // ComfyUI's `app` and `api`: the frontend's documented globals (window.comfyAPI), else the legacy
 // /scripts/ modules (older frontends; newer ones serve them as shims of the same globals).
 import {
   BACKEND_EVENT, ROUTES, TextBadge, applyBackendRecord, applyStatusNodes, badgeFor,
-  createBackendState, createPoller, isPackNode, memoryBarHTML, packNodeSet, recordForNode, renderStatusHTML,
-  reportText,
+  createBackendState, createPoller, isPackNode, memoryBarHTML, missingModelFolders, packNodeSet, recordForNode,
+  renderStatusHTML, reportText,
 } from "./lib/status_model.js";
 
 const { app } = globalThis.comfyAPI?.app ?? (await import("../../scripts/app.js"));
@@ -21,7 +24,7 @@ const { api } = globalThis.comfyAPI?.api ?? (await import("../../scripts/api.js"
 
 const SETTING_ID = "ComfyMetal.ForceReference";
 const STATUS_NODE = "MetalStatus";
-const STATUS_NODE_SIZE = [560, 380];   // wide enough for its title and the report's tables
+const STATUS_NODE_SIZE = [460, 330];   // its verdict and short list, wrapped, without scrolling
 const state = createBackendState();
 let lastStatus = null;
 let lastMemory = null;
@@ -56,7 +59,9 @@ function renderPanels() {
       continue;
     }
     const status = lastStatus && lastMemory && !lastStatus.error ? { ...lastStatus, memory: lastMemory } : lastStatus;
-    el.querySelector(".comfy-metal-body").innerHTML = renderStatusHTML(status);
+    const body = el.querySelector(".comfy-metal-body");
+    const detailsOpen = !!body.querySelector("details.comfy-metal-details")?.open;   // kept open across refreshes
+    body.innerHTML = renderStatusHTML(status, { detailsOpen });
   }
 }
 
@@ -109,13 +114,16 @@ function injectStyle() {
     .comfy-metal-panel h4 { margin: 10px 0 4px; font-size: 12px; }
     .comfy-metal-table { border-collapse: collapse; width: 100%; table-layout: fixed; overflow-wrap: anywhere; }
     .comfy-metal-table td:last-child, .comfy-metal-table th:last-child { width: 38%; }
-    .comfy-metal-summary { font-weight: 600; margin: 4px 0 6px; }
+    .comfy-metal-verdict { font-weight: 600; font-size: 13px; margin: 4px 0 8px; line-height: 1.35; }
+    .comfy-metal-saved, .comfy-metal-todo, .comfy-metal-measured { margin: 2px 0 6px; padding-left: 16px; }
+    .comfy-metal-details { margin-top: 10px; }
+    .comfy-metal-details > summary { cursor: pointer; font-weight: 600; }
     .comfy-metal-switch { display: flex; gap: 6px; align-items: center; cursor: pointer; margin: 4px 0; }
     .comfy-metal-group { margin: 4px 0 6px; }
     .comfy-metal-group-head { display: flex; gap: 6px; align-items: baseline; flex-wrap: wrap; }
-    .comfy-metal-names { list-style: none; margin: 2px 0 0; padding: 0 0 0 8px; }
-    .comfy-metal-names li { margin: 1px 0; }
-    .comfy-metal-name { font-family: ui-monospace, Menlo, monospace; font-size: 11px; }
+    .comfy-metal-group-head strong { display: inline-block; }
+    .comfy-metal-group-head strong::first-letter { text-transform: uppercase; }
+    .comfy-metal-names { margin: 2px 0 0; opacity: .7; font-family: ui-monospace, Menlo, monospace; font-size: 10px; }
     .comfy-metal-small { font-size: 11px; }
     .comfy-metal-table td, .comfy-metal-table th { border-bottom: 1px solid rgba(127,127,127,.25); padding: 2px 4px; text-align: left; vertical-align: top; }
     .comfy-metal-chip { border-radius: 4px; padding: 0 5px; white-space: nowrap; }
@@ -207,11 +215,11 @@ function reportWidget(node) {
   const ComfyWidgets = globalThis.comfyAPI?.widgets?.ComfyWidgets;
   if (typeof ComfyWidgets?.STRING !== "function") return null;
   widget = ComfyWidgets.STRING(node, "report", ["STRING", { multiline: true }], app).widget;
-  const el = widget.inputEl ?? widget.element;
+  const el = widget.element;
   if (el) {
     el.readOnly = true;
-    el.placeholder = "Queue this node to see which kernels run on Metal here, and why.";
-    Object.assign(el.style, { fontFamily: "ui-monospace, Menlo, monospace", fontSize: "10px", whiteSpace: "pre" });
+    el.placeholder = "Queue this node to see whether the Apple GPU is used here, and for what.";
+    Object.assign(el.style, { fontFamily: "system-ui, sans-serif", fontSize: "11px", whiteSpace: "pre-wrap" });
   }
   widget.serialize = false;                       // not saved in the workflow,
   if (widget.options) widget.options.serialize = false;   // nor sent as an input of the prompt
@@ -333,7 +341,25 @@ app.registerExtension({
   nodeCreated(node) {
     considerNode(node);
   },
+
+  async afterConfigureGraph() {
+    if (packNodes === null) await refreshStatus();
+    warnMissingFolders(app.graph?.nodes ?? []);
+  },
 });
+
+// A loaded workflow's pack node names a model folder that is not installed: say which and where to get it
+// (the frontend lists missing files, not folders; the loader's validation says the same when queued).
+function warnMissingFolders(nodes) {
+  const toast = app.extensionManager?.toast;
+  for (const m of missingModelFolders(nodes.map((n) => ({ type: n.comfyClass ?? n.type, title: n.title,
+    widgets: n.widgets, properties: n.properties })), packNodes)) {
+    const detail = `${m.node} needs the model folder ${m.name}: download every file of ${m.url} into ` +
+      `ComfyUI/models/${m.directory}/${m.name}, then press R.`;
+    if (toast?.add) toast.add({ severity: "warn", summary: "Comfy Metal: a model folder is missing", detail });
+    else console.info(`[comfy_metal] ${detail}`);
+  }
+}
 
 // A pack node gets its badge; a node created before the pack's node list is known waits for it.
 function considerNode(node) {

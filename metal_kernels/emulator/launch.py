@@ -130,13 +130,8 @@ class Kernel:
     def __repr__(self):
         return f"<emulated MSL kernel {self.name}>"
 
-    def __call__(self, *args, threads=None, group_size=None, arg_casts=None, error_buf_idx=None, windows=None):
-        """Launch like torch's compiled kernels. Emulator only: `windows={arg index: (byte_start, byte_end)}`
-        binds just that byte range of a tensor argument (guarded, copied in and back), at the address
-        the whole tensor would have. With a few threadgroups launched, a test can reach offsets past
-        2^31 in a tensor whose untouched pages are never allocated (torch.empty is lazy on Linux);
-        a kernel that reads outside the window reads the guard (NaN) or crashes (KernelCrash)."""
-        windows = {int(i): (int(a), int(b)) for i, (a, b) in (windows or {}).items()}
+    def _collect(self, args, threads, group_size, arg_casts):
+        """torch's binding rules: (tensors [(arg index, tensor)], bound {arg index: what}, grid, group)."""
         casts: dict[int, str] = {}
         default_cast = None
         if arg_casts is None:
@@ -213,10 +208,28 @@ class Kernel:
             raise ValueError(f"Threadgroup size exceeds {max_tg} limit")
         grid3 = threads + [1] * (3 - len(threads))
         group3 = group + [1] * (3 - len(group))
+        if any(x == 0 for x in group3) and not any(x == 0 for x in grid3):
+            raise ValueError("group_size must be positive")
+        return tensors, bound, grid3, group3
+
+    def profile(self, *args, threads=None, group_size=None, arg_casts=None, sample=None):
+        """Run the launch in the profiling build and return its `Profile` (profiler.py): memory transactions,
+        bank conflicts, issue slots by class, divergence, collectives. `sample=n` runs up to n threadgroups
+        of each shape (first, middle, last) and scales; None runs every threadgroup."""
+        from .profiler import profile_launch
+
+        return profile_launch(self, args, threads=threads, group_size=group_size, arg_casts=arg_casts, sample=sample)
+
+    def __call__(self, *args, threads=None, group_size=None, arg_casts=None, error_buf_idx=None, windows=None):
+        """Launch like torch's compiled kernels. Emulator only: `windows={arg index: (byte_start, byte_end)}`
+        binds just that byte range of a tensor argument (guarded, copied in and back), at the address
+        the whole tensor would have. With a few threadgroups launched, a test can reach offsets past
+        2^31 in a tensor whose untouched pages are never allocated (torch.empty is lazy on Linux);
+        a kernel that reads outside the window reads the guard (NaN) or crashes (KernelCrash)."""
+        windows = {int(i): (int(a), int(b)) for i, (a, b) in (windows or {}).items()}
+        tensors, bound, grid3, group3 = self._collect(args, threads, group_size, arg_casts)
         if any(x == 0 for x in grid3):
             return
-        if any(x == 0 for x in group3):
-            raise ValueError("group_size must be positive")
 
         # ---- guarded regions, merging aliasing tensors of one storage
         spans = []
@@ -382,6 +395,21 @@ def _first_difference(kernel: str, regions, first, byte: int) -> str | None:
     return None
 
 
+def _refuse_unspecialised(entry: dict) -> None:
+    """What torch.mps.compile_shader cannot launch: a kernel of a library with required function constants (its
+    pipeline is created without constant values) or with [[threadgroup(n)]] parameters (its kernel cannot set
+    threadgroup memory lengths). Both need the source specialised: metal_kernels/specialize.py."""
+    if entry.get("unset_function_constants"):
+        raise EmulatorError(f"kernel {entry['host']!r}: function constants without a value: "
+                            f"{', '.join(entry['unset_function_constants'])}. torch.mps.compile_shader creates "
+                            f"pipelines without MTLFunctionConstantValues; specialise the source first "
+                            f"(comfy_metal.metal_kernels.specialize.specialize(src, {{index or name: value}}))")
+    if entry.get("threadgroup_params"):
+        raise EmulatorError(f"kernel {entry['host']!r}: {', '.join(entry['threadgroup_params'])} has no size: "
+                            f"torch.mps.compile_shader's kernels cannot set threadgroup memory lengths; specialise "
+                            f"the source first (specialize(src, threadgroup_memory={{{entry['name']!r}: {{n: bytes}}}}))")
+
+
 def _byte_region(data: bytes) -> _Region:
     return _Region(0, 0, copy_from_host=False, data=data)
 
@@ -431,6 +459,7 @@ class Library:
             if e is None:
                 raise AttributeError(f"no kernel named {name!r} in this MSL library; available kernels: "
                                      f"{', '.join(self.kernel_names)}")
+            _refuse_unspecialised(e)
             k = self._kernels[name] = Kernel(self, e)
         return k
 

@@ -31,6 +31,14 @@
 
 extern "C" void __emu_ctx_switch(void** save_sp, void* new_sp);
 
+// The profiling build (-D__EMU_PROFILE=1) adds the profiler (profile.h); __EMU_PROF(...) is its code at
+// the runtime's few hook points, and nothing in every other build.
+#if defined(__EMU_PROFILE)
+#define __EMU_PROF(...) __VA_ARGS__
+#else
+#define __EMU_PROF(...)
+#endif
+
 // The kernel code is compiled with ThreadSanitizer's instrumentation (-fsanitize=thread): every memory
 // access it makes calls __tsan_readN/__tsan_writeN, which this runtime defines (the race detector below);
 // tsan's own runtime is never linked.  The runtime itself is not instrumented.
@@ -181,6 +189,8 @@ static thread_local Thread* g_threads = nullptr;  // [kMaxThreads]
 static thread_local SimdGroup* g_simd = nullptr;  // [kMaxThreads / 32]
 static thread_local unsigned char* g_arena = nullptr;
 static thread_local uint32_t* g_order = nullptr;
+__EMU_PROF(static void prof_group_begin(); static void prof_group_end(); static void prof_barrier(uint32_t nsg);
+           static bool prof_pick_group(uint64_t gi, uint64_t* g);)
 
 // ---------------------------------------------------------------- stacks
 static size_t stack_bytes() {
@@ -561,6 +571,7 @@ static int run_group() {
   }
   if (L->arena_used) fill_tg(L->arena, L->arena_used);
   new_segment();
+  __EMU_PROF(prof_group_begin();)
   uint64_t gseed = L->seed ^ (0x51ED27ull * (1 + L->group[0] + 65537ull * L->group[1] + 4294967311ull * L->group[2]));
   uint32_t phase = 0;
   make_order(g_order, n, L->sched, gseed);
@@ -655,10 +666,12 @@ static int run_group() {
     }
     for (uint32_t i = 0; i < n; i++)
       if (g_threads[i].state == ST_BARRIER) g_threads[i].state = ST_RUNNABLE;
+    __EMU_PROF(prof_barrier(nsg);)
     phase++;
     new_segment();
     make_order(g_order, n, L->sched, gseed + 0x1234567ull * phase);
   }
+  __EMU_PROF(prof_group_end();)
   return RC_OK;
 }
 
@@ -785,6 +798,7 @@ static int launch(const char* name, void (*entry)(void**), void** bufs, const ui
         uint64_t b = splitmix(s) % total_groups;
         g = (uint64_t)(((unsigned __int128)a * gi + b) % total_groups);
       }
+      __EMU_PROF(if (!prof_pick_group(gi, &g)) break;)  // a sampled profile runs only its sample
       L.group[0] = (uint32_t)(g % L.ngroups[0]);
       L.group[1] = (uint32_t)((g / L.ngroups[0]) % L.ngroups[1]);
       L.group[2] = (uint32_t)(g / ((uint64_t)L.ngroups[0] * L.ngroups[1]));
@@ -841,21 +855,26 @@ static inline Thread& cur() { return *g_cur; }
 static inline Launch& launch_info() { return *g_launch; }
 
 }  // namespace __emu
+#include "profile.h"
 #pragma clang attribute pop
 
 // ---------------------------------------------------------------- instrumentation hooks and configuration
 #define __EMU_TSAN_HOOKS(N)                                                                                    \
   extern "C" __attribute__((visibility("hidden"), no_sanitize("thread"))) void __tsan_read##N(void* p) {       \
     __emu::race_access((uintptr_t)p, N, false);                                                                \
+    __EMU_PROF(__emu::prof_access((uintptr_t)p, N, false, 0, (uintptr_t)__builtin_return_address(0));)        \
   }                                                                                                            \
   extern "C" __attribute__((visibility("hidden"), no_sanitize("thread"))) void __tsan_write##N(void* p) {      \
     __emu::race_access((uintptr_t)p, N, true);                                                                 \
+    __EMU_PROF(__emu::prof_access((uintptr_t)p, N, true, 0, (uintptr_t)__builtin_return_address(0));)         \
   }                                                                                                            \
   extern "C" __attribute__((visibility("hidden"), no_sanitize("thread"))) void __tsan_unaligned_read##N(void* p) { \
     __emu::race_access((uintptr_t)p, N, false);                                                                \
+    __EMU_PROF(__emu::prof_access((uintptr_t)p, N, false, 0, (uintptr_t)__builtin_return_address(0));)        \
   }                                                                                                            \
   extern "C" __attribute__((visibility("hidden"), no_sanitize("thread"))) void __tsan_unaligned_write##N(void* p) { \
     __emu::race_access((uintptr_t)p, N, true);                                                                 \
+    __EMU_PROF(__emu::prof_access((uintptr_t)p, N, true, 0, (uintptr_t)__builtin_return_address(0));)         \
   }
 __EMU_TSAN_HOOKS(1)
 __EMU_TSAN_HOOKS(2)

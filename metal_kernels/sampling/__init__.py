@@ -16,6 +16,8 @@ flags[step] on the device; the sampler reads the flags once after the loop.
 """
 from __future__ import annotations
 
+import inspect
+
 from ..registry import KernelSpec, register
 from ..dtypes import MSL_TYPE  # noqa: F401  (re-exported: K.MSL_TYPE)
 from .cases import (_cases_churn, _cases_dpmpp_2m, _cases_dpmpp_2m_cfg_pp, _cases_dpmpp_2m_sde,
@@ -41,18 +43,15 @@ from .deis import DEIS_MAX_ORDERS, DEIS_MODES, deis_coefficients, deis_metal, de
 from .unipc import (UniPCPlan, final_scale as unipc_final_scale, model_input_scale as unipc_model_input_scale,
                     uni_pc_metal, uni_pc_ref, unipc_plan)
 
+# The public functions: the step kernels (each a registered kernel). The helpers the samplers share (noise,
+# the host-side coefficients) are this package's attributes, not re-exported by metal_kernels.
 __all__ = [
     "sampler_device_noise", "sampler_churn_step", "sampler_euler_step", "sampler_euler_ancestral_step",
     "sampler_heun_step", "sampler_dpmpp_2m_step", "sampler_dpmpp_2m_sde_step", "sampler_dpmpp_3m_sde_step",
-    "sampler_lcm_step", "sampler_res_multistep_step",
-    "sampler_euler_cfg_pp_step", "sampler_dpmpp_2m_cfg_pp_step", "sampler_res_multistep_cfg_pp_step",
-    "sampler_dpmpp_2s_ancestral_cfg_pp_step", "dpmpp_2s_midpoint_sigma",
-    "DeviceNoise", "BrownianBridge", "iid_noise", "device_noise_reference", "ancestral_step",
-    "half_log_snr", "res_multistep_coefficients", "cfg_pp_alpha",
-    "sampler_to_d_step", "sampler_gradient_estimation_step", "sampler_ipndm_step",
-    "sampler_dpmpp_sde_step", "dpmpp_sde_plan", "sampler_er_sde_step", "er_sde_plans",
-    "sampler_deis_step", "deis_coefficients", "DEIS_MODES", "DEIS_MAX_ORDERS",
-    "sampler_uni_pc_step", "UniPCPlan", "unipc_plan", "unipc_final_scale", "unipc_model_input_scale",
+    "sampler_lcm_step", "sampler_res_multistep_step", "sampler_euler_cfg_pp_step", "sampler_dpmpp_2m_cfg_pp_step",
+    "sampler_res_multistep_cfg_pp_step", "sampler_dpmpp_2s_ancestral_cfg_pp_step", "sampler_uni_pc_step",
+    "sampler_to_d_step", "sampler_gradient_estimation_step", "sampler_ipndm_step", "sampler_dpmpp_sde_step",
+    "sampler_er_sde_step", "sampler_deis_step",
 ]
 
 
@@ -62,8 +61,10 @@ _ATOL, _RTOL = 2e-5, 2e-5
 
 
 def _spec(name, ref, metal, cases, entries=_LINCOMB_ENTRIES):
+    # a step with a non-finite output sets flags[step]
+    writes = ("flags",) if "flags" in inspect.signature(ref).parameters else ()
     return register(KernelSpec(name=name, source="sampling.metal", entry_points=entries, reference=ref, metal=metal,
-                               self_check_cases=cases, atol=_ATOL, rtol=_RTOL))
+                               self_check_cases=cases, atol=_ATOL, rtol=_RTOL, writes=writes))
 
 
 sampler_device_noise = _spec("sampler_device_noise", device_noise_ref, device_noise_metal, _cases_noise,

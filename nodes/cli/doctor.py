@@ -143,7 +143,7 @@ class Pipeline:
                 f"({cfg.num_experts} FP8 experts, top-{cfg.num_experts_per_tok}); {_backends(['moe_', 'softmax'])}")
 
     def sample(self) -> str:
-        from ..sampling import sample_dpmpp_2m_metal
+        from ..sampling.samplers import sample_dpmpp_2m_metal
 
         model, cond = self._need("model", "FP8 load"), self._need("cond", "text encode")
         sigmas = _karras(self.steps).to(self.device)

@@ -42,10 +42,16 @@ def doctor(args) -> int:
         if k["backend"] == "reference" and k["device"] == "mps":
             failed = True
     report["measured"] = metal_kernels.dispatch.measured_records()
+    from ..status import dispatch_state, force_reference_enabled, loaded_models, memory_info, plain_summary, short_report
+
+    state = {**dispatch_state(run_pending=True), "force_reference": force_reference_enabled(), "memory": memory_info(),
+             "loaded_models": loaded_models()}
+    report["summary"] = plain_summary(state)       # the Metal tab's words (verdict, saved, what to do)
     if args.json:
         json.dump(report, sys.stdout, indent=2, default=str)
         print()
         return 1 if failed else 0
+    print(short_report(report["summary"], state["memory"], more="The tables below have the details.") + "\n")
     caps = Table("Capabilities", ["probe", "value"])
     for key, value in status["capabilities"].items():
         caps.add(key, value)
@@ -68,7 +74,13 @@ def doctor(args) -> int:
 
 def bench(args) -> int:
     tables: list[Table] = []
-    for module in _modules(BENCH_MODULES):
+    if args.predict is not None:    # the performance model's table instead of the timed sections
+        from .bench import predict
+
+        for table in predict.predict_tables(args.predict or None, quick=args.quick, only=args.only):
+            print(table.render() + "\n", flush=True)
+            tables.append(table)
+    for module in _modules(BENCH_MODULES if args.predict is None else ()):
         name = "bench_" + module.__name__.rpartition(".")[2]    # --only matches e.g. "vae" or "bench_vae"
         wanted = [o for o in args.only or () if o.partition(":")[0] in name]
         if args.only and not wanted:
@@ -100,8 +112,13 @@ def main(argv=None) -> int:
     p = sub.add_parser("bench", help="print benchmark tables")
     p.add_argument("--quick", action="store_true", help="small sizes only")
     p.add_argument("--only", nargs="*", help="only bench modules whose name contains one of these; MODULE:PART "
-                                             "for one part of a module that has parts (vae:encode)")
+                                             "for one part of a module that has parts (vae:encode); with "
+                                             "--predict: only kernels whose name contains one of these")
     p.add_argument("--json", metavar="FILE", help="also save the tables as JSON")
+    p.add_argument("--predict", nargs="?", const="", default=None, metavar="CHIP",
+                   help="predicted times of every kernel at real model shapes from the emulator's performance model "
+                        "(model predictions, not measurements; measured times beside them on a Mac); CHIP (e.g. "
+                        "'M4 Max') picks the chip of the roofline / bound / inefficiency columns")
     p.set_defaults(fn=bench)
     for module in _modules((".run_workflow",)):
         module.add_parser(sub)

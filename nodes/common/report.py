@@ -24,6 +24,18 @@ class Table:
     def to_json(self) -> dict:
         return {"title": self.title, "columns": self.columns, "rows": self.rows, "note": self.note}
 
+    def to_markdown(self) -> str:
+        """The table as GitHub Markdown (title as a heading line, note below)."""
+        def cell(v):
+            return _fmt(v).replace("|", "\\|")
+        out = [f"**{self.title}**", "", "| " + " | ".join(self.columns) + " |",
+               "|" + "|".join("---:" if any(_numeric(cell(r[i])) for r in self.rows) else "---"
+                              for i in range(len(self.columns))) + "|"]
+        out += ["| " + " | ".join(cell(c) for c in r) + " |" for r in self.rows]
+        if self.note:
+            out += ["", self.note]
+        return "\n".join(out)
+
     def render(self) -> str:
         cells = [[_fmt(c) for c in row] for row in self.rows]
         widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(self.columns)]

@@ -11,13 +11,13 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import sys
 import time
 
 import torch
 
 from .formats import ST_DTYPES, CheckpointError, open_checkpoint
-from .ops import RUN_KERNELS, FP8LayerError, fp8_modules, make_fp8_ops, storage_dtype, weight_bytes, wrap_patcher
+from .ops import (RUN_KERNELS, FP8LayerError, fp8_modules, make_fp8_ops, record_quantized, storage_dtype, weight_bytes,
+                  wrap_patcher)
 from .quantize import (QuantSummary, atomic_save, carried_metadata, comfy_quant_entries, keep_reason,
                            quant_metadata, quantize, relative_error)
 
@@ -142,6 +142,7 @@ def load_diffusion_model(path, weight_mode="auto", compute_dtype="auto", model_o
     log.info("comfy_metal: %s loaded in %.2fs: %d FP8 layers, %.3f bytes per FP8 weight, %.1f MiB total",
              ck.name, time.perf_counter() - t0, sum(1 for _ in fp8_modules(patcher.model)),
              stats["bytes_per_fp8_weight"], stats["total_bytes"] / 2**20)
+    record_quantized(patcher.model, ck.name)
     return patcher
 
 
@@ -198,18 +199,8 @@ def build_text_encoder(path, sds: list, clip_type: str, opts: dict, run_kernels)
     clip.patcher = wrap_patcher(clip.patcher)
     clip.patcher.cached_patcher_init = None
     record_forward_kernels(clip.cond_stage_model, run_kernels)
+    record_quantized(clip.cond_stage_model, os.path.basename(str(path)))
     return clip
-
-
-def _clip_types() -> list[str]:
-    try:
-        # ComfyUI's own nodes.py, already imported by ComfyUI before it loads packs. Looked up, not
-        # imported: outside ComfyUI a bare `import nodes` could pick up an unrelated folder (even this
-        # pack's own nodes/ when run from the repo root).
-        comfy_nodes = sys.modules["nodes"]
-        return list(comfy_nodes.CLIPLoader.INPUT_TYPES()["required"]["type"][0])
-    except Exception:
-        return ["stable_diffusion", "sd3", "flux", "wan", "hidream", "qwen_image", "lumina2", "ltxv", "mochi"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -283,10 +274,10 @@ def model_state_for_saving(diffusion_model: torch.nn.Module, quantize_mode: str 
         tensors[key] = t.to(dtype)
 
     for name, m in fp8.items():
-        w = m.weight.detach().to("cpu").view(FP8_DTYPES[m.fp8_format])
+        w = m.weight.detach().to("cpu").view(FP8_DTYPES[m.weight_format])
         scale = m.weight_scale.detach().to("cpu") if m.weight_scale is not None else None
-        tensors.update(comfy_quant_entries(name, w, scale, m.fp8_format))
-        layers[name] = m.fp8_format
+        tensors.update(comfy_quant_entries(name, w, scale, m.weight_format))
+        layers[name] = m.weight_format
         if m.bias is not None:
             plain(f"{name}.bias", m.bias.detach().to("cpu"))
     quantize_rest = not fp8

@@ -1,4 +1,5 @@
-"""Nodes: Load Diffusion Model (FP8, Metal), Load Text Encoder (FP8, Metal), Save Model (FP8, comfy_quant).
+"""Nodes: Load Diffusion Model (FP8, Metal), Load Text Encoder (FP8, Metal), Load 2 / 3 / 4 Text Encoders
+(FP8, Metal), Save Model (FP8 comfy_quant, Metal).
 
 The node classes only; loading and saving are in loader.py.
 """
@@ -8,7 +9,8 @@ import logging
 import os
 
 from ..common.models import filename_list, model_choices, require_model
-from .loader import COMPUTE_DTYPES, WEIGHT_MODES, _clip_types, load_diffusion_model, load_text_encoder, save_model
+from ..common.text_encoders import clip_types, default_device, multi_text_encoder_loaders
+from .loader import COMPUTE_DTYPES, WEIGHT_MODES, load_diffusion_model, load_text_encoder, save_model
 
 log = logging.getLogger("comfy_metal")
 
@@ -95,15 +97,13 @@ class MetalFP8ModelLoader:
 class MetalFP8TextEncoderLoader:
     @classmethod
     def INPUT_TYPES(cls):
-        from ...metal_kernels.probe import mps_available
-
         return {"required": {
             "clip_name": (model_choices("text_encoders", filename_list("text_encoders")), {"tooltip":
                           "The text encoder file (from ComfyUI/models/text_encoders/); FP8 weights stay 1 byte "
                           "each."}),
-            "type": (_clip_types(), {"tooltip": "Which model family the text encoder is for (as in ComfyUI's "
+            "type": (clip_types(), {"tooltip": "Which model family the text encoder is for (as in ComfyUI's "
                                                 "Load CLIP: flux, wan, sd3, ...); sets its tokenizer and layout."}),
-            "device": (["gpu", "cpu"], {"default": "gpu" if mps_available() else "cpu", "tooltip":
+            "device": (["gpu", "cpu"], {"default": default_device(), "tooltip":
                        "gpu: run the text encoder on ComfyUI's GPU (the Apple GPU on a Mac; the default there). "
                        "cpu: keep it on the CPU (ComfyUI's own choice for text encoders on Macs)."}),
         }}
@@ -123,63 +123,35 @@ class MetalFP8TextEncoderLoader:
         return (clip,)
 
 
-def _dual_clip_types() -> list[str]:
-    """The `type` list of ComfyUI's DualCLIPLoader, read from ComfyUI at run time (new types appear by themselves)."""
-    import sys
+def _load_text_encoders(node: str, names: list[str], clip_type: str, device: str):
+    import folder_paths
 
-    try:
-        return list(sys.modules["nodes"].DualCLIPLoader.INPUT_TYPES()["required"]["type"][0])
-    except Exception:
-        return ["sdxl", "sd3", "flux", "hunyuan_video", "hidream"]
+    names = [require_model(node, f"clip_name{i}", name) for i, name in enumerate(names, 1)]
+    return load_text_encoder([folder_paths.get_full_path_or_raise("text_encoders", name) for name in names],
+                             clip_type, device)
 
 
-def _multi_text_encoder_loader(n: int, core: str, sets: str):
-    """Load 2 / 3 / 4 Text Encoders (FP8, Metal): the inputs of ComfyUI's `core` loader, through the single
-    FP8 text encoder loader (load_text_encoder with a list of files)."""
-
-    class Loader:
-        @classmethod
-        def INPUT_TYPES(cls):
-            from ...metal_kernels.probe import mps_available
-
-            files = model_choices("text_encoders", filename_list("text_encoders"))
-            inputs = {f"clip_name{i}": (files, {"tooltip": f"Text encoder file {i} of {n} (from ComfyUI/models/"
-                                                         "text_encoders/), FP8 or bf16/fp16; FP8 weights stay "
-                                                         "1 byte each."})
-                      for i in range(1, n + 1)}
-            if n == 2:
-                inputs["type"] = (_dual_clip_types(), {"tooltip": "Which model family the pair is for (as in "
-                                                                  "ComfyUI's DualCLIPLoader: flux, sdxl, sd3, "
-                                                                  "hunyuan_video, ...)."})
-            inputs["device"] = (["gpu", "cpu"], {"default": "gpu" if mps_available() else "cpu", "tooltip":
-                                "gpu: run the text encoders on ComfyUI's GPU (the Apple GPU on a Mac; the default "
-                                "there). cpu: keep them on the CPU (ComfyUI's own choice on Macs)."})
-            return {"required": inputs}
-
-        RETURN_TYPES = ("CLIP",)
-        FUNCTION = "load"
-        CATEGORY = "Comfy Metal/Loaders"
-        DESCRIPTION = (f"Loads {n} text encoders as one CLIP, like ComfyUI's {core} ({sets}), keeping FP8 weights "
-                       "at 1 byte each (FP8 and bf16 files can be mixed); on Macs it runs on the GPU by default.")
-
-        def load(self, device="gpu", type="stable_diffusion", **clip_names):
-            import folder_paths
-
-            names = [require_model(Loader.__name__, f"clip_name{i}", clip_names[f"clip_name{i}"])
-                     for i in range(1, n + 1)]
-            paths = [folder_paths.get_full_path_or_raise("text_encoders", name) for name in names]
-            clip = load_text_encoder(paths, type, device)
-            _record(Loader.__name__, [])
-            return (clip,)
-
-    Loader.__name__ = Loader.__qualname__ = f"MetalFP8{('Dual', 'Triple', 'Quadruple')[n - 2]}TextEncoderLoader"
-    return Loader
-
-
-MetalFP8DualTextEncoderLoader = _multi_text_encoder_loader(2, "DualCLIPLoader", "CLIP-L + T5 for Flux, ...")
-MetalFP8TripleTextEncoderLoader = _multi_text_encoder_loader(3, "TripleCLIPLoader", "CLIP-L + CLIP-G + T5 for SD3")
-MetalFP8QuadrupleTextEncoderLoader = _multi_text_encoder_loader(4, "QuadrupleCLIPLoader",
-                                                                "CLIP-L + CLIP-G + T5 + Llama for HiDream")
+_CORE_SETS = {2: ("DualCLIPLoader", "CLIP-L + T5 for Flux, ..."),
+              3: ("TripleCLIPLoader", "CLIP-L + CLIP-G + T5 for SD3"),
+              4: ("QuadrupleCLIPLoader", "CLIP-L + CLIP-G + T5 + Llama for HiDream")}
+# Load 2 / 3 / 4 Text Encoders (FP8, Metal): the inputs of ComfyUI's Dual/Triple/QuadrupleCLIPLoader, through the
+# single FP8 text encoder loader (load_text_encoder with a list of files).
+_MULTI = multi_text_encoder_loaders(
+    "MetalFP8",
+    files=lambda: model_choices("text_encoders", filename_list("text_encoders")),
+    file_tooltip=lambda i, n: (f"Text encoder file {i} of {n} (from ComfyUI/models/text_encoders/), FP8 or "
+                               "bf16/fp16; FP8 weights stay 1 byte each."),
+    type_options={"tooltip": "Which model family the pair is for (as in ComfyUI's DualCLIPLoader: flux, sdxl, sd3, "
+                             "hunyuan_video, ...)."},
+    device_tooltip=("gpu: run the text encoders on ComfyUI's GPU (the Apple GPU on a Mac; the default there). cpu: "
+                    "keep them on the CPU (ComfyUI's own choice on Macs)."),
+    descriptions={n: (f"Loads {n} text encoders as one CLIP, like ComfyUI's {core} ({sets}), keeping FP8 weights "
+                      "at 1 byte each (FP8 and bf16 files can be mixed); on Macs it runs on the GPU by default.")
+                  for n, (core, sets) in _CORE_SETS.items()},
+    load=_load_text_encoders)
+MetalFP8DualTextEncoderLoader = _MULTI["MetalFP8DualTextEncoderLoader"]
+MetalFP8TripleTextEncoderLoader = _MULTI["MetalFP8TripleTextEncoderLoader"]
+MetalFP8QuadrupleTextEncoderLoader = _MULTI["MetalFP8QuadrupleTextEncoderLoader"]
 
 
 class MetalFP8SaveModel:

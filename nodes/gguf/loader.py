@@ -1,4 +1,5 @@
-"""Nodes: Load Diffusion Model (GGUF, Metal), Load Text Encoder (GGUF, Metal), Load 2 Text Encoders (GGUF, Metal).
+"""Nodes: Load Diffusion Model (GGUF, Metal), Load Text Encoder (GGUF, Metal), Load 2 / 3 / 4 Text Encoders
+(GGUF, Metal).
 
 The file is read through the `gguf` package (reader.py) into a state dict whose quantised tensors are
 GGUFTensors (the file's blocks, logical `.shape`); ComfyUI's own model detection builds the model with
@@ -14,11 +15,12 @@ import time
 
 import torch
 
-from ..fp8.loader import (COMPUTE_DTYPES, FP8LoadError, _call_with_supported, _clip_types, _resolve_compute_dtype,
-                          _wrap_errors, build_text_encoder, text_encoder_options)
+from ..fp8.loader import (COMPUTE_DTYPES, FP8LoadError, _call_with_supported, _resolve_compute_dtype, _wrap_errors,
+                          build_text_encoder, text_encoder_options)
 from ..common.models import model_choices, require_model
+from ..common.text_encoders import clip_types, default_device, multi_text_encoder_loaders
 from ..fp8.nodes import _record
-from ..fp8.ops import wrap_patcher
+from ..fp8.ops import record_quantized, wrap_patcher
 from .ops import RUN_KERNELS, GGUFTensor, gguf_modules, make_gguf_ops, weight_bytes
 from .reader import (IMAGE_ARCHS, LLAMA_ARCHS, TEXT_ARCHS, GGUFFile, GGUFFileError, llama_state_dict,
                      t5_key, uses_llama_cpp_names)
@@ -58,6 +60,7 @@ def _log_loaded(name, patcher_model, t0):
     log.info("comfy_metal: %s loaded in %.2fs: %d GGUF layers, %.3f bytes per quantised weight, %.1f MiB total",
              name, time.perf_counter() - t0, sum(1 for _ in gguf_modules(patcher_model)),
              stats["bytes_per_gguf_weight"], stats["total_bytes"] / 2**20)
+    record_quantized(patcher_model, name)
 
 
 def load_diffusion_model(path, compute_dtype="auto", model_options=None):
@@ -136,7 +139,7 @@ def load_text_encoder(paths, clip_type="stable_diffusion", device="gpu", compute
     names = "+".join(os.path.basename(str(p)) for p in paths)
     opts, dtype = text_encoder_options(model_options, device, compute_dtype)
     opts["custom_operations"] = make_gguf_ops(names, dtype)
-    return build_text_encoder(paths[0], sds, clip_type, opts, RUN_KERNELS)
+    return build_text_encoder(names, sds, clip_type, opts, RUN_KERNELS)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -157,23 +160,6 @@ def _text_encoder_files() -> list[str]:
     return model_choices("text_encoders", sorted(set(folder_paths.get_filename_list("text_encoders_gguf"))
                                                  | set(folder_paths.get_filename_list("text_encoders"))),
                          "a .gguf (or .safetensors) text encoder")
-
-
-def _dual_clip_types() -> list[str]:
-    """The types of ComfyUI's DualCLIPLoader (flux, hunyuan_video, ...: the two-encoder families)."""
-    import sys
-
-    try:
-        return list(sys.modules["nodes"].DualCLIPLoader.INPUT_TYPES()["required"]["type"][0])
-    except Exception:
-        return ["sdxl", "sd3", "flux", "hunyuan_video", "hidream", "hunyuan_image", "hunyuan_video_15", "kandinsky5",
-                "kandinsky5_image", "ltxv", "newbie", "ace"]
-
-
-def _default_device() -> str:
-    from ...metal_kernels.probe import mps_available
-
-    return "gpu" if mps_available() else "cpu"
 
 
 def _te_path(name: str) -> str:
@@ -218,8 +204,8 @@ class MetalGGUFTextEncoderLoader:
             "clip_name": (_text_encoder_files(), {"tooltip": "text encoder in models/text_encoders or models/clip: "
                           "a .gguf (T5, UMT5, Llama, Qwen2/2.5-VL, Qwen3 with llama.cpp names, or ComfyUI names) or any file "
                           "CLIPLoader reads"}),
-            "type": (_clip_types(), {"tooltip": _TYPE_TIP}),
-            "device": (["gpu", "cpu"], {"default": _default_device(), "tooltip": _DEVICE_TIP}),
+            "type": (clip_types(), {"tooltip": _TYPE_TIP}),
+            "device": (["gpu", "cpu"], {"default": default_device(), "tooltip": _DEVICE_TIP}),
         }}
 
     RETURN_TYPES = ("CLIP",)
@@ -233,62 +219,25 @@ class MetalGGUFTextEncoderLoader:
         return (clip,)
 
 
-class MetalGGUFDualTextEncoderLoader:
-    @classmethod
-    def INPUT_TYPES(cls):
-        files = _text_encoder_files()
-        return {"required": {
-            "clip_name1": (files, {"tooltip": "first text encoder (e.g. the T5 .gguf for Flux)"}),
-            "clip_name2": (files, {"tooltip": "second text encoder (e.g. clip_l.safetensors for Flux)"}),
-            "type": (_dual_clip_types(), {"default": "flux", "tooltip": _TYPE_TIP}),
-            "device": (["gpu", "cpu"], {"default": _default_device(), "tooltip": _DEVICE_TIP}),
-        }}
-
-    RETURN_TYPES = ("CLIP",)
-    FUNCTION = "load"
-    CATEGORY = "Comfy Metal/Loaders"
-    DESCRIPTION = "Loads two text encoders (GGUF or not) as one CLIP, GGUF weights kept quantised."
-
-    def load(self, clip_name1, clip_name2, type="flux", device="gpu"):
-        clip = load_text_encoder([_te_path(clip_name1), _te_path(clip_name2)], type, device)
-        _record("MetalGGUFDualTextEncoderLoader", [])
-        return (clip,)
-
-
-def _multi_loader(n: int, label: str):
-    """Load 3 / 4 Text Encoders (GGUF, Metal): like ComfyUI's Triple/QuadrupleCLIPLoader (SD3.5: CLIP-L,
-    CLIP-G, T5; HiDream: CLIP-L, CLIP-G, T5, Llama), any of the files a GGUF."""
-
-    class Loader:
-        @classmethod
-        def INPUT_TYPES(cls):
-            files = _text_encoder_files()
-            inputs = {f"clip_name{i}": (files, {"tooltip": f"text encoder {i} of {n} (a .gguf or any file "
-                                                          f"CLIPLoader reads)"}) for i in range(1, n + 1)}
-            inputs["device"] = (["gpu", "cpu"], {"default": _default_device(), "tooltip": _DEVICE_TIP})
-            return {"required": inputs}
-
-        RETURN_TYPES = ("CLIP",)
-        FUNCTION = "load"
-        CATEGORY = "Comfy Metal/Loaders"
-        DESCRIPTION = (f"Loads {n} text encoders (GGUF or not) as one CLIP ({label}), GGUF weights kept "
-                       f"quantised; ComfyUI detects the family from the files.")
-
-        def load(self, device="gpu", **names):
-            paths = [_te_path(names[f"clip_name{i}"]) for i in range(1, n + 1)]
-            clip = load_text_encoder(paths, "stable_diffusion", device)
-            _record(type(self).__name__, [])
-            return (clip,)
-
-    return Loader
-
-
-MetalGGUFTripleTextEncoderLoader = _multi_loader(3, "e.g. SD3.5")
-MetalGGUFTripleTextEncoderLoader.__name__ = MetalGGUFTripleTextEncoderLoader.__qualname__ = \
-    "MetalGGUFTripleTextEncoderLoader"
-MetalGGUFQuadrupleTextEncoderLoader = _multi_loader(4, "e.g. HiDream")
-MetalGGUFQuadrupleTextEncoderLoader.__name__ = MetalGGUFQuadrupleTextEncoderLoader.__qualname__ = \
-    "MetalGGUFQuadrupleTextEncoderLoader"
+_DUAL_FILE_TIPS = ("first text encoder (e.g. the T5 .gguf for Flux)",
+                   "second text encoder (e.g. clip_l.safetensors for Flux)")
+# Load 2 / 3 / 4 Text Encoders (GGUF, Metal): like ComfyUI's Dual/Triple/QuadrupleCLIPLoader (Flux: T5, CLIP-L;
+# SD3.5: CLIP-L, CLIP-G, T5; HiDream: CLIP-L, CLIP-G, T5, Llama), any of the files a GGUF.
+_MULTI = multi_text_encoder_loaders(
+    "MetalGGUF",
+    files=_text_encoder_files,
+    file_tooltip=lambda i, n: (_DUAL_FILE_TIPS[i - 1] if n == 2 else
+                               f"text encoder {i} of {n} (a .gguf or any file CLIPLoader reads)"),
+    type_options={"default": "flux", "tooltip": _TYPE_TIP},
+    device_tooltip=_DEVICE_TIP,
+    descriptions={2: "Loads two text encoders (GGUF or not) as one CLIP, GGUF weights kept quantised.",
+                  **{n: (f"Loads {n} text encoders (GGUF or not) as one CLIP (e.g. {models}), GGUF weights kept "
+                         f"quantised; ComfyUI detects the family from the files.")
+                     for n, models in ((3, "SD3.5"), (4, "HiDream"))}},
+    load=lambda node, names, clip_type, device: load_text_encoder([_te_path(n) for n in names], clip_type, device))
+MetalGGUFDualTextEncoderLoader = _MULTI["MetalGGUFDualTextEncoderLoader"]
+MetalGGUFTripleTextEncoderLoader = _MULTI["MetalGGUFTripleTextEncoderLoader"]
+MetalGGUFQuadrupleTextEncoderLoader = _MULTI["MetalGGUFQuadrupleTextEncoderLoader"]
 
 
 __all__ = ["GGUFFileError", "FP8LoadError", "load_diffusion_model", "load_text_encoder"]

@@ -58,6 +58,23 @@ def _resolve_model_path(name: str) -> str:
 MODEL_WHAT = "a model folder (config.json + tokenizer.json) or a .safetensors file"
 
 
+def missing_model(model: str, path: str = "") -> str | None:
+    """Why `model` cannot load, naming it and where it goes, or None when it is in text_encoders (or `path`,
+    checked when loading, overrides it)."""
+    if str(path or "").strip():
+        return None
+    if is_placeholder(model):
+        return f"no model chosen: {model[1:-1]}"
+    if model in _model_choices():
+        return None
+    if str(model).endswith("/"):
+        return (f"the model folder {model!r} is not in ComfyUI/models/text_encoders/: download the whole Hugging "
+                f"Face repository of the model (config.json, the tokenizer files and every .safetensors file) "
+                f"into ComfyUI/models/text_encoders/{model}, then press R to refresh")
+    return (f"{model!r} is not in ComfyUI/models/text_encoders/: put the .safetensors file there, then press R "
+            f"to refresh")
+
+
 # ------------------------------------------------------------------------- enhanced-text cache
 
 def enhance_key(prompt, system_prompt, max_new_tokens, temperature, top_p, seed) -> tuple:
@@ -137,6 +154,13 @@ class MetalMoETextEncoderLoader:
                                     "overrides `model`; empty: use `model`."}),
             },
         }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, model, path=""):
+        """When the prompt is queued, before any node runs: a model missing from text_encoders is named with where
+        it goes (a folder is in no Missing Models list, and ComfyUI's own check only says "value not in list").
+        A `path` linked from another node is not known yet: pick any listed model then."""
+        return missing_model(model, path) or True
 
     def load(self, model, device="gpu", dtype="auto", layer=-1, template="raw", system_prompt="", path=""):
         if not path.strip() and is_placeholder(model):

@@ -1,5 +1,13 @@
 """The CFG++ samplers (ComfyUI's *_cfg_pp): the step direction from the unconditional prediction,
-captured through ComfyUI's post-CFG hook, the landing point from the guided one."""
+captured through ComfyUI's post-CFG hook, the landing point from the guided one.
+
+Like ComfyUI, the sampler adds a post-CFG function to extra_args["model_options"]
+(comfy.model_patcher.set_model_options_post_cfg_function, with the cfg=1 shortcut disabled) to capture each
+call's unconditional denoised output. Without ComfyUI loaded, or with a model function that runs no CFG (the
+hook is never called), the unconditional output is taken to be the denoised output itself: then euler_cfg_pp /
+dpmpp_2m_cfg_pp / res_multistep_cfg_pp give exactly euler / dpmpp_2m / res_multistep (ComfyUI's own would
+fail). The step's unconditional output is one more input of the same fused kernel.
+"""
 from __future__ import annotations
 
 import sys

@@ -4,8 +4,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from .functions import DISCARD_PENULTIMATE, INPAINT_OPTIONS, SAMPLER_FUNCTIONS, get_sampler_function, sampler_options
-from .samplers import NOISE_CHOICES, SAMPLER_NAMES
+from .functions import SAMPLER_FUNCTIONS, SAMPLER_NAMES, SAMPLERS, sampler_definition, sampler_options
+from .samplers import NOISE_CHOICES
 
 log = logging.getLogger("comfy_metal")
 
@@ -43,7 +43,7 @@ def register_ksampler_entries() -> list[str]:
         # uni_pc(_bh2)_metal get the schedule ComfyUI's KSampler gives uni_pc(_bh2)
         discard = getattr(getattr(samplers, "KSampler", None), "DISCARD_PENULTIMATE_SIGMA_SAMPLERS", None)
         if isinstance(discard, set):
-            discard.update(f"{name}_metal" for name in DISCARD_PENULTIMATE)
+            discard.update(f"{s.name}_metal" for s in SAMPLERS if s.discard_penultimate)
     except Exception as e:  # never break ComfyUI's start over a dropdown entry
         log.warning("comfy_metal: could not add the Metal samplers to KSampler: %s: %s", type(e).__name__, e)
     return added
@@ -78,9 +78,10 @@ class MetalSamplerSelect:
         import comfy.samplers
 
         register_ksampler_entries()
-        fn = get_sampler_function(sampler_name)
-        inpaint = dict(INPAINT_OPTIONS.get(sampler_name.removesuffix("_metal"), {}))
-        return (comfy.samplers.KSAMPLER(fn, sampler_options(sampler_name, noise_mode, eta, s_noise), inpaint),)
+        sampler = sampler_definition(sampler_name)
+        return (comfy.samplers.KSAMPLER(SAMPLER_FUNCTIONS[sampler.name],
+                                        sampler_options(sampler_name, noise_mode, eta, s_noise),
+                                        dict(sampler.inpaint_options)),)
 
 
 NODE_CLASS_MAPPINGS = {"MetalSamplerSelect": MetalSamplerSelect}

@@ -1,8 +1,6 @@
-"""Metal-accelerated k-diffusion samplers: ComfyUI's euler, euler_ancestral, heun, dpmpp_2m,
-dpmpp_2m_sde, dpmpp_3m_sde, lcm and res_multistep, and the CFG++ samplers euler_cfg_pp,
-euler_ancestral_cfg_pp, dpmpp_2m_cfg_pp, dpmpp_2s_ancestral_cfg_pp and res_multistep_cfg_pp (uni_pc and
-uni_pc_bh2 in unipc.py), each step (each stage for heun and dpmpp_2s_ancestral_cfg_pp) one fused kernel
-(`metal_kernels.sampling`), no host sync inside the step loop.
+"""The step loop of the Metal samplers and the plain ones: ComfyUI's euler, euler_ancestral, heun, dpmpp_2m,
+dpmpp_2m_sde, dpmpp_3m_sde, lcm and res_multistep, each step (each stage for heun) one fused kernel
+(`metal_kernels.sampling`), no host sync inside the step loop. The table of every sampler is functions.py.
 
 * `sample_<name>_metal(model, x, sigmas, extra_args, callback, disable, ...)`: the k-diffusion
   signature and options of ComfyUI's `sample_<name>`, plus `noise_mode` ("auto" | "fast" | "exact").
@@ -17,16 +15,6 @@ uni_pc_bh2 in unipc.py), each step (each stage for heun and dpmpp_2s_ancestral_c
   is fast on MPS, where exact noise costs host syncs, and exact elsewhere (CPU, CUDA), where host
   syncs cost nothing and the hashed noise is the slower one; exact falls back to fast when ComfyUI is
   not importable. A `noise_sampler` passed by the caller is always used as given.
-* CFG++ (`*_cfg_pp`): like ComfyUI, the sampler adds a post-CFG function to
-  extra_args["model_options"] (comfy.model_patcher.set_model_options_post_cfg_function, with the
-  cfg=1 shortcut disabled) to capture each call's unconditional denoised output. Without ComfyUI
-  loaded, or with a model function that runs no CFG (the hook is never called), the unconditional
-  output is taken to be the denoised output itself: then euler_cfg_pp / dpmpp_2m_cfg_pp /
-  res_multistep_cfg_pp give exactly euler / dpmpp_2m / res_multistep (ComfyUI's own would fail).
-  The step's unconditional output is one more input of the same fused kernel.
-* `MetalSamplerSelect` returns a SAMPLER for SamplerCustom / SamplerCustomAdvanced;
-  `register_ksampler_entries()` (run at pack load inside ComfyUI) adds `<name>_metal` to the
-  stock KSampler sampler list.
 """
 from __future__ import annotations
 
@@ -41,12 +29,6 @@ from ...metal_kernels import sampling as K
 
 log = logging.getLogger("comfy_metal")
 
-SAMPLER_NAMES = ("euler", "euler_ancestral", "heun", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_3m_sde", "lcm",
-                 "res_multistep", "euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp",
-                 "dpmpp_2s_ancestral_cfg_pp", "res_multistep_cfg_pp", "uni_pc", "uni_pc_bh2",
-                 "ddim", "dpmpp_2m_sde_gpu", "res_multistep_ancestral", "dpmpp_2s_ancestral", "gradient_estimation",
-                 "gradient_estimation_cfg_pp", "ipndm", "dpmpp_sde", "er_sde", "deis")
-CFG_PP_NAMES = tuple(n for n in SAMPLER_NAMES if n.endswith("_cfg_pp"))
 NOISE_MODES = ("fast", "exact")
 NOISE_CHOICES = ("auto",) + NOISE_MODES   # "auto": default_noise_mode(device)
 NOISE_ENV = "COMFY_METAL_SAMPLER_NOISE"

@@ -1,8 +1,9 @@
-"""Node: Comfy Metal Status (the doctor's tables inside ComfyUI)."""
+"""Node: Comfy Metal Status (the Metal tab's verdict on the node; the doctor's tables in its output)."""
 from __future__ import annotations
 
-from .records import record_node_backend
-from .routes import memory_info
+from .records import dispatch_state, loaded_models, record_node_backend
+from .routes import force_reference_enabled, memory_info
+from .summary import plain_summary, short_report
 
 # --------------------------------------------------------------------------------------------
 # A diagnostic node
@@ -34,11 +35,12 @@ def measured_table(records: list[dict]):
     """The measured choices (kernel vs platform op, per shape class) as a table."""
     from ..common.report import Table
 
-    t = Table("Measured choices (the faster path is kept for the process)",
-              ["kernel", "shape class", "device", "chosen", "times (ms)"])
+    t = Table("Measured choices (kept on this machine until its chip, macOS, torch or the pack changes)",
+              ["kernel", "shape class", "device", "chosen", "times (ms)", "measured"])
     for r in records:
         times = ", ".join(f"{n} {ms:.3g}" for n, ms in r["times_ms"].items())
-        t.add(r["kernel"], " ".join(str(x) for x in r["shape_class"]), r["device"], r["choice"], times)
+        when = "this run" if r.get("source", "measured") == "measured" else f"saved {r.get('measured_at') or ''}".strip()
+        t.add(r["kernel"], " ".join(str(x) for x in r["shape_class"]), r["device"], r["choice"], times, when)
     return t
 
 
@@ -51,8 +53,9 @@ class MetalStatus:
     RETURN_NAMES = ("report",)
     FUNCTION = "report"
     OUTPUT_NODE = True
-    DESCRIPTION = ("Comfy Metal status: which kernels run as Metal on this machine and why the others "
-                   "use the PyTorch reference, the capability probe, and device memory.")
+    DESCRIPTION = ("Comfy Metal status: whether the Apple GPU is used and for what, what the pack saved, what "
+                   "to do; its output adds the doctor's tables (each kernel's backend and why, the capability "
+                   "probe, device memory).")
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -75,10 +78,10 @@ class MetalStatus:
             device = torch.device("cpu")
         metal_kernels.softmax(torch.linspace(-1.0, 1.0, 24, device=device).reshape(3, 8))
         record = record_node_backend("MetalStatus", ["softmax"])
-        payload = {**metal_kernels.status(device), "memory": memory_info(),
-                   "measured": metal_kernels.dispatch.measured_records()}
-        text = status_report(payload, record)
-        return {"ui": {"text": [text]}, "result": (text,)}
+        payload = {**dispatch_state(device, run_pending=True), "force_reference": force_reference_enabled(),
+                   "memory": memory_info(), "loaded_models": loaded_models()}
+        short = short_report(plain_summary(payload), payload["memory"])
+        return {"ui": {"text": [short]}, "result": (short + "\n\n" + status_report(payload, record),)}
 
 
 NODE_CLASS_MAPPINGS = {"MetalStatus": MetalStatus}

@@ -23,6 +23,10 @@ with the kernels it called. Code that runs inside a core node records for the ex
 `python -m comfy_metal run`'s summary, and sent to the browser as the websocket event
 `comfy_metal.backend` (the node badge listens for it). Recording never raises.
 
+The status displays (the routes, the Status node, the plain-words summary) read the kernel dispatcher's
+state only through `dispatch_state`, and the quantized models the pack's loaders hold through
+`loaded_models` (each loader calls `record_loaded_model`).
+
 ComfyUI modules are only touched when they are already imported (`"server" in sys.modules`); this
 module imports nothing of ComfyUI and touches no GPU at import.
 """
@@ -34,6 +38,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 
 log = logging.getLogger("comfy_metal")
 BACKEND_EVENT = "comfy_metal.backend"
@@ -245,6 +250,53 @@ def record_forward_kernels(model, kernels, depth: int = 2):
         return None
 
 
+# --------------------------------------------------------------------------------------------
+# The dispatcher's state and the loaded models, for the status displays
+# --------------------------------------------------------------------------------------------
+
+def dispatch_state(device=None, run_pending: bool = False) -> dict:
+    """What the kernel dispatcher knows: the capability probe, COMFY_METAL_BACKEND, each kernel's backend and
+    reason on `device` (default: the Apple GPU if there is one, else the CPU; run_pending: run the self-checks
+    not run yet, which only ComfyUI's execution thread may do on MPS), the kernels COMFY_METAL_REFERENCE keeps
+    on the reference, the last backend per kernel and the measured choices."""
+    from ... import metal_kernels
+    from ...metal_kernels import dispatch
+
+    status = metal_kernels.status(device, run_pending=run_pending)
+    return {
+        "capabilities": status["capabilities"],
+        "backend_setting": status["backend_setting"],
+        # `source` (the .metal file) groups the kernels by what they do
+        "kernels": {name: {"backend": k["backend"], "reason": k["reason"], "device": k["device"],
+                           "source": k.get("source")} for name, k in status["kernels"].items()},
+        "forced_kernels": sorted(dispatch._forced_reference()),
+        "last_backend": dict(dispatch.last_backend),
+        "measured": dispatch.measured_records(),
+    }
+
+
+# (weak reference to the model, its record), oldest first: a model ComfyUI frees drops out
+_loaded: list[tuple] = []
+
+
+def record_loaded_model(model, name: str, held_bytes: int, bf16_bytes: int) -> None:
+    """Remember a model a loader of the pack made with quantized weights: `name` (its file or files), the bytes
+    its weights take and what they would take with the quantized layers in bf16. Never raises."""
+    try:
+        entry = (weakref.ref(model), {"name": str(name), "held_bytes": int(held_bytes), "bf16_bytes": int(bf16_bytes)})
+        with _lock:
+            _loaded[:] = [e for e in _loaded if e[0]() is not None and e[0]() is not model] + [entry]
+    except Exception as e:
+        log.debug("comfy_metal: could not record the loaded model %s: %s", name, e)
+
+
+def loaded_models() -> list[dict]:
+    """The quantized models the pack's loaders made that are still alive, oldest first."""
+    with _lock:
+        _loaded[:] = [e for e in _loaded if e[0]() is not None]
+        return [dict(record) for _, record in _loaded]
+
+
 def records_since(index: int) -> tuple[list[dict], int]:
     """The records made after the `index`-th one, and the new index (for run summaries)."""
     with _lock:
@@ -260,6 +312,7 @@ def clear_records() -> None:
         node_backends.clear()
         history.clear()
         _history_count = 0
+        _loaded.clear()
 
 
 def _prompt_server():

@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Any
 
-from .records import _lock, _prompt_server, node_backends
+from .records import _lock, _prompt_server, dispatch_state, loaded_models, node_backends
 
 log = logging.getLogger("comfy_metal")
 
@@ -100,28 +100,23 @@ def set_force_reference(enabled: bool) -> bool:
 def status_payload() -> dict:
     """Everything the panel shows; call it off the event loop. It runs no MPS work (the route's worker
     thread would race the prompt ComfyUI is executing on the GPU): MPS kernels not self-checked yet
-    show as "pending" until their first use or the MetalStatus node, which runs on the executor."""
-    from ... import metal_kernels
-    from ...metal_kernels import dispatch
+    show as "pending" until their first use or the MetalStatus node, which runs on the executor.
+    `summary` is the same in plain words (summary.py), which the Metal tab shows."""
     from .. import NODE_CLASS_MAPPINGS
+    from .summary import plain_summary
 
-    status = metal_kernels.status(run_pending=False)
     with _lock:
         nodes = {k: dict(v) for k, v in node_backends.items()}
-    return {
-        "capabilities": status["capabilities"],
-        "backend_setting": status["backend_setting"],
+    payload = {
+        **dispatch_state(run_pending=False),
         "force_reference": force_reference_enabled(),
-        # `source` (the .metal file) groups the kernels by capability in the Metal tab
-        "kernels": {name: {"backend": k["backend"], "reason": k["reason"], "device": k["device"],
-                           "source": k.get("source")}
-                    for name, k in status["kernels"].items()},
-        "last_backend": dict(dispatch.last_backend),
-        "measured": dispatch.measured_records(),
         "node_backends": nodes,
         "memory": memory_info(),
+        "loaded_models": loaded_models(),
         "pack_nodes": list(NODE_CLASS_MAPPINGS),     # the frontend badges exactly these node classes
     }
+    payload["summary"] = plain_summary(payload)
+    return payload
 
 
 # --------------------------------------------------------------------------------------------

@@ -224,10 +224,11 @@ def test_quadruple_hidream_matches_core_quadrupleclip_loader_through_the_executo
     assert rel < EXACT_TOL and rell < EXACT_TOL and relp < EXACT_TOL
 
 
-def test_inputs_are_cores_and_type_list_is_read_from_comfyui(comfyui):
-    for ours, core, n in (("MetalFP8DualTextEncoderLoader", "DualCLIPLoader", 2),
-                          ("MetalFP8TripleTextEncoderLoader", "TripleCLIPLoader", 3),
-                          ("MetalFP8QuadrupleTextEncoderLoader", "QuadrupleCLIPLoader", 4)):
+@pytest.mark.parametrize("fmt", ["FP8", "GGUF"])
+def test_inputs_are_cores_and_type_list_is_read_from_comfyui(comfyui, fmt):
+    for ours, core, n in ((f"Metal{fmt}DualTextEncoderLoader", "DualCLIPLoader", 2),
+                          (f"Metal{fmt}TripleTextEncoderLoader", "TripleCLIPLoader", 3),
+                          (f"Metal{fmt}QuadrupleTextEncoderLoader", "QuadrupleCLIPLoader", 4)):
         mine = comfyui.object_info(ours)[ours]["input"]["required"]
         theirs = comfyui.object_info(core)[core]["input"]["required"]
         names = [f"clip_name{i}" for i in range(1, n + 1)]
@@ -237,6 +238,22 @@ def test_inputs_are_cores_and_type_list_is_read_from_comfyui(comfyui):
             assert mine["type"][0] == theirs["type"][0]
         else:
             assert "type" not in mine
+    single = f"Metal{fmt}TextEncoderLoader"
+    assert comfyui.object_info(single)[single]["input"]["required"]["type"][0] == \
+        comfyui.object_info("CLIPLoader")["CLIPLoader"]["input"]["required"]["type"][0]
+
+
+def test_the_type_lists_without_comfyui_are_comfyuis_types(comfyui, loader_mod, monkeypatch):
+    """Outside ComfyUI the loaders list ComfyUI v0.33's types: every one a type of this ComfyUI's loaders."""
+    import sys
+
+    te = fm.pack_module(loader_mod, "nodes.common.text_encoders")
+    core = {name: comfyui.object_info(name)[name]["input"]["required"]["type"][0]
+            for name in ("CLIPLoader", "DualCLIPLoader")}
+    monkeypatch.delitem(sys.modules, "nodes")
+    assert te.clip_types() == te.CLIP_TYPES_FALLBACK and set(te.CLIP_TYPES_FALLBACK) <= set(core["CLIPLoader"])
+    assert te.dual_clip_types() == te.DUAL_CLIP_TYPES_FALLBACK
+    assert set(te.DUAL_CLIP_TYPES_FALLBACK) <= set(core["DualCLIPLoader"])
 
 
 @pytest.mark.parametrize("node_class, n", [("MetalFP8DualTextEncoderLoader", 2),

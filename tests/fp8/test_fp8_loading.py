@@ -39,7 +39,7 @@ def _load(path, weight_mode="auto", storage=None, **net_kw):
 def _tensor_of(net, key):
     mod = net.get_submodule(key.rsplit(".", 1)[0])
     if key.endswith(".weight") and fp8_ops.is_fp8_module(mod):
-        return mod.fp8_decoded_weight(dtype=torch.float32)
+        return mod.decoded_weight(dtype=torch.float32)
     return getattr(mod, key.rsplit(".", 1)[1]).float()
 
 
@@ -145,11 +145,11 @@ def test_embedding_decodes_only_rows_and_conv_decodes(monkeypatch):
     monkeypatch.setattr(fp8_ops, "_kernels", lambda: (recording_decode, gemv))
     emb = net.embed(ids, out_dtype=torch.float32)
     assert decoded_shapes == [(4, net.embed.embedding_dim)]     # the 4 looked-up rows, not the table
-    wd = net.embed.fp8_decoded_weight(dtype=torch.float32)
+    wd = net.embed.decoded_weight(dtype=torch.float32)
     torch.testing.assert_close(emb, wd[ids], rtol=0, atol=0)
     img = torch.randn(1, 3, 9, 7)
     torch.testing.assert_close(net.conv(img), torch.nn.functional.conv2d(
-        img, net.conv.fp8_decoded_weight(dtype=torch.float32), net.conv.bias.float(), padding=1), rtol=1e-5, atol=1e-5)
+        img, net.conv.decoded_weight(dtype=torch.float32), net.conv.bias.float(), padding=1), rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -176,6 +176,30 @@ def test_resident_bytes_per_linear_weight(tmp_path):
         total = sum(t.nbytes for t in net.state_dict().values())
         assert total == resident + net.fc1.bias.nbytes
         assert net.fc1.weight.device.type == "cpu"
+        # What the status displays report: these bytes, and what the FP8 layers would take in bf16.
+        assert fp8_ops.quantized_memory(net) == (total, linear_weights * 2 + net.fc1.bias.nbytes)
+
+
+def test_loaded_quantized_models_reach_the_status_and_leave_with_the_model():
+    from comfy_metal.nodes import status
+
+    status.clear_records()
+    ops = fp8_ops.make_fp8_ops(standalone=True)
+    net = torch.nn.Module()
+    net.fc = ops.Linear(64, 32, bias=False)
+    net.fc.load_state_dict({"weight": torch.randn(32, 64).to(torch.float8_e4m3fn), "weight_scale": torch.ones(())})
+    plain = torch.nn.Linear(4, 4)
+    fp8_ops.record_quantized(net, "tiny_fp8.safetensors")
+    fp8_ops.record_quantized(plain, "plain.safetensors")        # no quantized layer: not reported
+    assert status.loaded_models() == [{"name": "tiny_fp8.safetensors", "held_bytes": 32 * 64 + 4,
+                                       "bf16_bytes": 32 * 64 * 2}]
+    fp8_ops.record_quantized(net, "tiny_fp8.safetensors")       # the same model again: one entry
+    assert len(status.loaded_models()) == 1
+    del net
+    import gc
+
+    gc.collect()
+    assert status.loaded_models() == []
 
 
 PEAK_SCRIPT = textwrap.dedent("""

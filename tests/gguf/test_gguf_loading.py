@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from comfy_metal.nodes.fp8 import ops as fp8_ops
 from comfy_metal.nodes.gguf.ops import GGUFTensor, dequantize_tensor, make_gguf_ops, weight_bytes
 from comfy_metal.nodes.gguf.reader import GGUFFile, GGUFFileError
 
@@ -122,6 +123,9 @@ def test_op_set_forward_paths(mixed_file):
     assert stats["gguf_bytes"] == 48 * 144 + 11 * 2 * 24 + 16 * 34
     # the module's state dict (what ComfyUI's module_size sums) holds the blocks, not a float copy
     assert net.state_dict()["lin.weight"].nbytes == 48 * 144
+    # the status displays: the bytes held, and what the quantised layers would take in bf16
+    held = sum(t.nbytes for t in net.state_dict().values())
+    assert fp8_ops.quantized_memory(net) == (held, held - stats["gguf_bytes"] + 2 * (48 * 256 + 11 * 64 + 32 * 4 * 2 * 2))
 
 
 def test_shape_mismatch_names_file_and_tensor(mixed_file):

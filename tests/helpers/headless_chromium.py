@@ -95,19 +95,27 @@ class CDP:
                 for e in self.events if e["method"] == "Runtime.exceptionThrown"]
 
     def problems(self, pattern: str = r"comfy[_-]metal|comfy_metal\.js|status_model") -> list[str]:
-        """Console errors/warnings, uncaught exceptions and failed loads whose text matches `pattern`
-        (by default: those that concern the pack)."""
+        """Console errors/warnings, uncaught exceptions and failed loads whose text, or the script of a frame of
+        their stack, matches `pattern` (by default: those that concern the pack, including a frontend warning
+        our code triggers, e.g. a deprecated property's getter called from comfy_metal.js)."""
         out = []
         for e in self.events:
             method, p = e["method"], e.get("params", {})
             if method == "Runtime.exceptionThrown":
-                out.append(json.dumps(p.get("exceptionDetails", {}))[:1500])
+                details = p.get("exceptionDetails", {})
+                out.append((json.dumps(details)[:1500], details.get("stackTrace")))
             elif method == "Runtime.consoleAPICalled" and p.get("type") in ("error", "warning", "assert"):
-                out.append(" ".join(str(a.get("value", a.get("description", ""))) for a in p.get("args", [])))
-            elif method == "Log.entryAdded" and p.get("entry", {}).get("level") == "error":
+                text = " ".join(str(a.get("value", a.get("description", ""))) for a in p.get("args", []))
+                out.append((text, p.get("stackTrace")))
+            elif method == "Log.entryAdded" and p.get("entry", {}).get("level") in ("error", "warning"):
                 entry = p["entry"]
-                out.append(f"{entry.get('text')} {entry.get('url', '')}")
-        return [m for m in out if re.search(pattern, m, re.I)]
+                out.append((f"{entry.get('text')} {entry.get('url', '')}", entry.get("stackTrace")))
+        found = []
+        for text, stack in out:
+            frames = [f.get("url", "") for f in (stack or {}).get("callFrames", [])]
+            if re.search(pattern, text, re.I) or any(re.search(pattern, url, re.I) for url in frames):
+                found.append(text + (f"  (from {frames[0]})" if frames else ""))
+        return found
 
 
 @contextlib.asynccontextmanager

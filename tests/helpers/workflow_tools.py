@@ -348,17 +348,35 @@ def ui_from_api(prompt: dict, object_info: dict, notes: list[str] = (), titles: 
                 src["outputs"][value[1]]["links"].append(link_id)
                 links.append([link_id, src["id"], value[1], n["id"], slot, ltype])
     next_id = max(by_id) + 1 if by_id else 1
+    first = by_id[ids[order[0]]] if order else {"pos": [80, 60]}
+    y = first["pos"][1]
     for i, text in enumerate(notes):
-        # side by side in a row above the graph (graphs are wider than tall: the fitted view stays larger)
-        ui_nodes.append({"id": next_id + i, "type": "Note", "pos": [80 + 740 * i, -260], "size": [700, 220],
-                         "flags": {}, "order": len(ui_nodes), "mode": 0, "inputs": [], "outputs": [],
-                         "properties": {}, "widgets_values": [text], "color": "#432", "bgcolor": "#653"})
+        # beside the first node (left of it, top-aligned), one under the other: what a user reads first
+        height = note_height(text)
+        ui_nodes.append({"id": next_id + i, "type": "Note", "pos": [first["pos"][0] - NOTE_GAP - NOTE_WIDTH, y],
+                         "size": [NOTE_WIDTH, height], "flags": {}, "order": len(ui_nodes), "mode": 0, "inputs": [],
+                         "outputs": [], "properties": {}, "widgets_values": [text], "color": "#432", "bgcolor": "#653"})
+        y += height + NOTE_GAP
     return {"last_node_id": max(n["id"] for n in ui_nodes) if ui_nodes else 0, "last_link_id": link_id,
             "nodes": ui_nodes, "links": links, "groups": [], "config": {},
-            # the initial view shows the Note nodes (in a row above the graph) and the first rows of nodes;
-            # tests/tools/build_workflows.py replaces it with a view fitted to all nodes
-            "extra": {"ds": {"scale": 0.8, "offset": [0, 330]}},
+            # tests/tools/build_workflows.py replaces the initial view with one fitted to the Notes and the
+            # first nodes
+            "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}},
             "version": 0.4}
+
+
+# A Note node's text box (the frontend's multiline widget: 10 px monospace, about 6 px a character and
+# 12 px a line at zoom 1) and the space around it.
+NOTE_WIDTH = 460
+NOTE_GAP = 40
+NOTE_CHARS_PER_LINE = 70
+NOTE_LINE_HEIGHT = 12
+
+
+def note_height(text: str) -> int:
+    """The height of a Note that shows `text` without scrolling (wrapped at NOTE_CHARS_PER_LINE)."""
+    lines = sum(max(1, -(-len(line) // NOTE_CHARS_PER_LINE)) for line in text.split("\n"))
+    return 30 + lines * NOTE_LINE_HEIGHT
 
 
 def _node_height(info: dict, node: dict) -> int:

@@ -11,6 +11,7 @@ import torch
 
 from comfy_metal.nodes.common import syncs as sync_count
 from comfy_metal.metal_kernels import dispatch, moe
+from comfy_metal.metal_kernels.dtypes import DTYPE_OF_MSL
 from comfy_metal.metal_kernels.registry import REGISTRY
 
 F = torch.nn.functional
@@ -201,7 +202,7 @@ def test_experts_gemm_kernel_in_emulator(emu_lib, E, N, K, P, x_div, wkind, xdt,
         fmt = wkind
         w = src.to(torch.float8_e4m3fn if fmt == "e4m3fn" else torch.float8_e5m2).view(torch.uint8)
     else:
-        w = (src * 0.3).to({"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}[wkind])
+        w = (src * 0.3).to(DTYPE_OF_MSL[wkind])
     x = torch.randn(P // x_div, K, generator=gen).to(xdt)
     row_e = torch.randint(0, E, (P,), generator=gen)
     s = {None: None, "scalar": torch.tensor(0.75), "expert": torch.rand(E, generator=gen) + 0.5,
@@ -230,7 +231,7 @@ def test_grouped_gemm_kernel_in_emulator(emu_lib, E, N, K, counts, wkind, xdt, s
         fmt = wkind
         w = src.to(torch.float8_e4m3fn if fmt == "e4m3fn" else torch.float8_e5m2).view(torch.uint8)
     else:
-        w = (src * 0.3).to({"float": torch.float32, "half": torch.float16, "bfloat": torch.bfloat16}[wkind])
+        w = (src * 0.3).to(DTYPE_OF_MSL[wkind])
     P = sum(counts)
     xs = torch.randn(P, K, generator=gen).to(xdt)
     offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)

@@ -210,3 +210,34 @@ def test_nodes_in_comfyui(comfyui, tiny):
     text = res.node_outputs["3"][0]
     text = text[0] if isinstance(text, list) else text
     assert isinstance(text, str) and text
+
+
+def test_missing_model_is_named_before_the_run(comfyui, tiny):
+    """Queued without its model folder, the loader fails ComfyUI's validation (no node runs) with the folder
+    and where it goes; with the folder, or with a path, it validates."""
+    import comfyui_env
+
+    folder, _ = tiny
+    prompt = {"1": {"class_type": "MetalMoETextEncoderLoader",
+                    "inputs": {"model": "Qwen3-Not-Here-A3B/", "device": "cpu", "dtype": "fp32", "layer": -1,
+                               "template": "raw", "system_prompt": "", "path": ""}},
+              "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat", "clip": ["1", 0]}}}
+    with pytest.raises(comfyui_env.ComfyPromptError) as raised:
+        comfyui.run_prompt(prompt, execute=["2"])
+    text = str(raised.value)
+    assert "'Qwen3-Not-Here-A3B/' is not in ComfyUI/models/text_encoders/" in text, text
+    assert "into ComfyUI/models/text_encoders/Qwen3-Not-Here-A3B/, then press R" in text
+    assert "Value not in list" not in text
+    import shutil
+
+    placed = comfyui.models_dir("text_encoders") / "Qwen3-Tiny-Placed/"
+    shutil.copytree(folder, placed, dirs_exist_ok=True)
+    try:
+        comfyui.refresh_models()
+        prompt["1"]["inputs"]["model"] = "Qwen3-Tiny-Placed/"
+        assert comfyui.run_prompt(prompt, execute=["2"]).node_outputs["2"]
+    finally:
+        shutil.rmtree(placed)
+        comfyui.refresh_models()
+    prompt["1"]["inputs"].update(model="Qwen3-Not-Here-A3B/", path=str(folder))
+    assert comfyui.run_prompt(prompt, execute=["2"]).node_outputs["2"]

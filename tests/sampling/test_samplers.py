@@ -22,6 +22,7 @@ import torch
 from comfy_metal.nodes.common import syncs as sync_count
 from comfy_metal.metal_kernels import dispatch, registry, sampling as K
 from comfy_metal.nodes import sampling as S
+from comfy_metal.nodes.sampling import cfg_pp, more, samplers as plain, unipc
 
 SAMPLER_SPECS = sorted(n for n in registry.REGISTRY if n.startswith("sampler_"))
 
@@ -114,6 +115,12 @@ _SHARED_STEP = {"uni_pc_bh2": "uni_pc", "ddim": "euler", "dpmpp_2m_sde_gpu": "dp
                 "res_multistep_ancestral": "res_multistep", "gradient_estimation_cfg_pp": "gradient_estimation",
                 "dpmpp_2s_ancestral": "dpmpp_2s_ancestral_cfg_pp"}
 _FLOW_STEP = {"dpmpp_2s_ancestral": "euler_ancestral"}   # its _RF form for flow models
+
+
+def pack_function(name):
+    """sample_<name>_metal from the sampling module that defines it."""
+    return next(getattr(m, f"sample_{name}_metal") for m in (plain, cfg_pp, unipc, more)
+                if hasattr(m, f"sample_{name}_metal"))
 
 
 def _step_kernel(name, kind="eps"):
@@ -316,13 +323,21 @@ def test_sync_count_catches_an_item_in_a_step(reference_backend, monkeypatch):
     assert per_step.get("aten::_local_scalar_dense", 0) == 1
 
 
+def test_the_sampler_table_pairs_each_name_with_its_function():
+    """One SAMPLERS entry a name, each with the pack's sample_<name>_metal; every list derives from it."""
+    assert [d.name for d in S.SAMPLERS] == list(S.SAMPLER_NAMES) and len(set(S.SAMPLER_NAMES)) == len(S.SAMPLERS)
+    for d in S.SAMPLERS:
+        assert d.function is pack_function(d.name), d.name
+        assert S.SAMPLER_FUNCTIONS[d.name].__wrapped__ is d.function, d.name
+
+
 def test_bad_input_errors():
     model = ToyDenoiser(ToyEPS())
     sig = toy_schedule("eps", 4)
     x = torch.randn(1, 4, 3, 5)
     with pytest.raises(S.SamplingError, match="unknown Metal sampler 'dpm_fast'"):
         S.get_sampler_function("dpm_fast")
-    assert S.get_sampler_function("euler_metal").__wrapped__ is S.sample_euler_metal
+    assert S.get_sampler_function("euler_metal").__wrapped__ is plain.sample_euler_metal
     with pytest.raises(S.SamplingError, match="strictly decreasing"):
         _run("euler", model, x, sig.flip(0))
     bad = sig.clone()
@@ -437,7 +452,7 @@ def test_register_ksampler_entries_with_stand_in_modules(monkeypatch):
     assert sampler_names == builtins + ["ddim", "uni_pc"] + metal
     assert fake_samplers.KSampler.SAMPLERS is sampler_names
     assert len(added) == 2 * len(metal)
-    assert fake_kds.sample_euler_metal.__wrapped__ is S.sample_euler_metal
+    assert fake_kds.sample_euler_metal.__wrapped__ is plain.sample_euler_metal
     assert S.register_ksampler_entries() == []  # idempotent
     assert ks_names == builtins + metal
     # without ComfyUI loaded: nothing happens, nothing is imported
@@ -645,6 +660,19 @@ def test_ksampler_dropdown_has_metal_entries(comfyui):
     before = list(comfy.samplers.SAMPLER_NAMES)
     S.register_ksampler_entries()
     assert comfy.samplers.SAMPLER_NAMES == before
+
+
+def test_the_sampler_table_holds_comfyuis_options(comfyui):
+    """Each entry's ComfyUI function, inpaint options and penultimate-sigma rule are those ComfyUI's KSampler
+    uses for the sampler of that name (comfy.samplers.sampler_object, DISCARD_PENULTIMATE_SIGMA_SAMPLERS)."""
+    import comfy.samplers
+
+    discard = comfy.samplers.KSampler.DISCARD_PENULTIMATE_SIGMA_SAMPLERS
+    for d in S.SAMPLERS:
+        theirs = comfy.samplers.sampler_object(d.name)
+        assert S.comfy_function(d.name) is theirs.sampler_function, d.name
+        assert d.inpaint_options == theirs.inpaint_options, d.name
+        assert d.discard_penultimate == (d.name in discard), d.name
 
 
 def test_object_info_lists_metal_samplers(comfyui):

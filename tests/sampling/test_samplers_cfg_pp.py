@@ -28,7 +28,7 @@ from comfy_metal.nodes.common import syncs as sync_count
 from comfy_metal.metal_kernels import dispatch
 from comfy_metal.nodes import sampling as S
 from test_samplers import CONST, ToyDenoiser, ToyEPS, _comfy_model_sampling, _conds, _emulator_reason, \
-    _run, _tiny_unet_patcher, reference_then_emulator, toy_schedule
+    _run, _tiny_unet_patcher, pack_function, reference_then_emulator, toy_schedule
 
 CFG_PP = ("euler_cfg_pp", "euler_ancestral_cfg_pp", "dpmpp_2m_cfg_pp", "dpmpp_2s_ancestral_cfg_pp",
           "res_multistep_cfg_pp", "gradient_estimation_cfg_pp")
@@ -107,7 +107,7 @@ def _setup(kind, steps=5, shape=(1, 4, 3, 5), seed=2):
 def test_registered_everywhere():
     for name in CFG_PP:
         assert name in S.SAMPLER_NAMES and name in S.CFG_PP_NAMES
-        assert S.get_sampler_function(f"{name}_metal").__wrapped__ is getattr(S, f"sample_{name}_metal")
+        assert S.get_sampler_function(f"{name}_metal").__wrapped__ is pack_function(name)
     assert S.CFG_PP_NAMES == CFG_PP
     assert {"sampler_euler_cfg_pp_step", "sampler_dpmpp_2m_cfg_pp_step", "sampler_dpmpp_2s_ancestral_cfg_pp_step",
             "sampler_res_multistep_cfg_pp_step"} <= set(S.SAMPLER_KERNELS)
@@ -128,7 +128,7 @@ def test_register_ksampler_entries_adds_cfg_pp(monkeypatch):
     S.register_ksampler_entries()
     for name in CFG_PP:
         assert f"{name}_metal" in fake_samplers.KSAMPLER_NAMES and f"{name}_metal" in fake_samplers.SAMPLER_NAMES
-        assert getattr(fake_kds, f"sample_{name}_metal").__wrapped__ is getattr(S, f"sample_{name}_metal")
+        assert getattr(fake_kds, f"sample_{name}_metal").__wrapped__ is pack_function(name)
 
 
 @pytest.mark.parametrize("kind", ["eps", "flow"])

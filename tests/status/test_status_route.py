@@ -51,7 +51,8 @@ def test_status_route_reports_probe_kernels_nodes_and_memory():
     code, body = _call("GET", "/comfy_metal/status")
     assert code == 200
     assert set(body) >= {"capabilities", "backend_setting", "force_reference", "kernels", "last_backend",
-                         "node_backends", "memory"}
+                         "node_backends", "memory", "loaded_models", "summary", "forced_kernels", "measured"}
+    assert body["summary"]["verdict"].startswith("No Apple GPU here: Comfy Metal runs its plain PyTorch code")
     assert body["capabilities"]["torch"] == torch.__version__
     assert body["backend_setting"] == "auto"
     assert body["force_reference"] is False
@@ -307,7 +308,12 @@ def test_metal_status_node_reports_and_records(fake_comfyui):
     node = status.NODE_CLASS_MAPPINGS["MetalStatus"]()
     out = node.report()
     text = out["result"][0]
-    assert out["ui"]["text"] == [text]
+    (shown,) = out["ui"]["text"]
+    # on the node: the Metal tab's verdict, then a short list (no wide tables); the output adds the tables
+    assert shown.startswith("No Apple GPU here: Comfy Metal runs its plain PyTorch code")
+    assert text.startswith(shown) and "---" not in shown and len(shown.splitlines()) <= 16
+    assert "- Attention, FP8 models, GGUF models, sampling, the low-memory VAE and MoE text encoders: plain PyTorch " \
+           "code (no Apple GPU here)" in shown
     assert "Kernels (COMFY_METAL_BACKEND=auto)" in text and "Capabilities" in text
     assert "This node's probe call: reference (Metal runs only on MPS tensors (this call is on cpu))" in text
     for name in metal_kernels.REGISTRY:

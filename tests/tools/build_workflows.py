@@ -5,10 +5,13 @@ of each workflow, written below in Python).
 
 For each workflow it writes `workflows/<name>.api.json` (API format, what POST /prompt and
 `python -m comfy_metal run` take) and `workflows/<name>.json` (UI format, drag-and-drop), laid out by
-`workflow_tools.ui_from_api` from the object_info of a real ComfyUI with the pack loaded, plus Note
-nodes naming the model files and where to get them. It also writes the object_info of the node types
-the workflows use (`tests/tools/workflow_object_info.json`, file lists emptied) so the tests can check
-the files without ComfyUI. `--check` writes nothing and exits 1 if a committed file differs.
+`workflow_tools.ui_from_api` from the object_info of a real ComfyUI with the pack loaded, with a Note
+beside the first node (what the workflow does, the files to download, why each pack node is there), the
+download location of every model file in the frontend's `models` format (name, url, directory: its
+Missing Models list offers them) and a view that opens readable (`fitted_view`). It also writes the
+object_info of the node types the workflows use (`tests/tools/workflow_object_info.json`, file lists
+emptied) so the tests can check the files without ComfyUI. `--check` writes nothing and exits 1 if a
+committed file differs.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ HF = "https://huggingface.co/"
 # The decode node of the pack (nodes/vae/nodes.py).
 DECODE = "MetalVAEDecodeTiled"
 # Images (GroupNorm KL VAE): budget from the free memory, seam mode auto (the node's default: exact, stage
-# by stage over the whole image, where the budget holds it; feather tiles otherwise; README Low-memory VAE).
+# by stage over the whole image, where the budget holds it; feather tiles otherwise; docs/vae.md).
 IMAGE_DECODE = {"memory_budget_gb": 0.0, "overlap": 0, "temporal_chunk": 0, "temporal_overlap": 0,
                 "seam_mode": "auto"}
 # Video (causal Wan VAE, RMS norms): a fixed 2 GiB of tile memory, the VAE's own causal chunking per tile.
@@ -70,14 +73,58 @@ WAN_NEGATIVE = ("blurry, low quality, static, overexposed, subtitles, watermark,
                 "still image, messy background")
 
 
-def model_note(files, extra: str = "") -> str:
-    lines = ["Model files this workflow expects (put each in ComfyUI/models/<folder>/):", ""]
-    for folder, name, repo, path in files:
-        lines.append(f"- {folder}/{name}")
-        lines.append(f"    from Hugging Face: {repo}  ({path})")
+ALL_MODELS = (FLUX_MODEL, CLIP_L, T5XXL_FP8, FLUX_VAE, WAN_HIGH, WAN_LOW, UMT5, WAN_VAE, WAN5B_FP16, MOE_FOLDER,
+              FLUX_GGUF, T5XXL_GGUF)
+
+
+def is_folder(spec) -> bool:
+    return spec[1].endswith("/")
+
+
+def download_url(spec) -> str:
+    """Where a model comes from: the file's download link on the Hugging Face hub, or for a model folder
+    the repository's page (the whole repository is the folder)."""
+    _, _, repo, path = spec
+    return f"{HF}{repo}" if spec[1].endswith("/") else f"{HF}{repo}/resolve/main/{path}?download=true"
+
+
+def model_entry(spec) -> dict:
+    """A model in the frontend's `models` format (what ComfyUI's own templates carry)."""
+    folder, name, _, _ = spec
+    return {"name": name, "url": download_url(spec), "directory": folder}
+
+
+def note(does: str, files, nodes: list[str], extra: str = "") -> str:
+    """A workflow's Note in plain words: what it does, the files to download and where they go, and one
+    line per Comfy Metal node on why it is there."""
+    lines = [does, "", "Files to download: ComfyUI's Missing Models list links each one. Put each file in "
+             "the folder shown, inside ComfyUI/models/, then press R:"]
+    for spec in files:
+        if is_folder(spec):
+            lines.append(f"- {spec[0]}/{spec[1]}  the whole folder: every file of {download_url(spec)}")
+        else:
+            lines.append(f"- {spec[0]}/{spec[1]}")
     if extra:
-        lines += ["", extra]
+        lines.append(extra)
+    lines += ["", "Why the Comfy Metal nodes:"] + [f"- {line}" for line in nodes]
+    lines += ["", "The Metal tab (lightning icon, left) shows what runs on the Mac's GPU."]
     return "\n".join(lines)
+
+
+SAMPLER_LINE = ("{title}, sampler {sampler}: ComfyUI's {base} sampler with each step done in one GPU call "
+                "(any sampler ending in _metal does this)")
+DECODE_LINE = ("VAE Decode (Low Memory, Metal): turns the result into the {what} within a memory budget, so a "
+               "large {what} does not run out of memory")
+
+
+def flux_note(models: str, files, loader_lines: list[str], extra: str) -> str:
+    """The Note of a Flux text-to-image workflow whose loaders read `models` (the KSampler and the decode are
+    the same in each)."""
+    return note(f"Flux text to image with {models}, made for Macs with Apple Silicon. Write your prompt in CLIP "
+                "Text Encode, then press Run. Flux.1 needs cfg 1 with FluxGuidance 3.5: leave them as they are. "
+                "The picture is saved in ComfyUI/output/comfy_metal/.", files,
+                loader_lines + [SAMPLER_LINE.format(title="KSampler", sampler="euler_metal", base="euler"),
+                                DECODE_LINE.format(what="picture")], extra)
 
 
 # ------------------------------------------------------------------------------------------ prompts
@@ -109,24 +156,13 @@ def fp8_flux_t2i() -> tuple[dict, list[str], dict]:
         {"class_type": "MetalFP8DualTextEncoderLoader",
          "inputs": {"clip_name1": CLIP_L[1], "clip_name2": T5XXL_FP8[1], "type": "flux", "device": "gpu"}},
         "comfy_metal/flux_fp8")
-    notes = [
-        model_note([FLUX_MODEL, CLIP_L, T5XXL_FP8, FLUX_VAE],
-                   "Any Flux.1-dev style FP8 file works in the FP8 loader (e.g. a flux1-dev fp8 e4m3fn "
-                   "diffusion model); the T5 may be t5xxl_fp16.safetensors instead (same repository)."),
-        "FP8 Flux text-to-image on a Mac (Comfy Metal).\n\n"
-        "- Load Diffusion Model (FP8, Metal) keeps the FP8 weights at 1 byte each and runs them through "
-        "the Metal FP8 kernels (about half the memory of bf16). Its attention option (auto) runs the "
-        "model's attention through the Metal flash-attention kernel wherever it is measured faster than "
-        "ComfyUI's.\n"
-        "- Load 2 Text Encoders (FP8, Metal) loads CLIP-L with the FP8 T5-XXL (kept at 1 byte a weight) and "
-        "runs them on the GPU (ComfyUI's DualCLIPLoader would run them on the CPU on a Mac).\n"
-        "- KSampler with euler_metal: ComfyUI's euler with one fused Metal kernel per step and no host "
-        "sync in the loop (any <sampler>_metal entry works).\n"
-        "- Flux.1-dev is guidance-distilled: cfg 1.0 with FluxGuidance 3.5, negative zeroed out.\n"
-        "- VAE Decode (Low Memory, Metal) decodes within a memory budget: stage by stage over the whole image "
-        "(the same image as an untiled decode) where the budget holds it, else in feathered tiles from a "
-        "whole-image mid block, so a 1024x1024 (or larger) decode fits in little memory.",
-    ]
+    notes = [flux_note(
+        "FP8 models", [FLUX_MODEL, CLIP_L, T5XXL_FP8, FLUX_VAE],
+        ["Load Diffusion Model (FP8, Metal): keeps the FP8 model at its file size in the GPU's memory (stock "
+         "ComfyUI on a Mac doubles it, or fails, before torch 2.15)",
+         "Load 2 Text Encoders (FP8, Metal): runs both text encoders on the GPU (stock ComfyUI uses the CPU "
+         "on a Mac)"],
+        "Another Flux.1-dev FP8 file works too; the T5 may be t5xxl_fp16.safetensors.")]
     titles = {"1": "Load Diffusion Model (FP8, Metal)", "2": "Load 2 Text Encoders (FP8, Metal)",
               "9": "VAE Decode (Low Memory, Metal)"}
     return p, notes, titles
@@ -138,21 +174,13 @@ def gguf_flux_t2i() -> tuple[dict, list[str], dict]:
         {"class_type": "MetalGGUFDualTextEncoderLoader",
          "inputs": {"clip_name1": T5XXL_GGUF[1], "clip_name2": CLIP_L[1], "type": "flux", "device": "gpu"}},
         "comfy_metal/flux_gguf")
-    notes = [
-        model_note([FLUX_GGUF, T5XXL_GGUF, CLIP_L, FLUX_VAE],
-                   "ComfyUI-GGUF users: the same files, in the same folders (models/unet or "
-                   "models/diffusion_models for the model, models/clip or models/text_encoders for the T5). "
-                   "Any quant works (Q8_0, Q6_K, Q5_K_S, Q4_K_S, Q4_0, Q3_K_S, Q2_K ...); the T5 may also be a "
-                   "t5xxl .safetensors."),
-        "GGUF Flux text-to-image on a Mac (Comfy Metal).\n\n"
-        "- Load Diffusion Model (GGUF, Metal) keeps the weights quantised in memory (Q4_K_S: about 4.5 "
-        "bits a weight, 6.8 GB for FLUX.1-dev) and dequantises each layer with a Metal kernel at forward "
-        "time (a fused dequantise + GEMV kernel for small batches). LoRAs apply to the dequantised weights.\n"
-        "- Load 2 Text Encoders (GGUF, Metal) takes the GGUF T5 (kept quantised) with the CLIP-L file.\n"
-        "- KSampler with euler_metal; Flux.1-dev is guidance-distilled: cfg 1.0 with FluxGuidance 3.5.\n"
-        "- VAE Decode (Low Memory, Metal) decodes within a memory budget: stage by stage over the whole image "
-        "where the budget holds it, else in feathered tiles.",
-    ]
+    notes = [flux_note(
+        "GGUF models (the files ComfyUI-GGUF uses)", [FLUX_GGUF, T5XXL_GGUF, CLIP_L, FLUX_VAE],
+        ["Load Diffusion Model (GGUF, Metal): keeps the model compressed in memory (Q4_K_S: 6.8 GB for "
+         "Flux.1-dev, where bf16 needs 24 GB) and unpacks each layer on the GPU as it runs",
+         "Load 2 Text Encoders (GGUF, Metal): the compressed T5 with CLIP-L, on the GPU"],
+        "GGUF files already in models/unet or models/clip work from there. Any other quantization works "
+        "(Q8_0 ... Q2_K: smaller files, lower quality).")]
     titles = {"1": "Load Diffusion Model (GGUF, Metal)", "2": "Load 2 Text Encoders (GGUF, Metal)",
               "9": "VAE Decode (Low Memory, Metal)"}
     return p, notes, titles
@@ -188,19 +216,17 @@ def fp8_wan22_t2v() -> tuple[dict, list[str], dict]:
                "inputs": {"images": ["12", 0], "filename_prefix": "comfy_metal/wan22_fp8", "fps": 16.0,
                           "lossless": False, "quality": 90, "method": "default"}},
     }
-    notes = [
-        model_note([WAN_HIGH, WAN_LOW, UMT5, WAN_VAE]),
-        "FP8 Wan 2.2 14B text-to-video on a Mac (Comfy Metal), as ComfyUI's own Wan 2.2 14B T2V template: "
-        "the high-noise expert samples steps 0-10, the low-noise expert steps 10-20 (ModelSamplingSD3 shift 8).\n\n"
-        "- Both experts load through Load Diffusion Model (FP8, Metal): FP8 weights stay 1 byte each; "
-        "attention auto: Metal flash attention (memory linear in the 32k tokens) where measured faster.\n"
-        "- Load Text Encoder (FP8, Metal) keeps UMT5-XXL's FP8 weights at 1 byte each and runs it on the GPU.\n"
-        "- KSamplerAdvanced with uni_pc_metal (UniPC, the sampler of Wan's own examples): ComfyUI's uni_pc with "
-        "its predictor and corrector each one fused Metal kernel, no host sync in the loop.\n"
-        "- VAE Decode (Low Memory, Metal) decodes the video in spatial tiles within a 2 GiB working budget, "
-        "each tile causally frame chunk by frame chunk, so memory stays flat in the number of frames. "
-        "81 frames at 640x640 = 5 s at 16 fps.",
-    ]
+    notes = [note(
+        "Wan 2.2 14B text to video with FP8 models (5 seconds at 640x640, 16 frames a second), made for Macs "
+        "with Apple Silicon. Write what should happen in the first CLIP Text Encode and what to avoid in the "
+        "second, then press Run. The video is saved in ComfyUI/output/comfy_metal/.",
+        [WAN_HIGH, WAN_LOW, UMT5, WAN_VAE],
+        ["High-noise expert and Low-noise expert (Load Diffusion Model, FP8, Metal): Wan 2.2 uses two models, one for "
+         "the first 10 steps and one for the last 10; both stay at their file size in the GPU's memory",
+         "Load Text Encoder (FP8, Metal): runs the text encoder on the GPU at its file size",
+         SAMPLER_LINE.format(title="KSamplerAdvanced", sampler="uni_pc_metal", base="uni_pc"),
+         "VAE Decode (Low Memory, Metal): turns the result into video in pieces within 2 GB, so memory "
+         "stays the same however many frames"])]
     titles = {"1": "High-noise expert (FP8, Metal)", "2": "Low-noise expert (FP8, Metal)",
               "5": "Load Text Encoder (FP8, Metal)",
               "12": "VAE Decode (Low Memory, Metal)"}
@@ -217,8 +243,8 @@ def moe_t2i_prompt_enhancer() -> tuple[dict, list[str], dict]:
                          "system_prompt": "Rewrite the user's image prompt into one detailed, vivid description "
                                           "of a photograph. Reply with the prompt only.",
                          "max_new_tokens": 96, "temperature": 0.0, "top_p": 0.9, "seed": 0}},
-        "3": {"class_type": "DualCLIPLoader",
-              "inputs": {"clip_name1": CLIP_L[1], "clip_name2": T5XXL_FP8[1], "type": "flux", "device": "default"}},
+        "3": {"class_type": "MetalFP8DualTextEncoderLoader",
+              "inputs": {"clip_name1": CLIP_L[1], "clip_name2": T5XXL_FP8[1], "type": "flux", "device": "gpu"}},
         "4": {"class_type": "CLIPTextEncode", "inputs": {"text": ["2", 0], "clip": ["3", 0]}},
         "5": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["4", 0], "guidance": 3.5}},
         "6": {"class_type": "MetalFP8ModelLoader",
@@ -237,24 +263,21 @@ def moe_t2i_prompt_enhancer() -> tuple[dict, list[str], dict]:
         "14": {"class_type": DECODE, "inputs": {"samples": ["12", 0], "vae": ["13", 0], **IMAGE_DECODE}},
         "15": {"class_type": "SaveImage", "inputs": {"images": ["14", 0], "filename_prefix": "comfy_metal/moe_enhanced"}},
     }
-    notes = [
-        model_note([MOE_FOLDER, FLUX_MODEL, CLIP_L, T5XXL_FP8, FLUX_VAE],
-                   "The MoE language model is a Hugging Face folder (config.json, tokenizer.json, "
-                   "tokenizer_config.json, model-*.safetensors + index): put the whole folder in "
-                   "models/text_encoders/. There is no Comfy-Org repackage of a Qwen3-MoE language model; "
-                   "Qwen's own repository is the source. bf16 weights are about 61 GB (a Mac with 96 GB or "
-                   "more); any Qwen3-MoE / Qwen2-MoE folder or single .safetensors file works."),
-        "MoE prompt enhancer -> Flux text-to-image (Comfy Metal).\n\n"
-        "- Load MoE Text Encoder (Metal) loads the Qwen3-MoE model with sync-free expert dispatch on the GPU; "
-        "Prompt Enhancer (MoE, Metal) rewrites the short prompt with it (greedy at temperature 0).\n"
-        "- The enhanced text is encoded by Flux's own text encoders (CLIP-L + T5-XXL). The MoE loader's CLIP "
-        "output (hidden states [tokens, 2048] for Qwen3-30B-A3B, no pooled vector) would need an image model "
-        "trained on that conditioning; no released model is, so here the MoE model only enhances the prompt.\n"
-        "- SamplerCustomAdvanced with Metal Sampler Select (dpmpp_2m, fast device-side noise).\n"
-        "- VAE Decode (Low Memory, Metal) for the decode.",
-    ]
+    notes = [note(
+        "A language model rewrites your short prompt into a detailed one, then Flux draws it. Made for Macs "
+        "with Apple Silicon and a lot of memory: the language model alone is 61 GB. Write the short prompt in "
+        "Prompt Enhancer (MoE, Metal), then press Run. The picture is saved in ComfyUI/output/comfy_metal/.",
+        [MOE_FOLDER, FLUX_MODEL, CLIP_L, T5XXL_FP8, FLUX_VAE],
+        ["Load MoE Text Encoder (Metal): loads the language model onto the GPU (a mixture-of-experts model: "
+         "only a few of its parts work on each word)",
+         "Prompt Enhancer (MoE, Metal): writes the detailed prompt (the same text every run at temperature 0)",
+         "Load 2 Text Encoders (FP8, Metal) and Load Diffusion Model (FP8, Metal): Flux's models at their "
+         "file size, on the GPU",
+         "Metal Sampler Select: the dpmpp_2m sampler with each step done in one GPU call",
+         DECODE_LINE.format(what="picture")],
+        "The Missing Models list does not show the folder: get it from the link above.")]
     titles = {"1": "Load MoE Text Encoder (Metal)", "2": "Prompt Enhancer (MoE, Metal)",
-              "6": "Load Diffusion Model (FP8, Metal)", "9": "Metal Sampler Select",
+              "3": "Load 2 Text Encoders (FP8, Metal)", "6": "Load Diffusion Model (FP8, Metal)", "9": "Metal Sampler Select",
               "14": "VAE Decode (Low Memory, Metal)"}
     return p, notes, titles
 
@@ -268,18 +291,15 @@ def quantize_and_save() -> tuple[dict, list[str], dict]:
               "inputs": {"model": ["1", 0], "filename": "wan2.2_ti2v_5B_fp8_e4m3fn_rowwise",
                          "quantize_mode": "e4m3fn rowwise", "overwrite": False}},
     }
-    notes = [
-        model_note([WAN5B_FP16],
-                   "Any bf16 / fp16 / fp32 diffusion model in models/diffusion_models/ can be the source."),
-        "Quantize a diffusion model to FP8 and save it (Comfy Metal).\n\n"
-        "- Load Diffusion Model (FP8, Metal) with weight_mode 'e4m3fn rowwise' quantizes the Linear weights "
-        "one at a time while loading (never a full-precision copy of the model in memory); norms, "
-        "embeddings, first/last layers stay in their precision.\n"
-        "- Save Model (FP8 comfy_quant, Metal) writes models/diffusion_models/"
-        "wan2.2_ti2v_5B_fp8_e4m3fn_rowwise.safetensors in ComfyUI's comfy_quant format (atomic write; "
-        "it refuses to overwrite an existing file unless 'overwrite' is on). Load the result with the "
-        "FP8 loader or ComfyUI's own Load Diffusion Model.",
-    ]
+    notes = [note(
+        "Makes an FP8 copy of a model: half the size on disk and in memory. Run it once, then use the new "
+        "file in the other workflows (or in ComfyUI's own Load Diffusion Model).",
+        [WAN5B_FP16],
+        ["Load + quantize (FP8, Metal): reads the model and converts its large layers to FP8 one at a time, "
+         "so the whole model is never in memory twice",
+         "Save Model (FP8, Metal): writes models/diffusion_models/wan2.2_ti2v_5B_fp8_e4m3fn_rowwise"
+         ".safetensors, and never replaces a file that exists unless overwrite is on"],
+        "Any bf16 or fp16 model in diffusion_models works instead: pick it in the first node.")]
     titles = {"1": "Load + quantize (FP8, Metal)", "2": "Save Model (FP8, Metal)"}
     return p, notes, titles
 
@@ -293,18 +313,21 @@ WORKFLOWS = {
 }
 
 
-def model_files(name: str) -> list[tuple[str, str]]:
-    """(models folder, file or folder name) of every model a workflow names."""
+def model_specs(name: str) -> list[tuple]:
+    """The model table entries of every model a workflow names, in the order its nodes name them."""
     prompt, _, _ = WORKFLOWS[name]()
+    by_name = {spec[1]: spec for spec in ALL_MODELS}
     out = []
     for node in prompt.values():
         for value in node["inputs"].values():
-            if isinstance(value, str) and value in TEST_ROLES:
-                for spec in (FLUX_MODEL, CLIP_L, T5XXL_FP8, FLUX_VAE, WAN_HIGH, WAN_LOW, UMT5, WAN_VAE,
-                             WAN5B_FP16, MOE_FOLDER, FLUX_GGUF, T5XXL_GGUF):
-                    if spec[1] == value and (spec[0], spec[1]) not in out:
-                        out.append((spec[0], spec[1]))
+            if isinstance(value, str) and value in by_name and by_name[value] not in out:
+                out.append(by_name[value])
     return out
+
+
+def model_files(name: str) -> list[tuple[str, str]]:
+    """(models folder, file or folder name) of every model a workflow names."""
+    return [(spec[0], spec[1]) for spec in model_specs(name)]
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -340,15 +363,19 @@ def used_object_info(object_info: dict) -> dict:
     return {t: normalize_object_info(object_info[t]) for t in types}
 
 
-# The view a workflow opens with (its `extra.ds`): every node, Notes included, inside the part of a
-# 1400x800 page (a browser window on a 1440x900 Mac screen) the frontend's canvas shows unhidden (below
-# the workflow tabs and the menu, right of the sidebar's icon strip, above the bottom-right canvas
-# controls), scaled down to fit, never up. On a Retina screen the frontend draws node text from a scale
-# of about 0.4 (LiteGraph's min_font_size_for_lod 8 / (14 px * sqrt(2))); every workflow here fits above it.
+# The view a workflow opens with (its `extra.ds`), on a 1400x800 page (a browser window on a 1440x900 Mac
+# screen): the Note and as many of the first columns of nodes as fit at a readable zoom, left-aligned in the
+# part of the canvas nothing covers (below the workflow tabs and the menu, right of the sidebar's icon strip,
+# above the bottom bar, clear of the minimap the frontend shows at the bottom right); the rest of the graph
+# continues to the right. LiteGraph draws node text only from a zoom of min_font_size_for_lod 8 / (14 px *
+# sqrt(devicePixelRatio)): 0.57 on a plain screen, 0.40 on a Retina one, so READABLE_SCALE holds on both.
 VIEW_WINDOW = (1400, 800)
 VIEW_MARGINS = {"left": 64, "top": 100, "right": 24, "bottom": 72}
+MINIMAP = (1140, 540, 1400, 745)   # the minimap's box on that page (x0, y0, x1, y1), shown by default
 TITLE_HEIGHT = 30      # LiteGraph.NODE_TITLE_HEIGHT: a node's title bar is drawn above its pos
+READABLE_SCALE = 0.6
 MAX_SCALE = 1.0
+VIEW_PAD = 20.0        # graph units around the fitted nodes
 
 
 def node_bounds(nodes: list[dict]) -> tuple[float, float, float, float]:
@@ -360,18 +387,71 @@ def node_bounds(nodes: list[dict]) -> tuple[float, float, float, float]:
     return x0, y0, x1, y1
 
 
-def fitted_view(nodes: list[dict], window=VIEW_WINDOW, margins=VIEW_MARGINS, pad: float = 20.0) -> dict:
-    """The `extra.ds` (LiteGraph's DragAndScale: screen = (graph + offset) * scale) that fits the nodes'
-    bounds, with `pad` graph units around them, centred in the window's unhidden area."""
+def screen_box(node: dict, ds: dict) -> tuple[float, float, float, float]:
+    """A node's box on the page (title bar included) under the view `ds` (screen = (graph + offset) * scale)."""
+    (ox, oy), s = ds["offset"], ds["scale"]
+    return ((node["pos"][0] + ox) * s, (node["pos"][1] - TITLE_HEIGHT + oy) * s,
+            (node["pos"][0] + node["size"][0] + ox) * s, (node["pos"][1] + node["size"][1] + oy) * s)
+
+
+def unhidden(box, window=VIEW_WINDOW, margins=VIEW_MARGINS, minimap=MINIMAP) -> bool:
+    """Whether a page box lies in the part of the canvas nothing covers."""
+    x0, y0, x1, y1 = box
+    inside = (x0 >= margins["left"] and y0 >= margins["top"] and x1 <= window[0] - margins["right"]
+              and y1 <= window[1] - margins["bottom"])
+    under_minimap = x1 > minimap[0] and y1 > minimap[1] and x0 < minimap[2] and y0 < minimap[3]
+    return inside and not under_minimap
+
+
+def fit(nodes: list[dict], window=VIEW_WINDOW, margins=VIEW_MARGINS) -> dict:
+    """The `extra.ds` that fits the nodes' bounds (VIEW_PAD around them) into the unhidden area, top-left."""
     x0, y0, x1, y1 = node_bounds(nodes)
-    x0, y0, x1, y1 = x0 - pad, y0 - pad, x1 + pad, y1 + pad
+    x0, y0, x1, y1 = x0 - VIEW_PAD, y0 - VIEW_PAD, x1 + VIEW_PAD, y1 + VIEW_PAD
     area_w = window[0] - margins["left"] - margins["right"]
     area_h = window[1] - margins["top"] - margins["bottom"]
     scale = min(area_w / (x1 - x0), area_h / (y1 - y0), MAX_SCALE)
     scale = int(scale * 1000) / 1000          # rounded down: still fits, and a stable file
-    left = margins["left"] + (area_w - (x1 - x0) * scale) / 2
-    top = margins["top"] + (area_h - (y1 - y0) * scale) / 2
-    return {"scale": scale, "offset": [round(left / scale - x0, 1), round(top / scale - y0, 1)]}
+    return {"scale": scale, "offset": [round(margins["left"] / scale - x0, 1), round(margins["top"] / scale - y0, 1)]}
+
+
+def columns(nodes: list[dict]) -> list[list[dict]]:
+    """The nodes by column (same x), left to right: the Note column first."""
+    xs = sorted({n["pos"][0] for n in nodes})
+    return [[n for n in nodes if n["pos"][0] == x] for x in xs]
+
+
+def view_nodes(nodes: list[dict]) -> list[dict]:
+    """The nodes the view is fitted to: the first columns, as many as fit readable and unhidden (at least the
+    Note's column and the first node's)."""
+    cols = columns(nodes)
+    best = cols[0] + cols[1]
+    for k in range(3, len(cols) + 1):
+        chosen = [n for col in cols[:k] for n in col]
+        ds = fit(chosen)
+        if ds["scale"] < READABLE_SCALE:
+            break                     # more columns only zoom out further
+        if all(unhidden(screen_box(n, ds)) for n in chosen):
+            best = chosen
+    return best
+
+
+def fitted_view(nodes: list[dict]) -> dict:
+    ds = fit(view_nodes(nodes))
+    if ds["scale"] < READABLE_SCALE:
+        raise SystemExit(f"the Note and the first nodes do not fit at zoom {READABLE_SCALE} (only {ds['scale']})")
+    return ds
+
+
+def add_model_entries(ui: dict, specs: list[tuple]) -> None:
+    """Each loader node lists the models its widgets name in `properties.models`, and the workflow lists every
+    model file in `models` (the frontend's Missing Models list reads both; older frontends the second). A model
+    folder is only on its node: it is no file the frontend could download."""
+    by_name = {spec[1]: spec for spec in specs}
+    for n in ui["nodes"]:
+        named = [by_name[v] for v in n.get("widgets_values", []) if isinstance(v, str) and v in by_name]
+        if named:
+            n["properties"]["models"] = [model_entry(spec) for spec in named]
+    ui["models"] = [model_entry(spec) for spec in specs if not is_folder(spec)]
 
 
 def dumps(obj) -> str:
@@ -389,6 +469,7 @@ def render(object_info: dict) -> dict[pathlib.Path, str]:
         if problems:
             raise SystemExit(f"{name}: invalid prompt:\n" + "\n".join(problems))
         ui = wt.ui_from_api(prompt, object_info, notes=notes, titles=titles)
+        add_model_entries(ui, model_specs(name))
         ui["extra"]["ds"] = fitted_view(ui["nodes"])
         if wt.api_from_ui(ui, object_info) != prompt:
             raise SystemExit(f"{name}: the UI layout does not round-trip to the prompt")

@@ -6,14 +6,16 @@ Starts a real ComfyUI server (tests/helpers/comfyui_env.comfyui_server: 127.0.0.
 directory, the pack as a custom node) whose model folders hold tiny random models of the right
 architectures (tests/workflow_models.py) under exactly the file names the workflows expect, so the
 frontend finds every model and shows no "errors found" toast or red outlines. Headless Chromium
-loads each UI workflow (a fresh page each), switches to the frontend's focus mode (canvas only),
-fits the view to the bounds of all nodes with full-detail rendering at any zoom, renders at 2x
-(SHOT_SCALE) and downscales to 1400x800 (smoother small text), and saves
-workflows/screenshots/<name>.png as an optimized 256-colour palette PNG (<= 150 KB each). Without NAME
-arguments it also saves metal_tab.png: the Metal sidebar tab beside a Comfy Metal Status node that ran.
+loads each UI workflow (a fresh page each) and keeps the view it opens with (its saved `extra.ds`,
+fitted by build_workflows.py for this 1400x800 page): the picture is what a user sees on opening it,
+the frontend's menus, sidebar and minimap included. It renders at 2x (SHOT_SCALE, a Retina screen) and
+downscales to 1400x800 (smoother small text), and saves workflows/screenshots/<name>.png as an optimized
+256-colour palette PNG (<= 150 KB each). Without NAME arguments it also saves metal_tab.png: the Metal
+sidebar tab (its first screen: the verdict, what to do, memory; Details collapsed) beside a Comfy Metal
+Status node that ran, and metal_tab_details.png: the same with the tab's Details open.
 
 Fails (exit 1) if a workflow's model file is missing from the server's lists, if the frontend
-shows an error toast ("N errors found", checked before focus mode hides it) or marks a node with
+shows an error toast ("N errors found") or marks a node with
 errors, or if a PNG ends up larger than the limit. Runtime ~1 min.
 """
 from __future__ import annotations
@@ -43,37 +45,16 @@ import headless_chromium  # noqa: E402
 
 OUT_DIR = ROOT / "workflows" / "screenshots"
 TAB_SHOT = "metal_tab"         # the Metal tab and a Comfy Metal Status node after a run
+DETAILS_SHOT = "metal_tab_details"   # the same with the tab's Details open
 WIDTH, HEIGHT = 1400, 800
 MAX_BYTES = 150 * 1024
 TOTAL_TIMEOUT = 600          # seconds for the whole browser session
-SETTINGS = {                 # frontend settings for clean pictures (stored in the temporary user dir)
+SETTINGS = {                 # a new user's frontend (stored in the temporary user dir), less the debug overlay
     "Comfy.TutorialCompleted": True,
-    "Comfy.Minimap.Visible": False,
     "Comfy.Graph.CanvasInfo": False,
     "Comfy.Workflow.Persist": False,
-    "Comfy.Graph.CanvasMenu": False,           # the zoom controls overlay
-    "LiteGraph.Canvas.MinFontSizeForLOD": 0,   # full detail (text, widgets) at any zoom
 }
 SCALE = int(os.environ.get("SHOT_SCALE", "2"))  # rendered at 2x, downscaled: smoother small text
-FILL = 0.97                  # share of the canvas the whole graph's bounds take (fit view)
-
-# Focus mode (the frontend's own "hide all panels" view) gives the graph the whole page, then the view
-# is fitted to the bounds of all nodes, as the frontend's fit view does, with a smaller margin.
-FIT_JS = r"""
-(async () => {
-  const app = window.comfyAPI.app.app;
-  await app.extensionManager.command.execute('Workspace.ToggleFocusMode');
-  await new Promise((r) => setTimeout(r, 500));
-  let x0 = Infinity, y0 = Infinity, x1 = -Infinity, y1 = -Infinity;
-  for (const n of app.graph.nodes) {
-    const [x, y, w, h] = n.boundingRect;
-    x0 = Math.min(x0, x); y0 = Math.min(y0, y); x1 = Math.max(x1, x + w); y1 = Math.max(y1, y + h);
-  }
-  app.canvas.ds.fitToBounds([x0, y0, x1 - x0, y1 - y0], { zoom: %s });
-  app.canvas.setDirty(true, true);
-  return app.canvas.ds.scale;
-})()
-"""
 
 
 # ------------------------------------------------------------------------------------ models
@@ -143,9 +124,8 @@ TAB_JS = r"""
   const app = window.comfyAPI.app.app, api = window.comfyAPI.api.api;
   app.graph.clear();
   const node = LiteGraph.createNode("MetalStatus");
-  node.pos = [400, 130];          // right of the open tab
+  node.pos = [400, 130];          // right of the open tab, at its default size
   app.graph.add(node);
-  node.setSize([960, 620]);       // wider than its default, for the whole report
   app.canvas.ds.scale = 1; app.canvas.ds.offset = [0, 0];
   const prompt = { [String(node.id)]: { class_type: "MetalStatus", inputs: {} } };
   await api.fetchApi("/prompt", { method: "POST", headers: { "Content-Type": "application/json" },
@@ -156,8 +136,8 @@ TAB_JS = r"""
 })()
 """
 TAB_READY_JS = ("(() => { const w = window.__shotNode?.widgets?.find((x) => x.name === 'report');"
-                " const body = document.querySelector('.comfy-metal-panel .comfy-metal-body');"
-                " return !!(w && String(w.value).includes('Kernels') && body && body.textContent.includes('softmax')); })()")
+                " const body = document.querySelector('.comfy-metal-panel .comfy-metal-verdict');"
+                " return !!(w && String(w.value).length > 20 && body && body.textContent); })()")
 
 
 async def _browser(url: str, chromium: str, workflows: dict, out: pathlib.Path, tab: bool = True) -> dict:
@@ -188,11 +168,8 @@ async def _browser(url: str, chromium: str, workflows: dict, out: pathlib.Path, 
             await wait_for(f"window.comfyAPI.app.app.graph.nodes.length === {len(wf['nodes'])}",
                            f"{name}: the graph was not loaded", timeout=60)
             await asyncio.sleep(1.5)          # validation toasts (if any) appear after the load
-            state = await cdp.evaluate(PAGE_STATE_JS)  # before focus mode hides the panels
-            scale = await cdp.evaluate(FIT_JS % FILL)
-            await asyncio.sleep(1.5)
-            state["errorNodes"] += [n for n in (await cdp.evaluate(PAGE_STATE_JS))["errorNodes"]
-                                    if n not in state["errorNodes"]]
+            state = await cdp.evaluate(PAGE_STATE_JS)
+            scale = await cdp.evaluate("window.comfyAPI.app.app.canvas.ds.scale")
             shot = await cdp.call("Page.captureScreenshot", format="png")
             raw = base64.b64decode(shot["data"])
             report[name] = {"state": state, "scale": scale, "raw_bytes": len(raw), **save_png(raw, out / f"{name}.png")}
@@ -207,6 +184,12 @@ async def _browser(url: str, chromium: str, workflows: dict, out: pathlib.Path, 
             raw = base64.b64decode(shot["data"])
             report[TAB_SHOT] = {"state": {"toasts": [], "errorNodes": [], "nodes": 1}, "scale": 1.0,
                                 "raw_bytes": len(raw), **save_png(raw, out / f"{TAB_SHOT}.png")}
+            await cdp.evaluate("document.querySelector('.comfy-metal-panel details.comfy-metal-details summary').click()")
+            await asyncio.sleep(1)
+            shot = await cdp.call("Page.captureScreenshot", format="png")
+            raw = base64.b64decode(shot["data"])
+            report[DETAILS_SHOT] = {"state": {"toasts": [], "errorNodes": [], "nodes": 1}, "scale": 1.0,
+                                    "raw_bytes": len(raw), **save_png(raw, out / f"{DETAILS_SHOT}.png")}
     return report
 
 

@@ -97,7 +97,7 @@ def test_sd_vae_shared_statistics_vs_untiled(comfyui, sd_vae, caplog):
 
 
 def test_sd_vae_exact_holds_45_db_at_small_budgets(comfyui, sd_vae, caplog):
-    """Issue 17's floor on ComfyUI's own VAE object, non-square latent: exact >= 45 dB against ComfyUI's
+    """The exact floor on ComfyUI's own VAE object, non-square latent: exact >= 45 dB against ComfyUI's
     untiled decode both ways it runs -- stage by stage at 0.6x the untiled decode's peak (well under
     ComfyUI's tiled peak; fp16 buffers, several bands a stage) and, for decoders without stages,
     lock-step tiles (two, with the exact overlap) -- and the node's default (auto) picks exact and says so."""
@@ -202,7 +202,7 @@ def test_bench_section_against_comfyui_tiled(comfyui, monkeypatch):
     for table in video:
         exact = [r for r in table.rows if "peak, exact" in r[0]]
         assert exact and exact[0][1].startswith("stages") and _psnr_cell(exact[0][4]) >= 60, table.render()
-    for table in at_peak:       # issue 17: feather and exact at ComfyUI's tiled peak, side by side (decode, encode)
+    for table in at_peak:       # feather and exact at ComfyUI's tiled peak, side by side (decode, encode)
         labels = [r[0] for r in table.rows]
         assert any("peak, feather" in x for x in labels) and any("peak, exact" in x for x in labels), table.render()
         assert "PSNR vs the untiled encode" in table.note or "PSNR vs untiled: feather" in table.note, table.render()
@@ -324,7 +324,7 @@ def test_hunyuan_video_decode_and_encode_tiled_vs_untiled(comfyui, hunyuan_vae, 
 
 
 def test_sd_vae_untiled_mid_block_raises_psnr(comfyui, sd_vae):
-    """Issue 17: conv_in and the mid block (its attention included) run once over the whole latent and
+    """conv_in and the mid block (its attention included) run once over the whole latent and
     the tiles start from that mid output: closer to ComfyUI's untiled decode than tiles that each run the
     whole decoder, in feather mode and with shared statistics (which is then exact up to the halo)."""
     from comfy_metal.nodes import vae as vt
@@ -356,7 +356,7 @@ def test_sd_vae_untiled_mid_block_raises_psnr(comfyui, sd_vae):
         isinstance(m, torch.nn.GroupNorm) for m in sd_vae.first_stage_model.decoder.modules())
 
 
-# ---------------------------------------------------------------- encode (issue 17, item 6)
+# ---------------------------------------------------------------- encode
 
 ENCODER_DDCONFIG = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 32,
                     "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
@@ -420,7 +420,7 @@ def test_kl_encode_stages_are_the_encoder(comfyui, sd_vae_with_encoder, flux_vae
 
 
 def test_sd_vae_encode_untiled_rest_vs_untiled(comfyui, sd_vae_with_encoder, caplog):
-    """Issue 17, item 6, on ComfyUI's own VAE object: at half the untiled encode's peak (several tiles), the
+    """On ComfyUI's own VAE object: at half the untiled encode's peak (several tiles), the
     tiles run only the encoder's first level(s) and the rest (the mid block's attention included) runs once
     over the whole image. With shared statistics the latent matches the untiled encode (>= 45 dB, far above
     ComfyUI's VAEEncodeTiled with tiles scaled to the image); feather is not below ComfyUI's. The node

@@ -1,4 +1,4 @@
-"""Exact low-memory decode (issue 17): the stage-by-stage decode (nodes/vae/stagewise.py) against the
+"""Exact low-memory decode: the stage-by-stage decode (nodes/vae/stagewise.py) against the
 untiled decode, the lock-step shared statistics' invariants (cache limit, halo, the planner's fallback),
 seam mode auto's choice from the planner's predicted costs, and what the node reports. Small diffusers
 AutoencoderKL decoders with random weights; the untiled decode of the same model is the oracle."""
@@ -105,7 +105,7 @@ def test_fp16_to_bf16_switch_in_an_in_place_stage():
         got = stagewise.StagewiseDecode(stages, "cpu", torch.float32).run(
             h, stagewise.StagePlan(torch.float16, [6, 6, 6], 0, 1.0), torch.device("cpu"))
     err = ((got - want).abs().max() / want.abs().max()).item()
-    assert err < 0.05, err                            # bf16 rounding; the old switch gave ~1.0
+    assert err < 0.05, err                            # bf16 rounding; fp16 bytes read as bf16 give ~1.0
 
 
 def test_budget_decode_runs_stagewise_within_the_budget(kl):

@@ -1,4 +1,4 @@
-"""Exact low-memory encode (issue 17, item 6): the stage-by-stage encode (nodes/vae/stagewise_encode.py)
+"""Exact low-memory encode: the stage-by-stage encode (nodes/vae/stagewise_encode.py)
 against the untiled encoder, within the budget, and seam mode auto choosing it when it fits. A small
 diffusers AutoencoderKL with SD's encoder layout and random weights; its untiled encode is the oracle."""
 from __future__ import annotations

@@ -103,7 +103,7 @@ def test_video_peak_is_flat_in_frames():
 
 @pytest.mark.parametrize("widths", [(32, 64, 64, 64), (64, 128, 128, 128)])
 def test_cost_model_predicts_the_measured_peak(widths):
-    """Issue 17: the cost model's peak of the plan that ran (RunInfo.expected_peak: the largest tile's
+    """The cost model's peak of the plan that ran (RunInfo.expected_peak: the largest tile's
     forward, the whole-image mid output, the untiled mid block) is within +-15% of the measured peak of
     the whole decode (live tensor bytes, calibration and mid block included, the output accumulator
     excluded as the budget excludes it), at several budgets and two VAE widths; and it uses the budget:
@@ -131,7 +131,7 @@ def test_cost_model_predicts_the_measured_peak(widths):
 
 @pytest.mark.parametrize("widths", [(32, 64, 64, 64), (64, 128, 128, 128)])
 def test_encode_cost_model_predicts_the_measured_peak(widths):
-    """Issue 17, encode: the tiles run the encoder's body (conv_in, down blocks) blended at latent
+    """Encode: the tiles run the encoder's body (conv_in, down blocks) blended at latent
     resolution, and its tail (mid block with attention, norm_out, conv_out, quant_conv) runs once over the
     whole latent grid. RunInfo.expected_peak (the largest body tile + the blended body output held across
     the tiles, or the tail with its input) is within +-15% of the measured peak of the whole encode (the

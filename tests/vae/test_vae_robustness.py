@@ -1,4 +1,4 @@
-"""Issue 17's robustness cases of the low-memory VAE engine (nodes/vae/engine.py): the CPU fallback after
+"""The robustness cases of the low-memory VAE engine (nodes/vae/engine.py): the CPU fallback after
 repeated out-of-memory, a latent with NaN/inf, a batch, a 1x1 latent, and a budget no plan fits."""
 from __future__ import annotations
 

@@ -152,7 +152,7 @@ test("extension takes app/api from window.comfyAPI, and badges nodes created bef
     // default size that fits its title.
     const made = [];
     globalThis.comfyAPI.widgets = { ComfyWidgets: { STRING(node, name, spec) {
-      const widget = { name, value: "", options: {}, inputEl: { style: {} }, spec };
+      const widget = { name, value: "", options: {}, element: { style: {} }, spec };
       node.widgets = [...(node.widgets ?? []), widget];
       made.push(widget);
       return { widget };
@@ -168,10 +168,11 @@ test("extension takes app/api from window.comfyAPI, and badges nodes created bef
     const node = new StatusNode();
     node.onNodeCreated();
     assert.equal(made.length, 1);
-    assert.equal(made[0].inputEl.readOnly, true);
+    assert.equal(made[0].element.readOnly, true);
+    assert.equal(made[0].element.style.whiteSpace, "pre-wrap");      // the short report wraps in the node
     assert.equal(made[0].serialize, false);
     assert.equal(made[0].options.serialize, false);
-    assert.ok(node.size[0] >= 500 && node.size[1] >= 300, node.size);
+    assert.ok(node.size[0] >= 440 && node.size[1] >= 300, node.size);
     node.onExecuted({ text: ["Kernels (COMFY_METAL_BACKEND=auto)", "softmax  reference"] });
     assert.equal(made[0].value, "Kernels (COMFY_METAL_BACKEND=auto)\nsoftmax  reference");
     assert.equal(made.length, 1);   // the same box on every run
@@ -186,13 +187,29 @@ test("extension takes app/api from window.comfyAPI, and badges nodes created bef
       getElementById: () => null, head: { appendChild() {} },
       createElement: () => ({ style: {}, dataset: {}, isConnected: true,
         set innerHTML(v) { this._html = v; }, get innerHTML() { return this._html; },
-        querySelector: (sel) => (sel === ".comfy-metal-body" ? { innerHTML: "" } : { addEventListener() {} }),
+        querySelector: (sel) => (sel === ".comfy-metal-body" ? { innerHTML: "", querySelector: () => null }
+          : { addEventListener() {} }),
         addEventListener: (type, fn) => { listeners[type] = fn; } }),
     };
     app.sidebarTabs[0].render(container);
     listeners.change({ target: { classList: { contains: (c) => c === "comfy-metal-force" }, checked: true } });
     await tick();
     assert.equal(stored.get("ComfyMetal.ForceReference"), true);
+
+    // A loaded workflow naming a model folder that is not installed: one warning toast with where to get it.
+    const toasts = [];
+    app.extensionManager.toast = { add: (t) => toasts.push(t) };
+    const folder = { name: "Big-MoE/", url: "https://huggingface.co/org/Big-MoE", directory: "text_encoders" };
+    app.graph.nodes = [
+      { comfyClass: "MetalLoader", title: "Load MoE", properties: { models: [folder] },
+        widgets: [{ value: "Big-MoE/", options: { values: ["(put a model folder in ...)"] } }] },
+      { comfyClass: "KSampler", properties: { models: [folder] }, widgets: [{ value: "Big-MoE/", options: { values: [] } }] },
+    ];
+    await ext.afterConfigureGraph();
+    assert.equal(toasts.length, 1);
+    assert.equal(toasts[0].severity, "warn");
+    assert.equal(toasts[0].detail, "Load MoE needs the model folder Big-MoE/: download every file of " +
+      "https://huggingface.co/org/Big-MoE into ComfyUI/models/text_encoders/Big-MoE/, then press R.");
   } finally {
     delete globalThis.document;
     delete globalThis.comfyAPI;

@@ -3,10 +3,9 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import {
-  BACKEND_STYLES, TextBadge, applyBackendRecord, applyStatusNodes, badgeFor, badgeForNode,
-  capabilityRows, createBackendState, createPoller, escapeHtml, formatBytes, isPackNode, packNodeSet,
-  kernelCapability, kernelGroups, kernelRows, measuredSpeedups, memoryBar, memoryBarHTML, recordForNode,
-  renderStatusHTML, reportText, summaryLine, wrapName,
+  BACKEND_STYLES, FEATURE_CHIPS, TextBadge, applyBackendRecord, applyStatusNodes, badgeFor, badgeForNode,
+  createBackendState, createPoller, escapeHtml, formatBytes, isPackNode, measuredLines, memoryBar, memoryBarHTML,
+  missingModelFolders, packNodeSet, recordForNode, renderStatusHTML, reportText, wrapName,
 } from "../../web/lib/status_model.js";
 
 // Shaped like nodes/status's record_node_backend() output.
@@ -106,78 +105,53 @@ test("memory bar fraction, level and label", () => {
   assert.match(memoryBarHTML({ device: "mps", in_use: 1, recommended_max: 4 }), /width:25%/);
 });
 
-test("capability and kernel rows", () => {
-  assert.deepEqual(capabilityRows({ mps_available: false, torch: "2.13.0", mps_recommended_max_memory: null }),
-    [["mps_available", "no"], ["torch", "2.13.0"], ["mps_recommended_max_memory", "n/a"]]);
-  const rows = kernelRows({ softmax: { backend: "metal", device: "mps", reason: "passed" }, a: { backend: "reference" } });
-  assert.deepEqual(rows.map((r) => r.name), ["a", "softmax"]);
-  assert.equal(rows[1].label, "Metal");
-  assert.equal(rows[0].reason, "");
-});
+// Shaped like nodes/status/summary.py plain_summary() output (the status route's `summary`).
+const macSummary = {
+  verdict: "Apple GPU: in use for attention and sampling; 2.1× faster attention measured",
+  saved: ["flux1-dev-Q4_K_S.gguf: 6.0 GiB in memory, where bf16 would take 22.0 GiB"],
+  todo: ["PyTorch 2.13.0: upgrade to 2.15 or newer (pip install --upgrade torch)"],
+  features: [
+    { feature: "attention", state: "metal", words: "uses the Apple GPU", kernels: ["flash_attention"], failed: [] },
+    { feature: "FP8 models", state: "mixed", words: "1 of 2 parts: uses the Apple GPU; 1 of 2 parts: plain PyTorch code",
+      kernels: ["fp8_decode", "gemv"], failed: [{ kernel: "gemv", reason: "self-check case 0 failed: <x>" }] },
+  ],
+  runs: [{ node: "#7 MetalKSampler", backend: "metal", words: "uses the Apple GPU", note: "metal_flash 1.9x sub_quad" }],
+  machine: [{ label: "Apple GPU", value: "yes", key: "mps_available" }, { label: "<b>", value: "<script>", key: "k" }],
+  backend: "Kernel choice: automatic (COMFY_METAL_BACKEND=auto)",
+};
 
-test("summary line: kernels on Metal, backends, measured speedups", () => {
-  assert.equal(summaryLine({ kernels: {} }), "0 of 0 kernels on Metal · measured speedups: none yet");
-  assert.equal(summaryLine({ kernels: { a: { backend: "metal" }, b: { backend: "metal" }, c: { backend: "reference" } } }),
-    "2 of 3 kernels on Metal · backends: Metal 2, Reference 1 · measured speedups: none yet");
-  assert.equal(summaryLine({ kernels: { a: { backend: "reference" } }, force_reference: true }),
-    "0 of 1 kernels on Metal · backends: Reference 1 · measured speedups: none yet · reference forced");
-  assert.match(summaryLine({ kernels: { a: { backend: "pending" }, b: { backend: "emulator" } } }),
-    /0 of 2 kernels on Metal · backends: Emulator 1, Pending 1/);
-  // dispatch.measured_records(): the choice against its fastest rival, per kernel and choice
-  const measured = [
-    { kernel: "attention", choice: "metal", times_ms: { metal: 1.0, sdpa: 2.0, math: 5.0 }, shape_class: [1, 64] },
-    { kernel: "attention", choice: "metal", times_ms: { metal: 2.0, sdpa: 3.0 }, shape_class: [1, 128] },
-    { kernel: "gemv", choice: "decode_matmul", times_ms: { decode_matmul: 1.0, gemv: 1.25 }, shape_class: [4] },
-    { kernel: "broken", choice: "x", times_ms: { x: 1.0 } },
-  ];
-  assert.deepEqual(measuredSpeedups(measured), [
-    "attention: metal 1.5-2.0x faster than sdpa (2 shapes)", "gemv: decode_matmul 1.3x faster than gemv (1 shape)"]);
-  assert.match(summaryLine({ kernels: { a: { backend: "metal" } }, measured }),
-    /1 of 1 kernels on Metal · backends: Metal 1 · measured: attention: metal 1\.5-2\.0x faster than sdpa \(2 shapes\); gemv/);
-  assert.deepEqual(measuredSpeedups(undefined), []);
-});
-
-test("kernels group by capability with a shared reason stated once", () => {
-  const cpu = "Metal runs only on MPS tensors (this call is on cpu)";
-  const kernels = {
-    fp8_decode: { backend: "reference", reason: cpu, device: "cpu", source: "fp8.metal" },
-    sampler_euler_step: { backend: "reference", reason: cpu, device: "cpu", source: "sampling.metal" },
-    sampler_heun_step: { backend: "reference", reason: cpu, device: "cpu", source: "sampling.metal" },
-    gemv: { backend: "reference", reason: cpu, device: "cpu", source: "linear.metal" },
-  };
-  const { common, groups } = kernelGroups(kernels);
-  assert.equal(common, cpu);
-  assert.deepEqual(groups.map((g) => [g.capability, g.rows.length, g.backend, g.reason]),
-    [["FP8", 1, "reference", null], ["FP8 Linear (GEMV)", 1, "reference", null], ["Sampling", 2, "reference", null]]);
-  const html = renderStatusHTML({ kernels, capabilities: {} });
-  assert.equal(html.split(cpu.replace("(", "").slice(0, 30)).length - 1, 1, "the shared reason appears once");
-  assert.match(html, /All kernels: Metal runs only on MPS/);
-  assert.ok(html.indexOf("Sampling") < html.indexOf("Capabilities"));
-  // on a Mac: a group with its own reason, and a kernel that differs from its group keeps its chip and reason
-  const mac = {
-    sampler_euler_step: { backend: "metal", reason: "passed its self-check", device: "mps", source: "sampling.metal" },
-    sampler_heun_step: { backend: "metal", reason: "passed its self-check", device: "mps", source: "sampling.metal" },
-    vae_pad: { backend: "reference", reason: "MPS pad is safe here: the platform op", device: "mps", source: "vae.metal" },
-    vae_blend_accumulate: { backend: "metal", reason: "passed its self-check", device: "mps", source: "vae.metal" },
-  };
-  const g = kernelGroups(mac);
-  assert.equal(g.common, null);
-  assert.deepEqual(g.groups.map((x) => [x.capability, x.backend, x.reason]),
-    [["Sampling", "metal", "passed its self-check"], ["VAE", null, null]]);
-  const macHtml = renderStatusHTML({ kernels: mac, capabilities: {} });
-  assert.match(macHtml, /vae_<wbr>pad<\/span> <span class="comfy-metal-chip"[^>]*>Reference<\/span>/);
-  assert.match(macHtml, /MPS pad is safe here/);
-  assert.equal(kernelCapability("attention_fwd", {}), "Attention");
-  assert.equal(kernelCapability("x", { source: "metal_kernels/gguf.metal" }), "GGUF");
-  assert.equal(kernelCapability("newcap_k", {}), "Newcap");
+test("the tab leads with the verdict; saved, to do and memory follow; the rest is in a collapsed Details", () => {
+  const html = renderStatusHTML({ summary: macSummary, force_reference: false,
+    memory: { device: "mps", in_use: 1024, recommended_max: 4096 },
+    measured: [{ kernel: "flash_attention", choice: "metal_flash", times_ms: { metal_flash: 10, sub_quad: 21 } }] });
+  assert.ok(html.startsWith('<p class="comfy-metal-verdict">Apple GPU: in use for attention and sampling; 2.1× faster'));
+  const details = html.indexOf('<details class="comfy-metal-details">');
+  assert.ok(details > 0 && html.includes("<summary>Details</summary>"));
+  for (const first of ["What Comfy Metal saved", "flux1-dev-Q4_K_S.gguf: 6.0 GiB", "What to do", "upgrade to 2.15", "width:25%"]) {
+    assert.ok(html.indexOf(first) > 0 && html.indexOf(first) < details, first);
+  }
+  for (const later of ["comfy-metal-force", "COMFY_METAL_BACKEND=auto", "flash_<wbr>attention", "#7 MetalKSampler",
+    "uses the Apple GPU · metal_flash 1.9x sub_quad",
+    "Timed on this machine", "flash_attention: metal_flash 10.0 ms, sub_quad 21.0 ms: metal_flash runs", "Apple GPU</span>"]) {
+    assert.ok(html.indexOf(later) > details, later);
+  }
+  assert.match(html, /data-feature="FP8 models"/);
+  assert.match(html, new RegExp(`>${FEATURE_CHIPS.mixed.label}</span>`));
+  assert.match(html, /gemv: self-check case 0 failed: &lt;x&gt;/);        // a failure's reason, escaped
+  assert.match(html, /<span title="k">&lt;b&gt;<\/span>/);
+  assert.doesNotMatch(html, /<script>/);
+  assert.doesNotMatch(html, /MPS tensors|mps_available<|probe/);            // the probe keys only as tooltips
+  assert.match(renderStatusHTML({ summary: macSummary }, { detailsOpen: true }), /<details class="comfy-metal-details" open>/);
+  // nothing saved, nothing to do: no empty sections
+  const bare = renderStatusHTML({ summary: { verdict: "No Apple GPU here", saved: [], todo: [], features: [], machine: [] } });
+  assert.doesNotMatch(bare, /What Comfy Metal saved|What to do/);
+  assert.deepEqual(measuredLines(undefined), []);
 });
 
 test("names wrap after underscores; the force switch reflects the setting", () => {
   assert.equal(wrapName("sampler_dpmpp_2m<b>"), "sampler_<wbr>dpmpp_<wbr>2m&lt;b&gt;");
-  assert.match(renderStatusHTML({ kernels: {}, force_reference: true }), /class="comfy-metal-force" checked/);
-  assert.doesNotMatch(renderStatusHTML({ kernels: {}, force_reference: false }), /comfy-metal-force" checked/);
-  const html = renderStatusHTML({ kernels: {} });
-  assert.ok(html.indexOf("comfy-metal-summary") < html.indexOf("comfy-metal-force"), "the summary line comes first");
+  assert.match(renderStatusHTML({ summary: macSummary, force_reference: true }), /class="comfy-metal-force" checked/);
+  assert.doesNotMatch(renderStatusHTML({ summary: macSummary, force_reference: false }), /comfy-metal-force" checked/);
 });
 
 test("the status node's report from its UI output", () => {
@@ -186,24 +160,25 @@ test("the status node's report from its UI output", () => {
   assert.equal(reportText(undefined), "");
 });
 
-test("panel HTML shows kernels, nodes, capabilities and escapes text", () => {
-  const html = renderStatusHTML({
-    capabilities: { mps_available: false, "<b>": "<script>" },
-    backend_setting: "auto",
-    kernels: { softmax: { backend: "reference", device: "cpu", reason: "Metal runs only on MPS tensors (<cpu>)" } },
-    node_backends: { 7: refRecord },
-    memory: { device: "cpu", in_use: 1024, recommended_max: 4096 },
-  });
-  assert.match(html, /0 of 1 kernels on Metal/);
-  assert.match(html, /softmax/);
-  assert.match(html, /MetalKSampler/);
-  assert.match(html, /\(&lt;cpu&gt;\)/);
-  assert.match(html, /&lt;script&gt;/);
-  assert.doesNotMatch(html, /<script>/);
-  assert.match(html, /width:25%/);
+test("errors and loading", () => {
   assert.match(renderStatusHTML({ error: "boom <x>" }), /Status unavailable: boom &lt;x&gt;/);
   assert.match(renderStatusHTML(null), /Loading/);
   assert.equal(escapeHtml(`a&"'`), "a&amp;&quot;&#39;");
+});
+
+test("model folders a pack node names but its list lacks are found from properties.models", () => {
+  const pack = packNodeSet({ pack_nodes: ["MetalMoETextEncoderLoader", "MetalFP8ModelLoader"] });
+  const entry = { name: "Qwen3-30B-A3B-Instruct-2507/", url: "https://huggingface.co/Qwen/Qwen3-30B-A3B-Instruct-2507",
+    directory: "text_encoders" };
+  const moe = { type: "MetalMoETextEncoderLoader", title: "Load MoE Text Encoder (Metal)",
+    widgets: [{ value: entry.name, options: { values: ["(put a model folder in ...)"] } }], properties: { models: [entry] } };
+  const file = { type: "MetalFP8ModelLoader", widgets: [{ value: "a.safetensors", options: { values: [] } }],
+    properties: { models: [{ name: "a.safetensors", url: "u", directory: "diffusion_models" }] } };
+  assert.deepEqual(missingModelFolders([moe, file], pack), [{ ...entry, node: "Load MoE Text Encoder (Metal)" }]);
+  const installed = { ...moe, widgets: [{ value: entry.name, options: { values: [entry.name] } }] };
+  assert.deepEqual(missingModelFolders([installed], pack), []);
+  assert.deepEqual(missingModelFolders([{ ...moe, type: "OtherPackLoader" }], pack), []);   // not the pack's
+  assert.deepEqual(missingModelFolders([moe], null), []);
 });
 
 function fakeCtx() {

@@ -1,13 +1,19 @@
 """The frontend extension in headless Chromium against a real ComfyUI server with the pack
 (COMFYUI_PATH; skipped when chromium or ComfyUI is missing).
 
-Drives Chromium through the DevTools protocol (aiohttp's websocket client): the page loads the
-extension without errors, the route answers, a badge attached to a node is drawn by litegraph with
-the backend from a `comfy_metal.backend` event, the Comfy Metal Status node shows its report after a
-real run, the "Metal" sidebar tab renders its summary line and the kernels grouped by capability, its
-force-reference switch changes the server's setting and ComfyUI's, and each shipped workflow opens
-with every node (Notes included) inside the visible, uncovered part of the canvas.
-Server and browser listen on 127.0.0.1 only and are stopped at the end of the test.
+Drives Chromium through the DevTools protocol (aiohttp's websocket client), as a new user would:
+- with no model installed, each shipped workflow's Missing Models list names every file it loads with its
+  folder (the workflows' `models` entries), and the MoE workflow's missing model folder gets the pack's toast
+  with its download location;
+- with the models in place: the page loads the extension, the route answers, a badge attached to a node is
+  drawn by litegraph with the backend from a `comfy_metal.backend` event, the Comfy Metal Status node shows
+  the plain-words verdict after a real run, the "Metal" sidebar tab leads with its verdict line (visible,
+  words only) and keeps the rest in a collapsed Details whose force-reference switch changes the server's
+  setting and ComfyUI's, and each shipped workflow opens at a readable zoom (>= 0.6) with its Note and first
+  nodes inside the visible, uncovered part of the canvas;
+- no console warning or error comes from the pack (by its text or its stack).
+Server and browser listen on 127.0.0.1 only (requests to the model hosts are blocked) and are stopped at the
+end of the test.
 """
 from __future__ import annotations
 
@@ -76,8 +82,8 @@ QUEUE_JS = r"""
 STATUS_REPORT_JS = r"""
 (() => { const n = window.__metalStatusNode;
   const w = n.widgets?.find((x) => x.name === "report");
-  const el = w?.inputEl ?? w?.element;
-  return w && String(w.value).includes("Kernels") ? { value: w.value, readOnly: !!el?.readOnly,
+  const el = w?.element;
+  return w && String(w.value).startsWith("No Apple GPU here") ? { value: w.value, readOnly: !!el?.readOnly,
     size: Array.from(n.size), titleWidth: app_title_width(n) } : null;
   function app_title_width(node) {
     const ctx = document.createElement("canvas").getContext("2d");
@@ -86,25 +92,43 @@ STATUS_REPORT_JS = r"""
   }
 })()
 """
-# The Metal tab after the status route answered: its first line, groups, the shared reason, the switch.
+# The Metal tab after the status route answered: its first line (the verdict), whether the user sees it, the
+# collapsed Details and what is in it.
 TAB_JS = r"""
 (() => { const body = document.querySelector('.comfy-metal-panel .comfy-metal-body');
-  if (!body || !body.textContent.includes('softmax')) return null;
-  const first = body.firstElementChild;
-  return { first: first?.className, summary: first?.textContent,
-    groups: [...body.querySelectorAll('.comfy-metal-group')].map((g) => g.dataset.capability),
-    common: body.querySelector('.comfy-metal-common')?.textContent ?? null,
-    // in the kernel list (the common line and the groups; the last node runs have their own reasons)
-    reasonCount: ['.comfy-metal-common', '.comfy-metal-groups'].map((sel) =>
-      (body.querySelector(sel)?.textContent ?? '').split('Metal runs only on MPS tensors').length - 1).reduce((a, b) => a + b),
-    wbr: body.innerHTML.includes('sampler_<wbr>'),
-    hasSwitch: !!body.querySelector('input.comfy-metal-force'),
+  const verdict = body?.querySelector('.comfy-metal-verdict');
+  if (!verdict || !verdict.textContent) return null;
+  const r = verdict.getBoundingClientRect();
+  const hit = document.elementFromPoint(r.left + Math.min(20, r.width / 2), r.top + r.height / 2);
+  const details = body.querySelector('details.comfy-metal-details');
+  return { first: body.firstElementChild === verdict, verdict: verdict.textContent,
+    visible: r.width > 0 && r.height > 0 && r.top >= 0 && r.bottom <= window.innerHeight && verdict.contains(hit),
+    detailsOpen: details?.open, shown: body.innerText,
+    features: [...body.querySelectorAll('.comfy-metal-group')].map((g) => g.dataset.feature),
+    hasSwitch: !!details?.querySelector('input.comfy-metal-force'),
     checked: body.querySelector('input.comfy-metal-force')?.checked,
-    text: body.innerText };
+    text: body.textContent };
 })()
 """
 CLICK_SWITCH_JS = r"""
-(() => { const box = document.querySelector('.comfy-metal-panel input.comfy-metal-force'); box.click(); return box.checked; })()
+(() => { const details = document.querySelector('.comfy-metal-panel details.comfy-metal-details');
+  if (!details.open) details.querySelector('summary').click();
+  const box = details.querySelector('input.comfy-metal-force'); box.click(); return box.checked; })()
+"""
+# Loads a UI workflow as a user's drag-and-drop does (no model installed), opens the errors panel as the
+# "View details" of the frontend's toast does, and returns what the Missing Models list and the toasts say.
+MISSING_JS = r"""
+(async (workflow) => {
+  const app = window.comfyAPI.app.app;
+  await app.loadGraphData(workflow);
+  for (let i = 0; i < 40 && !document.body.innerText.includes('Missing Models'); i++) {
+    [...document.querySelectorAll('button')].find((b) => b.innerText.trim() === 'View details')?.click();
+    await new Promise((r) => setTimeout(r, 250));
+  }
+  await new Promise((r) => setTimeout(r, 500));
+  return { text: document.body.innerText,
+    toasts: [...document.querySelectorAll('.p-toast-message')].map((t) => t.innerText) };
+})
 """
 # Loads a UI workflow as a user's drag-and-drop does, then reports every node's box on the screen and
 # what the page shows at its corners (the canvas, or a node's own text box; not the menu or a panel).
@@ -145,15 +169,35 @@ BADGE_TEXT_JS = r"""
 WORKFLOWS = pathlib.Path(__file__).resolve().parents[2] / "workflows"
 
 
-async def _drive(url: str, chromium: str, shots: pathlib.Path):
+async def _open_app(cdp, url: str) -> None:
+    await cdp.call("Page.navigate", url=url)
+    await cdp.wait_for("!!(window.comfyAPI?.app?.app?.extensions?.some"
+                       "((e) => e.name === 'comfy_metal.status') && window.comfyMetal)")
+    await cdp.wait_for("!!window.comfyAPI.app.app.canvas && !!window.comfyAPI.app.app.graph")
+    await cdp.wait_for("window.comfyAPI.app.app.graph.nodes.length > 0")    # its first (default) workflow
+
+
+async def _drive(url: str, chromium: str, shots: pathlib.Path, place_models):
+    import base64
+
     async with headless_chromium.open_page(chromium, 1400, 900) as cdp:
-        for domain in ("Page", "Runtime", "Log"):
+        for domain in ("Page", "Runtime", "Log", "Network"):
             await cdp.call(f"{domain}.enable")
-        await cdp.call("Page.navigate", url=url)
-        await cdp.wait_for("!!(window.comfyAPI?.app?.app?.extensions?.some"
-                           "((e) => e.name === 'comfy_metal.status') && window.comfyMetal)")
-        await cdp.wait_for("!!window.comfyAPI.app.app.canvas && !!window.comfyAPI.app.app.graph")
-        results = {}
+        # the Missing Models list asks the model hosts for file sizes: nothing leaves this machine
+        await cdp.call("Network.setBlockedURLs", urls=["*huggingface.co*", "*civitai.com*"])
+        shots.mkdir(parents=True, exist_ok=True)
+        results = {"missing": {}}
+        # 1. no model installed: each workflow's Missing Models list and the pack's folder toast
+        await _open_app(cdp, url)
+        for path in sorted(WORKFLOWS.glob("*.json")):
+            if not path.name.endswith(".api.json"):
+                results["missing"][path.stem] = await cdp.evaluate(f"({MISSING_JS})({path.read_text()})")
+                shot = await cdp.call("Page.captureScreenshot", format="png")
+                (shots / f"missing_{path.stem}.png").write_bytes(base64.b64decode(shot["data"]))
+        # 2. the models in place (empty files under their names), the errors panel closed, the page opened afresh
+        place_models()
+        await cdp.evaluate("window.comfyAPI.app.app.extensionManager.setting.set('Comfy.RightSidePanel.IsOpen', false)")
+        await _open_app(cdp, url)
         results["status"] = await cdp.wait_for(
             "window.comfyAPI.api.api.fetchApi('/comfy_metal/status').then((r) => r.json())")
         results["memory"] = await cdp.evaluate(
@@ -163,7 +207,7 @@ async def _drive(url: str, chromium: str, shots: pathlib.Path):
         results["badge"] = await cdp.evaluate(BADGE_JS)
         results["queued"] = await cdp.evaluate(QUEUE_JS)
         results["live_badge"] = await cdp.wait_for(BADGE_TEXT_JS, timeout=120)
-        # the sidebar tab: registered, and its panel renders the kernel table
+        # the sidebar tab: registered, and its panel leads with the verdict
         tabs = await cdp.evaluate(
             "window.comfyAPI.app.app.extensionManager.sidebarTab.sidebarTabs.map((t) => t.id)")
         results["tabs"] = tabs
@@ -172,18 +216,18 @@ async def _drive(url: str, chromium: str, shots: pathlib.Path):
         results["report"] = await cdp.wait_for(STATUS_REPORT_JS, timeout=120)
         results["tab"] = await cdp.wait_for(TAB_JS, timeout=60)
         await asyncio.sleep(1)
-        import base64
-
-        shots.mkdir(parents=True, exist_ok=True)
         shot = await cdp.call("Page.captureScreenshot", format="png")
         (shots / "comfy_metal_sidebar.png").write_bytes(base64.b64decode(shot["data"]))
-        # the switch in the tab: the server's setting and ComfyUI's setting follow it, both ways
+        # the switch in the tab's Details: the server's setting and ComfyUI's setting follow it, both ways
         results["switch_on"] = await cdp.evaluate(CLICK_SWITCH_JS)
         results["forced"] = await cdp.wait_for(
             "window.comfyAPI.api.api.fetchApi('/comfy_metal/status').then((r) => r.json())"
             ".then((s) => s.force_reference ? [s.force_reference, window.comfyAPI.app.app.extensionManager"
             ".setting.get('ComfyMetal.ForceReference')] : null)", timeout=30)
         await cdp.wait_for("document.querySelector('.comfy-metal-panel input.comfy-metal-force')?.checked || null")
+        results["forced_tab"] = await cdp.wait_for(
+            f"(({TAB_JS.strip()})?.text ?? '').includes('switched off by Force reference') ? ({TAB_JS.strip()}) : null",
+            timeout=30)
         results["switch_off"] = await cdp.evaluate(CLICK_SWITCH_JS)
         results["unforced"] = await cdp.wait_for(
             "window.comfyAPI.api.api.fetchApi('/comfy_metal/status').then((r) => r.json())"
@@ -237,7 +281,7 @@ def _name_workflow_models(base: pathlib.Path) -> None:
 def test_extension_in_headless_chromium(comfyui_path, tmp_path):
     pytest.importorskip("aiohttp", reason="aiohttp (a ComfyUI requirement) is not installed")
     chromium = _chromium()
-    _name_workflow_models(tmp_path / "server" / "base")   # comfyui_server's base directory
+    base = tmp_path / "server" / "base"          # comfyui_server's base directory
     with comfyui_env.comfyui_server(comfyui_path, tmp_path / "server") as server:
         # the route answers on the server's origin, with and without ComfyUI's /api prefix
         status = server.get_json("/comfy_metal/status")
@@ -248,9 +292,25 @@ def test_extension_in_headless_chromium(comfyui_path, tmp_path):
         assert ours, f"ComfyUI does not serve web/comfy_metal.js: {extensions}"
         # no first-run templates dialog over the screenshot (a user setting of the temporary server)
         _post_setting(server.url, "Comfy.TutorialCompleted", True)
-        results = asyncio.run(_drive(server.url, chromium, tmp_path / "shots"))
+        results = asyncio.run(_drive(server.url, chromium, tmp_path / "shots", lambda: _name_workflow_models(base)))
         log = server.log()
+    print(f"screenshots: {tmp_path / 'shots'}")
     assert results["problems"] == [], results["problems"]
+    import build_workflows as bw   # on sys.path since _name_workflow_models
+
+    # 1. the Missing Models list: every file with its folder; the model folder in the pack's toast
+    assert set(results["missing"]) == set(bw.WORKFLOWS)
+    for name, seen in results["missing"].items():
+        for spec in bw.model_specs(name):
+            folder, file = spec[0], spec[1]
+            if bw.is_folder(spec):
+                toast = [t for t in seen["toasts"] if "a model folder is missing" in t]
+                assert toast and file in toast[0] and bw.download_url(spec) in toast[0], (name, seen["toasts"])
+                assert f"ComfyUI/models/{folder}/{file}" in toast[0]
+            else:
+                assert f"{file}\n{folder}" in seen["text"], (name, file, seen["text"][-3000:])
+        assert "Unknown" not in seen["text"].split("Missing Models")[-1], (name, seen["text"][-3000:])
+    # 2. with the models
     assert results["status"]["kernels"]["softmax"]["backend"] == "reference"
     assert results["memory"]["in_use"] > 0
     assert results["setting"] is False
@@ -263,28 +323,35 @@ def test_extension_in_headless_chromium(comfyui_path, tmp_path):
     live = results["live_badge"]  # real node, real execution, real websocket event
     assert live["text"] == "Reference", live
     assert "Metal runs only on MPS tensors" in live["tooltip"]
-    report = results["report"]       # the status node's text after its real run
-    assert "softmax" in report["value"] and "Capabilities" in report["value"] and report["readOnly"], report
+    report = results["report"]       # the status node's text after its real run: the verdict and a short list
+    assert report["value"].startswith("No Apple GPU here: Comfy Metal runs its plain PyTorch code"), report
+    assert report["readOnly"] and "Capabilities" not in report["value"] and "---" not in report["value"], report
     assert report["size"][0] >= report["titleWidth"] + 60, report   # its title is not cut
     assert "comfy-metal" in results["tabs"]
     tab = results["tab"]
-    assert tab["first"] == "comfy-metal-summary", tab
-    assert tab["summary"].startswith("0 of ") and "kernels on Metal" in tab["summary"] and "Reference" in tab["summary"]
-    assert {"FP8", "Sampling", "VAE", "MoE", "Softmax"} <= set(tab["groups"]), tab["groups"]
-    assert tab["common"] and "Metal runs only on MPS tensors" in tab["common"]
-    assert tab["reasonCount"] == 1, tab["text"]   # on CPU every kernel has the same reason: said once
-    assert tab["wbr"] and tab["hasSwitch"] and tab["checked"] is False
-    assert "Capabilities" in tab["text"] and "softmax" in tab["text"]
+    assert tab["first"] and tab["visible"], tab
+    assert tab["verdict"] == results["status"]["summary"]["verdict"]
+    assert tab["verdict"].startswith("No Apple GPU here: Comfy Metal runs its plain PyTorch code"), tab["verdict"]
+    assert tab["detailsOpen"] is False and tab["hasSwitch"] and tab["checked"] is False
+    # what a user sees before opening Details: words, no kernel names, probe keys or backend switches
+    for raw in ("MPS tensors", "COMFY_METAL_BACKEND", "softmax", "sampler_", "mps_pad_is_safe", "torch._grouped_mm"):
+        assert raw not in tab["shown"], (raw, tab["shown"])
+    assert {"attention", "FP8 models", "sampling", "the low-memory VAE", "MoE text encoders"} <= set(tab["features"])
+    assert "Metal runs only on MPS tensors" not in tab["text"] and "mps_pad_is_safe" not in tab["text"].split("title")[0]
     assert results["switch_on"] is True and results["forced"] == [True, True]
+    assert results["forced_tab"]["detailsOpen"] is True     # the refresh after the switch kept Details open
     assert results["switch_off"] is False and results["unforced"] == [False, False]
-    import build_workflows as bw   # on sys.path since _name_workflow_models
-
+    # 3. each workflow opens readable, its Note and first nodes in view and uncovered
     assert set(results["workflows"]) == set(bw.WORKFLOWS)
     for name, view in results["workflows"].items():
-        assert any(n["type"] == "Note" for n in view["nodes"]), name
+        assert view["scale"] >= 0.6, (name, view["scale"])
+        ui = json.loads((WORKFLOWS / f"{name}.json").read_text())
+        shown = {str(n["id"]) for n in bw.view_nodes(ui["nodes"])}     # the page gives node ids as strings
+        assert any(n["type"] == "Note" and str(n["id"]) in shown for n in view["nodes"]), (name, shown, view["nodes"])
         for n in view["nodes"]:
+            if str(n["id"]) not in shown:
+                continue
             x0, y0, x1, y1 = n["box"]
             assert 0 <= x0 and 0 <= y0 and x1 <= view["width"] and y1 <= view["height"], (name, n)
-            assert n["covers"] == [], (name, n)    # nothing (menu bar, tabs, panels) over its corners
+            assert n["covers"] == [], (name, n)    # nothing (menu bar, tabs, panels, minimap) over its corners
     assert "Traceback" not in log or "comfy_metal" not in log, log[-4000:]
-    print(f"screenshot: {tmp_path / 'shots' / 'comfy_metal_sidebar.png'}")

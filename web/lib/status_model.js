@@ -118,24 +118,6 @@ export function memoryBar(memory) {
   return { fraction, label, level };
 }
 
-export function formatValue(v) {
-  if (v === true) return "yes";
-  if (v === false) return "no";
-  if (v == null) return "n/a";
-  return String(v);
-}
-
-export function capabilityRows(capabilities) {
-  return Object.entries(capabilities ?? {}).map(([k, v]) => [k, formatValue(v)]);
-}
-
-export function kernelRows(kernels) {
-  return Object.entries(kernels ?? {})
-    .sort(([a], [b]) => a.localeCompare(b))
-    .map(([name, k]) => ({ name, backend: k.backend, device: k.device ?? "", reason: k.reason ?? "",
-      label: styleFor(k.backend).label }));
-}
-
 export function escapeHtml(s) {
   return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
 }
@@ -159,126 +141,104 @@ export function wrapName(name) {
   return escapeHtml(name).replace(/_/g, "_<wbr>");
 }
 
-// The capability a kernel belongs to, from its .metal source file (the status route's `source`), else
-// from its name's first word.
-export const CAPABILITY_LABELS = Object.freeze({
-  fp8: "FP8", linear: "FP8 Linear (GEMV)", sampling: "Sampling", vae: "VAE", moe: "MoE", softmax: "Softmax",
-  attention: "Attention", gguf: "GGUF",
+// The chip of a feature's state (nodes/status/summary.py STATE_WORDS keys), in words.
+export const FEATURE_CHIPS = Object.freeze({
+  metal: { label: "Apple GPU", style: "metal" },
+  pending: { label: "checked at first use", style: "pending" },
+  emulator: { label: "emulator", style: "emulator" },
+  mixed: { label: "partly", style: "mixed" },
+  failed: { label: "PyTorch: check failed", style: "mixed" },
+  forced: { label: "PyTorch: switched off", style: "reference" },
+  cpu: { label: "PyTorch", style: "reference" },
+  cuda: { label: "PyTorch", style: "reference" },
 });
 
-export function kernelCapability(name, kernel) {
-  const source = typeof kernel?.source === "string" ? kernel.source : "";
-  const stem = source ? source.replace(/^.*\//, "").replace(/\.metal$/, "") : String(name).split("_")[0];
-  return CAPABILITY_LABELS[stem] ?? (stem ? stem[0].toUpperCase() + stem.slice(1) : "Other");
+function chip(label, backendStyle) {
+  const s = styleFor(backendStyle);
+  return `<span class="comfy-metal-chip" style="background:${s.bgColor};color:${s.fgColor}">${escapeHtml(label)}</span>`;
 }
 
-// The kernels grouped by capability (groups and names sorted): {capability, rows, reason, backend}, where
-// `reason` / `backend` are set when every kernel of the group shares them (stated once for the group),
-// and `common` is the reason every kernel shares (stated once above all groups; groups then omit it).
-export function kernelGroups(kernels) {
-  const rows = kernelRows(kernels).map((r) => ({ ...r, capability: kernelCapability(r.name, kernels[r.name]) }));
-  const byCap = new Map();
-  for (const r of rows) {
-    if (!byCap.has(r.capability)) byCap.set(r.capability, []);
-    byCap.get(r.capability).push(r);
-  }
-  const shared = (list, key) => (list.length && list.every((r) => r[key] === list[0][key]) ? list[0][key] : null);
-  const common = rows.length > 1 ? shared(rows, "reason") : null;
-  const groups = [...byCap.entries()].sort(([a], [b]) => a.localeCompare(b)).map(([capability, list]) => ({
-    capability, rows: list, backend: shared(list, "backend"),
-    reason: common === null ? shared(list, "reason") : null,
-  }));
-  return { common: common || null, groups };
-}
-
-// "kernel: choice 1.8x faster than sdpa (3 shapes)" per measured kernel and choice, from the status
-// route's `measured` (dispatch.measured_records(): {kernel, choice, times_ms, shape_class, device}).
-export function measuredSpeedups(measured) {
-  if (!Array.isArray(measured) || measured.length === 0) return [];
-  const by = new Map();
-  for (const m of measured) {
-    const times = m?.times_ms ?? {};
-    const chosen = Number(times[m?.choice]);
-    const others = Object.entries(times).filter(([n, t]) => n !== m.choice && Number.isFinite(Number(t)));
-    if (!m?.kernel || !Number.isFinite(chosen) || chosen <= 0 || others.length === 0) continue;
-    const [runnerUp, t] = others.sort((a, b) => a[1] - b[1])[0];
-    const key = `${m.kernel}\u0000${m.choice}\u0000${runnerUp}`;
-    if (!by.has(key)) by.set(key, { kernel: m.kernel, choice: m.choice, versus: runnerUp, ratios: [] });
-    by.get(key).ratios.push(Number(t) / chosen);
-  }
-  return [...by.values()].sort((a, b) => a.kernel.localeCompare(b.kernel) || a.choice.localeCompare(b.choice))
-    .map(({ kernel, choice, versus, ratios }) => {
-      const lo = Math.min(...ratios), hi = Math.max(...ratios);
-      const x = lo.toFixed(1) === hi.toFixed(1) ? `${lo.toFixed(1)}x` : `${lo.toFixed(1)}-${hi.toFixed(1)}x`;
-      const shapes = ratios.length === 1 ? "1 shape" : `${ratios.length} shapes`;
-      return `${kernel}: ${choice} ${x} faster than ${versus} (${shapes})`;
-    });
-}
-
-// The first line of the tab: backends in use, kernels on Metal, measured speedups (once dispatch has
-// measured a choice on this machine).
-export function summaryLine(status) {
-  const rows = kernelRows(status?.kernels);
-  const counts = new Map();
-  for (const r of rows) counts.set(r.label, (counts.get(r.label) ?? 0) + 1);
-  const backends = [...counts.entries()].sort((a, b) => b[1] - a[1] || a[0].localeCompare(b[0]))
-    .map(([label, n]) => `${label} ${n}`).join(", ");
-  const onMetal = rows.filter((r) => r.backend === "metal").length;
-  const parts = [`${onMetal} of ${rows.length} kernels on Metal`];
-  if (backends) parts.push(`backends: ${backends}`);
-  const speedups = measuredSpeedups(status?.measured);
-  parts.push(speedups.length ? `measured: ${speedups.join("; ")}` : "measured speedups: none yet");
-  if (status?.force_reference) parts.push("reference forced");
-  return parts.join(" · ");
+function list(items, cls) {
+  if (!Array.isArray(items) || items.length === 0) return "";
+  return `<ul class="${cls}">${items.map((t) => `<li>${escapeHtml(t)}</li>`).join("")}</ul>`;
 }
 
 // The force-reference switch (the same setting as Settings > Comfy Metal).
 export function forceSwitchHTML(status) {
   const on = status?.force_reference ? " checked" : "";
-  return `<label class="comfy-metal-switch" title="Run every Comfy Metal kernel with its pure-PyTorch reference ` +
-    `in this ComfyUI server (COMFY_METAL_BACKEND=reference); the same switch as Settings &gt; Comfy Metal">` +
-    `<input type="checkbox" class="comfy-metal-force"${on}> Force reference kernels</label>`;
+  return `<label class="comfy-metal-switch" title="Run every part of Comfy Metal with its plain PyTorch code ` +
+    `in this ComfyUI server, to tell whether a problem comes from the Metal code; the same switch as Settings &gt; ` +
+    `Comfy Metal">` +
+    `<input type="checkbox" class="comfy-metal-force"${on}> Force reference kernels (plain PyTorch code)</label>`;
 }
 
-// The panel's body for a status payload (all text escaped).
-export function renderStatusHTML(status) {
+// The measured choices in a line each: "flash_attention: metal_flash 10 ms, sub_quad 21 ms: metal_flash runs".
+export function measuredLines(measured) {
+  if (!Array.isArray(measured)) return [];
+  return measured.filter((m) => m?.kernel && m?.times_ms).map((m) => {
+    const times = Object.entries(m.times_ms).map(([n, t]) => `${n} ${Number(t).toPrecision(3)} ms`).join(", ");
+    return `${m.kernel}: ${times}: ${m.choice} runs`;
+  });
+}
+
+// The Metal tab's body for a status payload (all text escaped): the verdict first, then what the pack saved,
+// what to do and the memory bar; the switch, the features with their kernels, the measured choices, the last
+// node runs and the capability probe in a collapsed "Details" (`detailsOpen` keeps it open across refreshes).
+// The words come from the server (status.summary: nodes/status/summary.py), the same as the Status node's.
+export function renderStatusHTML(status, { detailsOpen = false } = {}) {
   if (!status) return `<p class="comfy-metal-muted">Loading…</p>`;
   if (status.error) return `<p class="comfy-metal-error">Status unavailable: ${escapeHtml(status.error)}</p>`;
-  const chipFor = (b) => (b ? `<span class="comfy-metal-chip" style="background:${b.bgColor};color:${b.fgColor}">${escapeHtml(b.text)}</span>` : "");
-  const chipOf = (backend) => {
-    const s = styleFor(backend);
-    return chipFor({ text: s.label, bgColor: s.bgColor, fgColor: s.fgColor });
-  };
-  const detail = (text) => (text ? `<div class="comfy-metal-muted comfy-metal-small">${escapeHtml(text)}</div>` : "");
-  // Kernels by capability: a group's shared backend and reason once in its header, the names in a
-  // wrapping list; a kernel that differs from its group keeps its own chip and reason.
-  const { common, groups } = kernelGroups(status.kernels ?? {});
-  const kernelHTML = groups.map((g) => {
-    const names = g.rows.map((r) => {
-      const own = g.backend === null ? ` ${chipOf(r.backend)}` : "";
-      const why = g.reason === null && common === null && r.reason ? detail([r.device, r.reason].filter(Boolean).join(" · ")) : "";
-      return `<li><span class="comfy-metal-name">${wrapName(r.name)}</span>${own}${why}</li>`;
-    }).join("");
-    const head = `<div class="comfy-metal-group-head"><strong>${escapeHtml(g.capability)}</strong> ` +
-      `<span class="comfy-metal-muted">(${g.rows.length})</span> ${g.backend !== null ? chipOf(g.backend) : ""}</div>`;
-    return `<div class="comfy-metal-group" data-capability="${escapeHtml(g.capability)}">${head}` +
-      `${g.reason ? detail(g.reason) : ""}<ul class="comfy-metal-names">${names}</ul></div>`;
+  const s = status.summary ?? {};
+  const saved = list(s.saved, "comfy-metal-saved");
+  const todo = list(s.todo, "comfy-metal-todo");
+  const features = (s.features ?? []).map((f) => {
+    const c = FEATURE_CHIPS[f.state] ?? { label: f.state, style: "none" };
+    const failed = (f.failed ?? []).map((x) => `<div class="comfy-metal-muted comfy-metal-small">${wrapName(x.kernel)}: ` +
+      `${escapeHtml(x.reason)}</div>`).join("");
+    return `<div class="comfy-metal-group" data-feature="${escapeHtml(f.feature)}">` +
+      `<div class="comfy-metal-group-head"><strong>${escapeHtml(f.feature)}</strong> ${chip(c.label, c.style)}</div>` +
+      `<div class="comfy-metal-small">${escapeHtml(f.words)}</div>${failed}` +
+      `<div class="comfy-metal-names">${(f.kernels ?? []).map(wrapName).join(", ")}</div></div>`;
   }).join("");
-  const nodes = Object.values(status.node_backends ?? {})
-    .sort((a, b) => (b.time ?? 0) - (a.time ?? 0))
-    .map((r) => [`#${escapeHtml(r.node_id ?? "—")} ${wrapName(r.node_class ?? "")}` + detail(r.reason),
-      chipFor(badgeFor(r))]);
-  const caps = capabilityRows(status.capabilities).map(([k, v]) => [wrapName(k), escapeHtml(v)]);
+  const nodes = (s.runs ?? []).map((r) => [wrapName(r.node) +
+    `<div class="comfy-metal-muted comfy-metal-small">${escapeHtml([r.words, r.note].filter(Boolean).join(" · "))}</div>`,
+  chip(styleFor(r.backend).label, r.backend)]);
+  const machine = (s.machine ?? []).map((r) => [`<span title="${escapeHtml(r.key)}">${escapeHtml(r.label)}</span>`,
+    escapeHtml(r.value)]);
+  const measured = measuredLines(status.measured);
   return [
-    `<p class="comfy-metal-summary">${escapeHtml(summaryLine(status))}</p>`,
-    forceSwitchHTML(status),
-    `<p class="comfy-metal-muted">COMFY_METAL_BACKEND=${escapeHtml(status.backend_setting ?? "auto")}</p>`,
+    `<p class="comfy-metal-verdict">${escapeHtml(s.verdict ?? "")}</p>`,
+    saved ? `<h4>What Comfy Metal saved</h4>${saved}` : "",
+    todo ? `<h4>What to do</h4>${todo}` : "",
     `<h4>Memory</h4>`, memoryBarHTML(status.memory),
-    `<h4>Kernels</h4>`, common ? `<p class="comfy-metal-muted comfy-metal-common">All kernels: ${escapeHtml(common)}</p>` : "",
-    `<div class="comfy-metal-groups">${kernelHTML}</div>`,
-    nodes.length ? `<h4>Last node runs</h4>` + table(["node", "backend"], nodes) : "",
-    `<h4>Capabilities</h4>`, table(["probe", "value"], caps),
+    `<details class="comfy-metal-details"${detailsOpen ? " open" : ""}><summary>Details</summary>`,
+    forceSwitchHTML(status),
+    `<p class="comfy-metal-muted">${escapeHtml(s.backend ?? "")}</p>`,
+    `<h4>What runs where</h4><div class="comfy-metal-groups">${features}</div>`,
+    measured.length ? `<h4>Timed on this machine</h4>${list(measured, "comfy-metal-measured")}` : "",
+    nodes.length ? `<h4>Last node runs</h4>` + table(["node", "ran on"], nodes) : "",
+    `<h4>This machine</h4>`, table(["", ""], machine),
+    `</details>`,
   ].join("\n");
+}
+
+// Model folders a pack node names that its list does not offer (the frontend's Missing Models list shows only
+// files): [{name, url, directory, node}] from each node's `properties.models` entries (the workflows' format).
+// `nodes`: [{type, title, widgets: [{value, options: {values}}], properties}].
+export function missingModelFolders(nodes, packNodes) {
+  const out = [];
+  for (const node of nodes ?? []) {
+    if (!isPackNode(node?.type, packNodes)) continue;
+    for (const entry of node.properties?.models ?? []) {
+      if (typeof entry?.name !== "string" || !entry.name.endsWith("/")) continue;
+      const widget = (node.widgets ?? []).find((w) => w?.value === entry.name);
+      const values = widget?.options?.values;
+      if (widget && Array.isArray(values) && !values.includes(entry.name)) {
+        out.push({ name: entry.name, url: entry.url, directory: entry.directory, node: node.title ?? node.type });
+      }
+    }
+  }
+  return out;
 }
 
 // The Comfy Metal Status node's report from its UI output ({"ui": {"text": [...]}} arrives in the

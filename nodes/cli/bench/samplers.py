@@ -25,11 +25,6 @@ LATENTS = [
     ("SDXL 1024x1024 (4x128x128)", (1, 4, 128, 128)),
     ("Wan 2.2 720p 21f (48x21x44x80)", (1, 48, 21, 44, 80)),
 ]
-NOISY = {"euler_ancestral", "dpmpp_2m_sde", "dpmpp_3m_sde", "lcm", "euler_ancestral_cfg_pp",
-         "dpmpp_2s_ancestral_cfg_pp", "dpmpp_2m_sde_gpu", "res_multistep_ancestral", "dpmpp_2s_ancestral",
-         "dpmpp_sde", "er_sde"}
-
-
 
 
 def _comfy_sampling():
@@ -142,16 +137,16 @@ def bench(quick: bool = False) -> list[Table]:
         for device in devices:
             sigmas = _sigmas(steps).to(device)
             x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device) * float(sigmas[0])
-            for name in S.SAMPLER_NAMES:
-                ours = S.SAMPLER_FUNCTIONS[name]
+            for sampler in S.SAMPLERS:
+                name, ours = sampler.name, S.SAMPLER_FUNCTIONS[sampler.name]
                 model = _Denoiser()
                 run = lambda mode: ours(model, x.clone(), sigmas.clone(),  # noqa: E731
                                         extra_args={"seed": 1}, disable=True, noise_mode=mode)
                 for _ in range(1 if big else 2):
                     run("fast")  # warm-up: kernel self-check / compile, allocator, thread pool
                 fast = _time_per_step(lambda: run("fast"), steps, device, repeats)
-                exact = _time_per_step(lambda: run("exact"), steps, device, repeats) if (name in NOISY and kds) else \
-                    (fast if name not in NOISY else float("nan"))
+                exact = _time_per_step(lambda: run("exact"), steps, device, repeats) if (sampler.noisy and kds) else \
+                    (fast if not sampler.noisy else float("nan"))
                 if kds is not None:
                     theirs_fn = S.comfy_function(name)
                     theirs = _time_per_step(lambda: theirs_fn(model, x.clone(), sigmas.clone(),

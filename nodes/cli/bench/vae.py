@@ -222,7 +222,7 @@ PEAK_LATENT = {False: (56, 88), True: (20, 28)}      # 448x704 (quick: 160x224):
 
 
 def _at_comfy_peak(quick, device, comfy_sd, AutoencoderKL, diffusers_problem) -> list[Table]:
-    """Issue 17's rows: our decoder given ComfyUI's tiled peak as its budget, feather, exact (shared
+    """Our decoder given ComfyUI's tiled peak as its budget, feather, exact (shared
     statistics; stage by stage when it fits) and auto (what the node runs by default) side by side, for an
     SD-width (4 ch) and a Flux-width (16 ch) KL VAE at a non-square size."""
     tables = []
@@ -331,7 +331,7 @@ def _comfy_tiled_encode(vae, pixels, quick):
 
 
 def _encode_at_comfy_peak(quick, device, comfy_sd, AutoencoderKL, diffusers_problem) -> list[Table]:
-    """Issue 17 item 6: our encoder given ComfyUI's tiled-encode peak as its budget, feather and exact (shared
+    """Our encoder given ComfyUI's tiled-encode peak as its budget, feather and exact (shared
     statistics) side by side, SD-width (4 ch) and Flux-width (16 ch, no quant_conv) KL VAEs, non-square."""
     tables = []
     h, w = PEAK_LATENT[quick]
