@@ -186,7 +186,7 @@ def test_unknown_vae_falls_back_to_comfyui_tiled(comfyui, sd_vae, caplog, monkey
 def test_bench_section_against_comfyui_tiled(comfyui, monkeypatch):
     """`bench` of nodes/cli/bench/vae.py against the real ComfyUI (narrow SDXL-shaped and Wan 2.1-shaped VAEs):
     ComfyUI's tiled run measured and every one of our rows given as a ratio of its time and peak, PSNR filled;
-    the video tables at ComfyUI tiled's peak run exact (>= 60 dB)."""
+    the Qwen-Image frame's tables at ComfyUI tiled's peak run exact (>= 60 dB)."""
     from comfy_metal.nodes.cli.bench import vae as bench_vae
 
     monkeypatch.setattr(bench_vae, "SDXL_WIDTHS", (32, 64, 128, 128))   # SD ratios (ComfyUI infers them)
@@ -199,7 +199,7 @@ def test_bench_section_against_comfyui_tiled(comfyui, monkeypatch):
     video = bench_vae.bench(quick=True, parts=["video"])
     assert len(at_peak) == 4 and len(video) == 3
     assert ["Qwen-Image frame" in t.title for t in video] == [True, True, False], [t.title for t in video]
-    for table in video:
+    for table in video[:2]:     # the frame; the quick clip's causal caches alone exceed its quick tiles' peak
         exact = [r for r in table.rows if "peak, exact" in r[0]]
         assert exact and exact[0][1].startswith("stages") and _psnr_cell(exact[0][4]) >= 60, table.render()
     for table in at_peak:       # feather and exact at ComfyUI's tiled peak, side by side (decode, encode)
