@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
+from . import source
 from .registry import REGISTRY, KernelSpec
 
 log = logging.getLogger("comfy_metal")
 
-KERNEL_DIR = pathlib.Path(__file__).resolve().parent
-COMMON_SOURCE = "common.metal"
+KERNEL_DIR = source.KERNEL_DIR
+COMMON_SOURCE = source.COMMON_SOURCE
 
 _lock = threading.RLock()
 _libraries: dict[str, Any] = {}          # backend -> compiled library (or the exception that stopped it)
@@ -40,19 +41,12 @@ class MetalUnavailable(RuntimeError):
 
 def metal_sources() -> list[pathlib.Path]:
     """The .metal files of the shared library, in compile order (common.metal first)."""
-    files = sorted(KERNEL_DIR.glob("*.metal"))
-    files.sort(key=lambda p: (p.name != COMMON_SOURCE, p.name))
-    return files
+    return source.metal_sources()
 
 
 def library_source(only: str | None = None) -> str:
-    """The one MSL source string compiled for the shared library (or common + one file)."""
-    parts = []
-    for path in metal_sources():
-        if only is not None and path.name not in (COMMON_SOURCE, only):
-            continue
-        parts.append(f"// ---- {path.name} ----\n{path.read_text()}\n")
-    return "\n".join(parts)
+    """The one MSL source string compiled for the shared library (or common + one file): see source.py."""
+    return source.library_source(only)
 
 
 def _env_backend() -> str:

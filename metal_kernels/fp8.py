@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from . import source
 from .dtypes import FORMAT_OF_DTYPE, FP8_DTYPES, MSL_TYPE
 from .registry import KernelSpec, register
 
@@ -43,7 +44,10 @@ FP8_MAX = {"e4m3fn": 448.0, "e5m2": 57344.0}
 _LAYOUT = {"e4m3fn": (3, 7, False), "e5m2": (2, 15, True)}
 
 GROUP = 256
-MAX_THREADS = 1 << 24          # each thread strides by MAX_THREADS * 4 elements beyond this
+MAX_THREADS = 1 << 24          # grid size per dimension; each thread strides beyond it
+MAX_ROW = 1 << 30              # elements of a row in one launch (the kernels' 32-bit offsets in a row)
+CHUNK = 16                     # elements a thread converts per step (one 16-byte load of FP8 bytes)
+FP8_PARAMS = source.Params("fp8_params", "rows row_len scale_mode vec")
 
 
 def fp8_max(fmt: str) -> float:
@@ -221,11 +225,6 @@ def fp8_encode_reference(x: torch.Tensor, fmt: str, scale=None) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Metal launchers
 # ---------------------------------------------------------------------------------------------
-def _grid(n: int) -> tuple[int, int]:
-    threads = min((n + 3) // 4, MAX_THREADS)
-    return threads, min(GROUP, threads)
-
-
 _ONES: dict[str, torch.Tensor] = {}
 
 
@@ -240,15 +239,28 @@ def ones1(device) -> torch.Tensor:
 
 
 def _launch(kernel, src: torch.Tensor, out: torch.Tensor, mode: int, s) -> None:
-    """One launch of a decode/encode kernel over contiguous `src` into `out` (same shape); the scale
-    is per row of dim 0."""
+    """The launches of a decode/encode kernel over contiguous `src` into `out` (same shape); the scale is
+    per row of dim 0 (mode 2), else the data are one row. Rows are cut into pieces of at most MAX_ROW
+    elements (a piece of a scaled row takes that row's scale as a tensorwise one)."""
     n = src.numel()
     if n == 0:
         return
-    rows = src.shape[0] if src.dim() else 1
-    threads, group = _grid(n)
+    rows = (src.shape[0] if src.dim() else 1) if mode == 2 else 1
+    row_len = n // rows
+    src, out = src.reshape(rows, row_len), out.view(rows, row_len)
     scale = s.contiguous() if mode else ones1(src.device)
-    kernel(src.reshape(-1), out.view(-1), scale, n, n // rows, mode, threads, threads=threads, group_size=group)
+    if row_len <= MAX_ROW:
+        pieces = [(src, out, mode, scale, rows, row_len)]
+    else:                                   # MAX_ROW is a multiple of 16: every piece stays 16-byte aligned
+        pieces = [(src[r, i:i + MAX_ROW], out[r, i:i + MAX_ROW], min(mode, 1), scale[r:r + 1] if mode else scale,
+                   1, min(MAX_ROW, row_len - i)) for r in range(rows) for i in range(0, row_len, MAX_ROW)]
+    for a, b, m, sc, nr, nl in pieces:
+        vec = (nl % CHUNK == 0 or nr == 1) and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+        tx, ty = min(-(-nl // CHUNK), MAX_THREADS), min(nr, MAX_THREADS)
+        gx = min(tx, GROUP)
+        gy = min(ty, max(1, GROUP // gx))
+        params = FP8_PARAMS.pack(rows=nr, row_len=nl, scale_mode=m, vec=int(vec))
+        kernel(a, b, sc, params, threads=(tx, ty), group_size=(gx, gy))
 
 
 def fp8_decode_metal(lib, data: torch.Tensor, fmt: str | None = None, scale=None,
@@ -257,8 +269,6 @@ def fp8_decode_metal(lib, data: torch.Tensor, fmt: str | None = None, scale=None
     _check_out_dtype(out_dtype)
     mode, s = scale_mode(scale, tuple(raw.shape), raw.device, "fp8_decode: scale")
     raw = raw.contiguous()
-    if raw.storage_offset() % 4:                     # the kernel loads 4 bytes at a time
-        raw = raw.clone()
     out = torch.empty(raw.shape, dtype=out_dtype, device=raw.device)
     _launch(getattr(lib, f"fp8_decode_{fmt}_{MSL_TYPE[out_dtype]}"), raw, out, mode, s)
     return out
@@ -330,15 +340,15 @@ def _decode_compare(got, want):
     return None if not bad.any() else f"{int(bad.sum())} of {bad.numel()} values differ (decode must be exact)"
 
 
-_DECODE_ENTRIES = {f"fp8_decode_{f}_{t}": ("tensor", "tensor", "tensor", "int", "int", "int", "int")
-                   for f in FP8_FORMATS for t in MSL_TYPE.values()}
-_ENCODE_ENTRIES = {f"fp8_encode_{t}_{f}": ("tensor", "tensor", "tensor", "int", "int", "int", "int")
-                   for f in FP8_FORMATS for t in MSL_TYPE.values()}
+_ARGS = ("tensor", "tensor", "tensor", "int[]")
+_DECODE = {f"fp8_decode_{f}_{t}": f"fp8_decode<fp8_{f}, {t}>" for f in FP8_FORMATS for t in MSL_TYPE.values()}
+_ENCODE = {f"fp8_encode_{t}_{f}": f"fp8_encode<{t}, fp8_{f}>" for f in FP8_FORMATS for t in MSL_TYPE.values()}
 
 fp8_decode = register(KernelSpec(
     name="fp8_decode",
     source="fp8.metal",
-    entry_points=_DECODE_ENTRIES,
+    entry_points={name: _ARGS for name in _DECODE},
+    instantiate=_DECODE,
     reference=fp8_decode_reference,
     metal=fp8_decode_metal,
     self_check_cases=_decode_cases,
@@ -350,7 +360,8 @@ fp8_decode = register(KernelSpec(
 fp8_encode = register(KernelSpec(
     name="fp8_encode",
     source="fp8.metal",
-    entry_points=_ENCODE_ENTRIES,
+    entry_points={name: _ARGS for name in _ENCODE},
+    instantiate=_ENCODE,
     reference=fp8_encode_reference,
     metal=fp8_encode_metal,
     self_check_cases=_encode_cases,

@@ -1,296 +1,427 @@
-// GGUF (ggml) block quantisations, read directly from the file's bytes.
+// GGUF (ggml) block quantisations, read directly from the file's bytes: the dequantise kernel and the block
+// formats of the GEMV skeleton (include/gemv.h).
 //
-// Each type is a struct with its block size BS (values), its block bytes TS, and
-//     static float deq(device const uchar* block, int i)
-// returning value i (0 <= i < BS) of one block, computed in fp32 with the same operations in the
-// same order as the gguf package's numpy dequantiser (products and sums in separate statements, so
-// no contraction into fma changes a rounding), so the fp32 result is bit-identical to it.
-// Blocks start at any byte (22-, 110-byte blocks ...): every multi-byte field is assembled from bytes.
+// A block type Q (BS values in TS bytes; sizes generated from gguf.GGML_QUANT_SIZES as GGUF_<TYPE>_BLOCK and
+// _BYTES) is read by Q::LANES lanes, each taking one chunk of BS / LANES values:
+//   Q::load(block, j)  chunk j: its quant bits as little-endian words (the widest loads the alignment of the
+//                      fields allows, gguf_align) and, for each of its scale groups, S and B (fp32, with the
+//                      gguf package's operations in its order);
+//   Q::pos(j, g)       the first of the 4 consecutive values (in the block) of group g (Q::GROUPS a chunk,
+//                      Q::GPS a scale group);
+//   Q::q(chunk, g, t)  their quants, small integers (or IQ4 table values, from the threadgroup table t).
+// Value = S * (q + OFFSET) + B (+ B only where HAS_MIN): computed in exactly that order by the dequantise
+// kernel, so its fp32 result is bit-identical to the gguf package's numpy dequantiser. The GEMV instead sums
+// x * q per scale group and applies S once per group, with the constant part folded in through the sum of
+// x: acc += S * sum(x q) + (S * OFFSET + B) * sum(x), sum(x) shared by all rows of the simdgroup. Groups go
+// in pairs (g even, g + 1: 8 consecutive values in every layout, one 16-byte load of half or bfloat x).
 //
-// gguf_dequant_<type>_<out>: dst[e] = OUT(value e) for e < n (n = rows * K; rows are whole blocks,
-//   so value e is value e % BS of block e / BS). Each thread handles 4 consecutive values per step
-//   and strides by nthreads * 4 (64-bit indices, any n).
-// gguf_gemv_<type>: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for M <= GGUF_GEMV_MAX_M rows,
-//   fp32 accumulation; one simdgroup computes GGUF_GEMV_COLS adjacent columns, each lane 4 consecutive
-//   values per step (the simdgroup 128: coalesced block reads, each block's scales decoded for 4
-//   values at once), then simd_sum. No threadgroup memory, no barriers: a partial last threadgroup
-//   is harmless.
-// Written in C++14 (Metal's dialect).
+// gguf_dequant<Q, OUT>: one thread per chunk, striding by p.nthreads chunks; 4-value stores; 32-bit offsets
+// (the host launches at most 2^31 values at a time).
+// gemv<gguf_format<Q>, XT> (include/gemv.h): the lanes of a simdgroup take 32 consecutive chunks of a row.
 
-#define GGUF_GEMV_MAX_M 8
-#define GGUF_GEMV_COLS 4
+#include "io.h"
+#include "gemv.h"
 
 constant char gguf_iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-inline float gguf_f16(device const uchar* p) {
-    return float(as_type<half>(ushort(uint(p[0]) | (uint(p[1]) << 8))));
+// The alignment of a field at off + i * stride in a block at b * ts (the row 16-byte aligned): the largest
+// power of two <= 16 dividing all three.
+constexpr int gguf_align(int ts, int off, int stride) {
+    return (ts | off | stride | 16) & -(ts | off | stride | 16);
 }
 
-inline float gguf_i8(uchar b) { return float(as_type<char>(b)); }
-
-// The low nibble of byte j for i < 16, the high nibble for i >= 16 (j = i % 16): the 32-value layout.
-inline uint gguf_nibble32(device const uchar* qs, int i) {
-    const uint byte = qs[i & 15];
-    return i < 16 ? (byte & 15u) : (byte >> 4);
+inline uint gguf_lo(uint w) { return w & 0x0F0F0F0Fu; }                 // the low nibble of each byte
+inline uint gguf_hi(uint w) { return (w >> 4) & 0x0F0F0F0Fu; }          // the high nibble of each byte
+// The four bytes of w (byte 0 first) as floats through half bits: 0x6400 | b is the half 1024 + b, exact, and
+// the bias comes off in half arithmetic, exact too (integer -> float conversions cost four times as much).
+inline float4 gguf_bytes_minus(uint w, half bias) {
+    const half2 e = as_type<half2>((w & 0x00FF00FFu) | 0x64006400u) - bias;          // bytes 0, 2
+    const half2 o = as_type<half2>(((w >> 8) & 0x00FF00FFu) | 0x64006400u) - bias;   // bytes 1, 3
+    return float4(float(e.x), float(o.x), float(e.y), float(o.y));
 }
+inline float4 gguf_bytes(uint w) { return gguf_bytes_minus(w, 1024.0h); }                  // 0 .. 255
+inline float4 gguf_sbytes(uint w) { return gguf_bytes_minus(w ^ 0x80808080u, 1152.0h); }   // int8
+inline float4 gguf_table(uint w, threadgroup const float* t) {
+    const uchar4 i = as_type<uchar4>(w);
+    return float4(t[i.x], t[i.y], t[i.z], t[i.w]);
+}
+// Bits v .. v + 3 of h (the 5th bits of 4 consecutive values) at bit 4 of each byte.
+inline uint gguf_bits4(uint h, uint v) { return (((h >> v) & 0xFu) * 0x00204081u & 0x01010101u) << 4; }
 
-// The 5th bit of value i (0..31) from a little-endian 32-bit mask.
-inline uint gguf_bit32(device const uchar* qh, int i) { return (uint(qh[i >> 3]) >> uint(i & 7)) & 1u; }
-
+// ------------------------------------------------------------------------------------------------------
+// 32-value blocks, one scale group: Q8_0 four lanes a block, 8 values (bytes) each, so that the x values of
+// a simdgroup's lanes are consecutive; the 4-bit types two lanes a block, 16 values each (8 quant bytes:
+// values 8j.. from the low nibbles, 16 + 8j.. from the high ones).
+// ------------------------------------------------------------------------------------------------------
 struct gguf_q8_0 {
-    enum { BS = 32, TS = 34 };
-    static float deq(device const uchar* b, int i) {
-        const float d = gguf_f16(b);
-        return gguf_i8(b[2 + i]) * d;
+    enum { BS = GGUF_Q8_0_BLOCK, TS = GGUF_Q8_0_BYTES, LANES = BS / GGUF_Q8_0_CHUNK,
+           GROUPS = 2, GPS = 2, OFFSET = 0, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
+    struct chunk { uint2 q; float S[1]; float B[1]; };
+    static chunk load(device const uchar* b, uint j) {
+        chunk c;
+        c.q = io_u64<gguf_align(TS, 2, 8)>(b + 2 + 8 * j);
+        c.S[0] = io_half(b);
+        c.B[0] = 0.0f;
+        return c;
     }
+    static uint pos(uint j, int g) { return 8 * j + 4 * uint(g); }
+    static float4 q(thread const chunk& c, int g, threadgroup const float*) { return gguf_sbytes(c.q[g]); }
 };
 
+// Q4_0, Q4_1, IQ4_NL: the 16 quant bytes at QS hold value i < 16 in the low nibble of byte i and value
+// 16 + i in its high nibble.
+inline uint gguf_pos32(uint j, int g) { return g < 2 ? 8 * j + 4 * uint(g) : 16 + 8 * j + 4 * uint(g - 2); }
+inline uint gguf_nibbles32(uint2 q, int g) { return g < 2 ? gguf_lo(q[g]) : gguf_hi(q[g - 2]); }
+
 struct gguf_q4_0 {
-    enum { BS = 32, TS = 18 };
-    static float deq(device const uchar* b, int i) {
-        const float d = gguf_f16(b);
-        return d * float(int(gguf_nibble32(b + 2, i)) - 8);
+    enum { BS = GGUF_Q4_0_BLOCK, TS = GGUF_Q4_0_BYTES, LANES = BS / GGUF_Q4_0_CHUNK,
+           GROUPS = 4, GPS = 4, OFFSET = -8, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
+    struct chunk { uint2 q; float S[1]; float B[1]; };
+    static chunk load(device const uchar* b, uint j) {
+        chunk c;
+        c.q = io_u64<gguf_align(TS, 2, 8)>(b + 2 + 8 * j);
+        c.S[0] = io_half(b);
+        c.B[0] = 0.0f;
+        return c;
+    }
+    static uint pos(uint j, int g) { return gguf_pos32(j, g); }
+    static float4 q(thread const chunk& c, int g, threadgroup const float*) {
+        return gguf_bytes(gguf_nibbles32(c.q, g));
     }
 };
 
 struct gguf_q4_1 {
-    enum { BS = 32, TS = 20 };
-    static float deq(device const uchar* b, int i) {
-        const float d = gguf_f16(b);
-        const float m = gguf_f16(b + 2);
-        const float t = d * float(gguf_nibble32(b + 4, i));
-        return t + m;
+    enum { BS = GGUF_Q4_1_BLOCK, TS = GGUF_Q4_1_BYTES, LANES = BS / GGUF_Q4_1_CHUNK,
+           GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
+    struct chunk { uint2 q; float S[1]; float B[1]; };
+    static chunk load(device const uchar* b, uint j) {
+        chunk c;
+        c.q = io_u64<gguf_align(TS, 4, 8)>(b + 4 + 8 * j);
+        c.S[0] = io_half(b);
+        c.B[0] = io_half(b + 2);
+        return c;
     }
-};
-
-struct gguf_q5_0 {
-    enum { BS = 32, TS = 22 };
-    static float deq(device const uchar* b, int i) {
-        const float d = gguf_f16(b);
-        const uint q = gguf_nibble32(b + 6, i) | (gguf_bit32(b + 2, i) << 4);
-        return d * float(int(q) - 16);
-    }
-};
-
-struct gguf_q5_1 {
-    enum { BS = 32, TS = 24 };
-    static float deq(device const uchar* b, int i) {
-        const float d = gguf_f16(b);
-        const float m = gguf_f16(b + 2);
-        const uint q = gguf_nibble32(b + 8, i) | (gguf_bit32(b + 4, i) << 4);
-        const float t = d * float(q);
-        return t + m;
-    }
-};
-
-// K-quants: 256 values in 16 or 8 sub-blocks. Value i = h * 128 + s * 32 + l (l < 32) takes its
-// 2-bit field s of byte h * 32 + l (Q2_K, Q3_K low bits); Q4_K/Q5_K: i = c * 64 + a * 32 + l takes
-// nibble a of byte c * 32 + l.
-struct gguf_q2_k {
-    enum { BS = 256, TS = 84 };
-    static float deq(device const uchar* b, int i) {
-        const uint sc = b[i >> 4];
-        const float d = gguf_f16(b + 80);
-        const float dmin = gguf_f16(b + 82);
-        const float dl = d * float(sc & 15u);
-        const float ml = dmin * float(sc >> 4);
-        const uint q = (uint(b[16 + (i >> 7) * 32 + (i & 31)]) >> uint(2 * ((i >> 5) & 3))) & 3u;
-        const float t = dl * float(q);
-        return t - ml;
-    }
-};
-
-struct gguf_q3_k {
-    enum { BS = 256, TS = 110 };
-    static float deq(device const uchar* b, int i) {
-        const int g = i >> 4;
-        const uint lo = g < 8 ? (uint(b[96 + g]) & 15u) : (uint(b[96 + g - 8]) >> 4);
-        const uint hi = (uint(b[104 + (g & 3)]) >> uint(2 * (g >> 2))) & 3u;
-        const float d = gguf_f16(b + 108);
-        const float dl = d * float(int(lo | (hi << 4)) - 32);
-        const uint ql = (uint(b[32 + (i >> 7) * 32 + (i & 31)]) >> uint(2 * ((i >> 5) & 3))) & 3u;
-        const uint hbit = (uint(b[i & 31]) >> uint(i >> 5)) & 1u;
-        const int q = int(ql) - int((hbit ^ 1u) << 2);
-        return dl * float(q);
-    }
-};
-
-// The 6-bit scale and min of sub-block j (0..7) packed in 12 bytes s (Q4_K, Q5_K).
-inline uint2 gguf_k_scale_min(device const uchar* s, int j) {
-    if (j < 4) return uint2(uint(s[j]) & 63u, uint(s[4 + j]) & 63u);
-    const uint md = s[4 + j];
-    return uint2((md & 15u) | ((uint(s[j - 4]) >> 2) & 48u), (md >> 4) | ((uint(s[j]) >> 2) & 48u));
-}
-
-struct gguf_q4_k {
-    enum { BS = 256, TS = 144 };
-    static float deq(device const uchar* b, int i) {
-        const uint2 sm = gguf_k_scale_min(b + 4, i >> 5);
-        const float d = gguf_f16(b);
-        const float dmin = gguf_f16(b + 2);
-        const float dd = d * float(sm.x);
-        const float dm = dmin * float(sm.y);
-        const uint q = (uint(b[16 + (i >> 6) * 32 + (i & 31)]) >> uint(4 * ((i >> 5) & 1))) & 15u;
-        const float t = dd * float(q);
-        return t - dm;
-    }
-};
-
-struct gguf_q5_k {
-    enum { BS = 256, TS = 176 };
-    static float deq(device const uchar* b, int i) {
-        const uint2 sm = gguf_k_scale_min(b + 4, i >> 5);
-        const float d = gguf_f16(b);
-        const float dmin = gguf_f16(b + 2);
-        const float dd = d * float(sm.x);
-        const float dm = dmin * float(sm.y);
-        const uint lo = (uint(b[48 + (i >> 6) * 32 + (i & 31)]) >> uint(4 * ((i >> 5) & 1))) & 15u;
-        const uint hi = (uint(b[16 + (i & 31)]) >> uint(i >> 5)) & 1u;
-        const float t = dd * float(lo | (hi << 4));
-        return t - dm;
-    }
-};
-
-struct gguf_q6_k {
-    enum { BS = 256, TS = 210 };
-    static float deq(device const uchar* b, int i) {
-        const float d = gguf_f16(b + 208);
-        const float dd = d * gguf_i8(b[192 + (i >> 4)]);
-        const uint lo = (uint(b[(i >> 7) * 64 + (i & 63)]) >> uint(4 * ((i >> 6) & 1))) & 15u;
-        const uint hi = (uint(b[128 + (i >> 7) * 32 + (i & 31)]) >> uint(2 * ((i >> 5) & 3))) & 3u;
-        return dd * float(int(lo | (hi << 4)) - 32);
+    static uint pos(uint j, int g) { return gguf_pos32(j, g); }
+    static float4 q(thread const chunk& c, int g, threadgroup const float*) {
+        return gguf_bytes(gguf_nibbles32(c.q, g));
     }
 };
 
 struct gguf_iq4_nl {
-    enum { BS = 32, TS = 18 };
-    static float deq(device const uchar* b, int i) {
-        const float d = gguf_f16(b);
-        return d * float(gguf_iq4_values[gguf_nibble32(b + 2, i)]);
+    enum { BS = GGUF_IQ4_NL_BLOCK, TS = GGUF_IQ4_NL_BYTES, LANES = BS / GGUF_IQ4_NL_CHUNK,
+           GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 0, TABLE = 1, PAIRS = 1 };
+    struct chunk { uint2 q; float S[1]; float B[1]; };
+    static chunk load(device const uchar* b, uint j) {
+        chunk c;
+        c.q = io_u64<gguf_align(TS, 2, 8)>(b + 2 + 8 * j);
+        c.S[0] = io_half(b);
+        c.B[0] = 0.0f;
+        return c;
+    }
+    static uint pos(uint j, int g) { return gguf_pos32(j, g); }
+    static float4 q(thread const chunk& c, int g, threadgroup const float* t) {
+        return gguf_table(gguf_nibbles32(c.q, g), t);
     }
 };
 
-struct gguf_iq4_xs {
-    enum { BS = 256, TS = 136 };
-    static float deq(device const uchar* b, int i) {
-        const int j = i >> 5;
-        const uint lo = (uint(b[4 + (j >> 1)]) >> uint(4 * (j & 1))) & 15u;
-        const uint hi = ((uint(b[2]) | (uint(b[3]) << 8)) >> uint(2 * j)) & 3u;
-        const float d = gguf_f16(b);
-        const float dl = d * float(int(lo | (hi << 4)) - 32);
-        const uint q = (uint(b[8 + j * 16 + (i & 15)]) >> uint(4 * ((i >> 4) & 1))) & 15u;
-        return dl * float(gguf_iq4_values[q]);
+// Q5_0, Q5_1: the 5th bit of value i is bit i of the 32-bit mask h (kept shifted by 8j: bit v of lane j's
+// word is value 8j + v, so group g's bits start at gguf_pos32(0, g)).
+struct gguf_q5_0 {
+    enum { BS = GGUF_Q5_0_BLOCK, TS = GGUF_Q5_0_BYTES, LANES = BS / GGUF_Q5_0_CHUNK,
+           GROUPS = 4, GPS = 4, OFFSET = -16, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
+    struct chunk { uint2 q; uint h; float S[1]; float B[1]; };
+    static chunk load(device const uchar* b, uint j) {
+        chunk c;
+        c.q = io_u64<gguf_align(TS, 6, 8)>(b + 6 + 8 * j);
+        c.h = io_u32<gguf_align(TS, 2, 0)>(b + 2) >> (8 * j);        // bit v: value 8j + v
+        c.S[0] = io_half(b);
+        c.B[0] = 0.0f;
+        return c;
+    }
+    static uint pos(uint j, int g) { return gguf_pos32(j, g); }
+    static float4 q(thread const chunk& c, int g, threadgroup const float*) {
+        return gguf_bytes(gguf_nibbles32(c.q, g) | gguf_bits4(c.h, gguf_pos32(0, g)));
     }
 };
 
-// Stores round once from fp32 (bf16 through the explicit round-to-nearest-even helper of common.metal).
-inline void gguf_store(device float* p, float v) { *p = v; }
-inline void gguf_store(device half* p, float v) { *p = half(v); }
-inline void gguf_store(device bfloat* p, float v) { *p = as_type<bfloat>(bf16_bits_from_float(v)); }
+struct gguf_q5_1 {
+    enum { BS = GGUF_Q5_1_BLOCK, TS = GGUF_Q5_1_BYTES, LANES = BS / GGUF_Q5_1_CHUNK,
+           GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
+    struct chunk { uint2 q; uint h; float S[1]; float B[1]; };
+    static chunk load(device const uchar* b, uint j) {
+        chunk c;
+        c.q = io_u64<gguf_align(TS, 8, 8)>(b + 8 + 8 * j);
+        c.h = io_u32<gguf_align(TS, 4, 0)>(b + 4) >> (8 * j);
+        c.S[0] = io_half(b);
+        c.B[0] = io_half(b + 2);
+        return c;
+    }
+    static uint pos(uint j, int g) { return gguf_pos32(j, g); }
+    static float4 q(thread const chunk& c, int g, threadgroup const float*) {
+        return gguf_bytes(gguf_nibbles32(c.q, g) | gguf_bits4(c.h, gguf_pos32(0, g)));
+    }
+};
 
-#define GGUF_DEQUANT_KERNEL(NAME, Q, OUT)                                                      \
-kernel void NAME(device const uchar* src [[buffer(0)]],                                       \
-                 device OUT* dst [[buffer(1)]],                                               \
-                 constant long& n [[buffer(2)]],                                              \
-                 constant long& nthreads [[buffer(3)]],                                       \
-                 uint gid [[thread_position_in_grid]]) {                                      \
-    for (long i = long(gid) * 4; i < n; i += nthreads * 4) {                                  \
-        /* blocks hold a multiple of 4 values: the 4 values of a step share one block */      \
-        const long blk = i / Q::BS;                                                           \
-        const int j0 = int(i - blk * Q::BS);                                                  \
-        device const uchar* b = src + blk * Q::TS;                                            \
-        for (int j = 0; j < 4; ++j) {                                                         \
-            if (i + j >= n) break;                                                            \
-            gguf_store(dst + i + j, Q::deq(b, j0 + j));                                       \
-        }                                                                                     \
-    }                                                                                         \
+// ------------------------------------------------------------------------------------------------------
+// K-quants and IQ4_XS: 256-value blocks, eight lanes a block, 32 values each.
+// ------------------------------------------------------------------------------------------------------
+
+// The 6-bit scales and mins of sub-blocks s and s + 1 (s even) packed in 12 bytes (Q4_K, Q5_K), given as
+// three words, as floats (scale s, scale s + 1, min s, min s + 1). Both packings are worked out on the two
+// bytes at once and one is selected: no branch (the lanes of one block take both).
+inline float4 gguf_k_scales_mins(uint w0, uint w1, uint w2, uint s) {
+    const uint sh = 8 * (s & 3);                                  // bytes s % 4, s % 4 + 1 of each word
+    const uint a = w0 >> sh, m = w1 >> sh, md = w2 >> sh;
+    const bool high = s >= 4;
+    const uint sc = high ? (md & 0x0F0Fu) | ((a >> 2) & 0x3030u) : a & 0x3F3Fu;
+    const uint mn = high ? ((md >> 4) & 0x0F0Fu) | ((m >> 2) & 0x3030u) : m & 0x3F3Fu;
+    return gguf_bytes(sc | (mn << 16));
 }
 
-// Columns n0 .. n0 + GGUF_GEMV_COLS - 1 (those < N) for exactly MM rows of x.
-template <typename Q, int MM>
-inline void gguf_gemv_columns(device const float* x, device const uchar* w, device const float* bias,
-                              device float* y, long K, long N, long has_bias, long n0, uint lane) {
-    const int ncols = N - n0 < GGUF_GEMV_COLS ? int(N - n0) : GGUF_GEMV_COLS;
-    const long row_bytes = (K / Q::BS) * Q::TS;
-    float acc[GGUF_GEMV_COLS][MM];
-    for (int c = 0; c < GGUF_GEMV_COLS; ++c)
-        for (int m = 0; m < MM; ++m) acc[c][m] = 0.0f;
-    // Each lane takes 4 consecutive values per step (K is whole blocks, a multiple of 32, so the 4
-    // share one block and its scales), the simdgroup 128 consecutive values.
-    for (long k = long(lane) * 4; k < K; k += 128) {
-        float4 xv[MM];
-        for (int m = 0; m < MM; ++m) {
-            device const float* xr = x + long(m) * K + k;
-            xv[m] = float4(xr[0], xr[1], xr[2], xr[3]);
+// Q4_K, Q5_K: value 64c + 32a + l (sub-block 2c + a) is nibble a of quant byte 32c + l. Lane j takes bytes
+// 16j .. 16j + 15: values 64c + 16h + (0..15) from the low nibbles and 64c + 32 + 16h + (0..15) from the high
+// ones (c = j / 2, h = j % 2), two scale groups.
+inline uint gguf_pos_k4(uint j, int g) { return 64 * (j >> 1) + 16 * (j & 1) + (g < 4 ? 0u : 32u) + 4 * uint(g & 3); }
+
+struct gguf_q4_k {
+    enum { BS = GGUF_Q4_K_BLOCK, TS = GGUF_Q4_K_BYTES, LANES = BS / GGUF_Q4_K_CHUNK,
+           GROUPS = 8, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
+    struct chunk { uint4 q; float S[2]; float B[2]; };
+    static chunk load(device const uchar* b, uint j) {
+        chunk c;
+        c.q = io_u128<gguf_align(TS, 16, 16)>(b + 16 + 16 * j);
+        const uint4 head = io_u128<gguf_align(TS, 0, 16)>(b);           // d, dmin, the 12 scale bytes
+        const float2 d = float2(as_type<half2>(head.x));
+        const float4 sm = gguf_k_scales_mins(head.y, head.z, head.w, 2 * (j >> 1));
+        UNROLL for (int s = 0; s < 2; ++s) {
+            c.S[s] = d.x * sm[s];
+            const float dm = d.y * sm[2 + s];
+            c.B[s] = -dm;
         }
-        const long blk = k / Q::BS;
-        const int i = int(k - blk * Q::BS);
-        for (int c = 0; c < GGUF_GEMV_COLS; ++c) {
-            if (c >= ncols) break;
-            device const uchar* b = w + (n0 + c) * row_bytes + blk * Q::TS;
-            const float4 wv = float4(Q::deq(b, i), Q::deq(b, i + 1), Q::deq(b, i + 2), Q::deq(b, i + 3));
-            for (int m = 0; m < MM; ++m) {
-                float a = acc[c][m];
-                a = fma(xv[m].x, wv.x, a);
-                a = fma(xv[m].y, wv.y, a);
-                a = fma(xv[m].z, wv.z, a);
-                a = fma(xv[m].w, wv.w, a);
-                acc[c][m] = a;
+        c.S[1] *= 0.0625f;                     // the high nibbles are read in place (16 q): S / 16, exact
+        return c;
+    }
+    static uint pos(uint j, int g) { return gguf_pos_k4(j, g); }
+    static float4 q(thread const chunk& c, int g, threadgroup const float*) {
+        return gguf_bytes(g < 4 ? gguf_lo(c.q[g]) : c.q[g - 4] & 0xF0F0F0F0u);
+    }
+};
+
+// Q5_K: the 5th bit of value 64c + 32a + l is bit 2c + a of byte l of the 32-byte mask.
+struct gguf_q5_k {
+    enum { BS = GGUF_Q5_K_BLOCK, TS = GGUF_Q5_K_BYTES, LANES = BS / GGUF_Q5_K_CHUNK,
+           GROUPS = 8, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
+    struct chunk { uint4 q; uint4 h; uint sub; float S[2]; float B[2]; };
+    static chunk load(device const uchar* b, uint j) {
+        chunk c;
+        c.q = io_u128<gguf_align(TS, 48, 16)>(b + 48 + 16 * j);
+        c.h = io_u128<gguf_align(TS, 16, 16)>(b + 16 + 16 * (j & 1));
+        c.sub = 2 * (j >> 1);
+        const uint4 head = io_u128<gguf_align(TS, 0, 16)>(b);           // d, dmin, the 12 scale bytes
+        const float2 d = float2(as_type<half2>(head.x));
+        const float4 sm = gguf_k_scales_mins(head.y, head.z, head.w, c.sub);
+        UNROLL for (int s = 0; s < 2; ++s) {
+            c.S[s] = d.x * sm[s];
+            const float dm = d.y * sm[2 + s];
+            c.B[s] = -dm;
+        }
+        return c;
+    }
+    static uint pos(uint j, int g) { return gguf_pos_k4(j, g); }
+    static float4 q(thread const chunk& c, int g, threadgroup const float*) {
+        const uint lo = g < 4 ? gguf_lo(c.q[g]) : gguf_hi(c.q[g - 4]);
+        const uint hi = ((c.h[g & 3] >> (c.sub + uint(g >> 2))) & 0x01010101u) << 4;
+        return gguf_bytes(lo | hi);
+    }
+};
+
+// Q6_K, Q2_K, Q3_K: value 128h + 32s + l (h = 0, 1; s = 0..3; l < 32), scale group (value >> 4). Lane j takes
+// l = l0 .. l0 + 7 (l0 = 8 (j % 4)) of the four s of half h = j / 4: group g = 2s + t holds values
+// 128h + 32s + l0 + 4t .. + 3, one scale group per s.
+inline uint gguf_pos_k2(uint j, int g) { return 128 * (j >> 2) + 32 * uint(g >> 1) + 8 * (j & 3) + 4 * uint(g & 1); }
+
+// Q6_K: low 4 bits: nibble s / 2 of byte 64h + 32 (s % 2) + l of ql; high 2 bits: bits 2s of byte 32h + l of qh.
+// Its 210-byte blocks leave every field 2-aligned only, so the 32 lanes of a simdgroup share one block (each
+// 2-byte load instruction then touches one or two cache lines, not the 7 of four blocks): lane j takes
+// l = l0 .. l0 + 3 (l0 = 4 (j % 8)) of s = p and p + 2 (p = j / 8 % 2) in half h = j / 16: the same 4 bytes of
+// ql (low and high nibbles) and of qh, two scale groups of 4 values.
+struct gguf_q6_k {
+    enum { BS = GGUF_Q6_K_BLOCK, TS = GGUF_Q6_K_BYTES, LANES = BS / GGUF_Q6_K_CHUNK,
+           GROUPS = 2, GPS = 1, OFFSET = -32, HAS_MIN = 0, TABLE = 0, PAIRS = 0 };
+    struct chunk { uint l; uint h; float S[2]; float B[2]; };
+    static chunk load(device const uchar* b, uint j) {
+        const uint hh = j >> 4, p = (j >> 3) & 1, l0 = 4 * (j & 7);
+        constexpr int A = gguf_align(TS, 0, 4);
+        chunk c;
+        c.l = io_u32<A>(b + 64 * hh + 32 * p + l0);
+        c.h = io_u32<A>(b + 128 + 32 * hh + l0) >> (2 * p);           // bits 2s - 2p: s = p at 0, p + 2 at 4
+        const float d = io_half(b + 208);
+        UNROLL for (int g = 0; g < 2; ++g) {
+            c.S[g] = d * float(as_type<char>(b[192 + 8 * hh + 2 * (p + 2 * uint(g)) + (l0 >> 4)]));
+            c.B[g] = 0.0f;
+        }
+        return c;
+    }
+    static uint pos(uint j, int g) { return 128 * (j >> 4) + 32 * (((j >> 3) & 1) + 2 * uint(g)) + 4 * (j & 7); }
+    static float4 q(thread const chunk& c, int g, threadgroup const float*) {
+        const uint lo = g ? gguf_hi(c.l) : gguf_lo(c.l);
+        const uint hi = ((c.h >> uint(4 * g)) & 0x03030303u) << 4;
+        return gguf_bytes(lo | hi);
+    }
+};
+
+// Q2_K: bits 2s of byte 32h + l of qs; scale byte (value >> 4): low nibble scale, high nibble min.
+struct gguf_q2_k {
+    enum { BS = GGUF_Q2_K_BLOCK, TS = GGUF_Q2_K_BYTES, LANES = BS / GGUF_Q2_K_CHUNK,
+           GROUPS = 8, GPS = 2, OFFSET = 0, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
+    struct chunk { uint2 q; float S[4]; float B[4]; };
+    static chunk load(device const uchar* b, uint j) {
+        const uint hh = j >> 2, l0 = 8 * (j & 3);
+        chunk c;
+        c.q = io_u64<gguf_align(TS, 16, 8)>(b + 16 + 32 * hh + l0);
+        const float d = io_half(b + 80);
+        const float dmin = io_half(b + 82);
+        UNROLL for (int s = 0; s < 4; ++s) {
+            const uint sc = b[8 * hh + 2 * uint(s) + (l0 >> 4)];
+            c.S[s] = d * float(sc & 15u);
+            const float ml = dmin * float(sc >> 4);
+            c.B[s] = -ml;
+        }
+        return c;
+    }
+    static uint pos(uint j, int g) { return gguf_pos_k2(j, g); }
+    static float4 q(thread const chunk& c, int g, threadgroup const float*) {
+        return gguf_bytes((c.q[g & 1] >> uint(2 * (g >> 1))) & 0x03030303u);
+    }
+};
+
+// Q3_K: low 2 bits as Q2_K (qs at 32); the third is bit 4h + s of byte l of hmask (set: +4); q - 4.
+struct gguf_q3_k {
+    enum { BS = GGUF_Q3_K_BLOCK, TS = GGUF_Q3_K_BYTES, LANES = BS / GGUF_Q3_K_CHUNK,
+           GROUPS = 8, GPS = 2, OFFSET = -4, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
+    struct chunk { uint2 q; uint2 m; uint shift; float S[4]; float B[4]; };
+    static chunk load(device const uchar* b, uint j) {
+        const uint hh = j >> 2, l0 = 8 * (j & 3);
+        constexpr int A = gguf_align(TS, 0, 8);
+        chunk c;
+        c.q = io_u64<A>(b + 32 + 32 * hh + l0);
+        c.m = io_u64<A>(b + l0);
+        c.shift = 4 * hh;
+        const float d = io_half(b + 108);
+        UNROLL for (int s = 0; s < 4; ++s) {
+            const uint g16 = 8 * hh + 2 * uint(s) + (l0 >> 4);
+            const uint lo = g16 < 8 ? (uint(b[96 + g16]) & 15u) : (uint(b[96 + g16 - 8]) >> 4);
+            const uint hi = (uint(b[104 + (g16 & 3)]) >> (2 * (g16 >> 2))) & 3u;
+            c.S[s] = d * float(int(lo | (hi << 4)) - 32);
+            c.B[s] = 0.0f;
+        }
+        return c;
+    }
+    static uint pos(uint j, int g) { return gguf_pos_k2(j, g); }
+    static float4 q(thread const chunk& c, int g, threadgroup const float*) {
+        const uint s = uint(g >> 1), t = uint(g & 1);
+        const uint lo = (c.q[t] >> (2 * s)) & 0x03030303u;
+        const uint hi = ((c.m[t] >> (c.shift + s)) & 0x01010101u) << 2;
+        return gguf_bytes(lo | hi);
+    }
+};
+
+// IQ4_XS: sub-block j (32 values: value i < 16 the low nibble of quant byte 16j + i, 16 + i its high nibble),
+// one lane each, one 6-bit scale (4 bits in scales_l, 2 in scales_h).
+struct gguf_iq4_xs {
+    enum { BS = GGUF_IQ4_XS_BLOCK, TS = GGUF_IQ4_XS_BYTES, LANES = BS / GGUF_IQ4_XS_CHUNK,
+           GROUPS = 8, GPS = 8, OFFSET = 0, HAS_MIN = 0, TABLE = 1, PAIRS = 1 };
+    struct chunk { uint4 q; float S[1]; float B[1]; };
+    static chunk load(device const uchar* b, uint j) {
+        chunk c;
+        c.q = io_u128<gguf_align(TS, 8, 16)>(b + 8 + 16 * j);
+        const uint2 head = io_u64<gguf_align(TS, 0, 8)>(b);          // d, scales_h, scales_l
+        const uint lo = (head.y >> (4 * j)) & 15u;
+        const uint hi = (head.x >> (16 + 2 * j)) & 3u;
+        const float d = float(as_type<half2>(head.x).x);
+        c.S[0] = d * float(int(lo | (hi << 4)) - 32);
+        c.B[0] = 0.0f;
+        return c;
+    }
+    static uint pos(uint j, int g) { return 32 * j + (g < 4 ? 0u : 16u) + 4 * uint(g & 3); }
+    static float4 q(thread const chunk& c, int g, threadgroup const float* t) {
+        return gguf_table(g < 4 ? gguf_lo(c.q[g]) : gguf_hi(c.q[g - 4]), t);
+    }
+};
+
+// ------------------------------------------------------------------------------------------------------
+// The GEMV format and the dequantise kernel of a block type.
+// ------------------------------------------------------------------------------------------------------
+template <typename Q>
+struct gguf_format : gemv_format {
+    enum { CHUNK = Q::BS / Q::LANES, TABLE = Q::TABLE, SUMS = Q::HAS_MIN || Q::OFFSET != 0 };
+    static_assert(Q::GROUPS * 4 == CHUNK && Q::GROUPS % Q::GPS == 0 && (!Q::PAIRS || Q::GPS % 2 == 0),
+                  "a chunk (GGUF_<TYPE>_CHUNK values) is GROUPS groups of 4 values, in scale groups of GPS");
+    static float table_value(uint i) { return float(gguf_iq4_values[i]); }
+
+    template <int R, int MM, typename XT>
+    static void dot(thread const gemv_w<R>& w, uint c, thread const gemv_x<XT, MM>& x, thread gemv_acc<R, MM>& acc,
+                    threadgroup const float* table) {
+        const uint blk = c / uint(Q::LANES), j = c % uint(Q::LANES);
+        typename Q::chunk ch[R];
+        UNROLL for (int r = 0; r < R; ++r) ch[r] = Q::load(w.p + w.off[r] + blk * uint(Q::TS), j);
+        const uint k0 = blk * uint(Q::BS);
+        UNROLL for (int s = 0; s < Q::GROUPS / Q::GPS; ++s) {
+            float part[R][MM];
+            float sx[MM];
+            UNROLL for (int m = 0; m < MM; ++m) {
+                sx[m] = 0.0f;
+                UNROLL for (int r = 0; r < R; ++r) part[r][m] = 0.0f;
+            }
+            UNROLL for (int i = 0; i < Q::GPS; i += Q::PAIRS ? 2 : 1) {
+                const int g = s * Q::GPS + i;
+                float4 xa[MM], xb[MM];
+                UNROLL for (int m = 0; m < MM; ++m) {
+                    if (Q::PAIRS) x.load8(m, k0 + Q::pos(j, g), xa[m], xb[m]);   // 8 values, one load
+                    else xa[m] = x.load4(m, k0 + Q::pos(j, g));
+                    if (SUMS) sx[m] += (xa[m].x + xa[m].y) + (xa[m].z + xa[m].w);
+                    if (SUMS && Q::PAIRS) sx[m] += (xb[m].x + xb[m].y) + (xb[m].z + xb[m].w);
+                }
+                UNROLL for (int r = 0; r < R; ++r) {
+                    const float4 qa = Q::q(ch[r], g, table);
+                    UNROLL for (int m = 0; m < MM; ++m) part[r][m] = gemv_fma4(xa[m], qa, part[r][m]);
+                    if (Q::PAIRS) {
+                        const float4 qb = Q::q(ch[r], g + 1, table);
+                        UNROLL for (int m = 0; m < MM; ++m) part[r][m] = gemv_fma4(xb[m], qb, part[r][m]);
+                    }
+                }
+            }
+            UNROLL for (int r = 0; r < R; ++r) {
+                const float S = ch[r].S[s];
+                const float C = fma(S, float(Q::OFFSET), Q::HAS_MIN ? ch[r].B[s] : 0.0f);
+                UNROLL for (int m = 0; m < MM; ++m) {
+                    float a = fma(S, part[r][m], acc.v[r][m]);
+                    if (SUMS) a = fma(C, sx[m], a);
+                    acc.v[r][m] = a;
+                }
             }
         }
     }
-    // ncols and MM are uniform within the simdgroup: every lane reaches each simd_sum.
-    for (int c = 0; c < GGUF_GEMV_COLS; ++c) {
-        if (c >= ncols) break;
-        const long n = n0 + c;
-        const float b = has_bias != 0 ? bias[n] : 0.0f;
-        for (int m = 0; m < MM; ++m) {
-            const float t = simd_sum(acc[c][m]);
-            if (lane == 0) y[long(m) * N + n] = t + b;
+};
+
+template <typename Q, typename OUT>
+kernel void gguf_dequant(device const uchar* src [[buffer(0)]],
+                         device OUT* dst [[buffer(1)]],
+                         constant gguf_dequant_params& p [[buffer(2)]],
+                         uint gid [[thread_position_in_grid]],
+                         uint tid [[thread_index_in_threadgroup]],
+                         uint group_size [[threads_per_threadgroup]]) {
+    threadgroup float table[GEMV_TABLE_SIZE];
+    gemv_fill_table<gguf_format<Q>>(table, tid, group_size);
+    for (uint c = gid; c < uint(p.chunks); c += uint(p.nthreads)) {
+        const uint blk = c / uint(Q::LANES), j = c % uint(Q::LANES);
+        const typename Q::chunk ch = Q::load(src + blk * uint(Q::TS), j);
+        device OUT* out = dst + blk * uint(Q::BS);
+        UNROLL for (int g = 0; g < Q::GROUPS; ++g) {
+            const int s = g / Q::GPS;
+            const float4 qv = Q::OFFSET != 0 ? Q::q(ch, g, table) + float(Q::OFFSET) : Q::q(ch, g, table);
+            const float4 t = ch.S[s] * qv;
+            io_store4(out + Q::pos(j, g), Q::HAS_MIN ? t + ch.B[s] : t);
         }
     }
 }
-
-#define GGUF_GEMV_CASE(Q, MM)                                                                  \
-    case MM:                                                                                  \
-        gguf_gemv_columns<Q, MM>(x, w, bias, y, K, N, has_bias, n0, lane);                    \
-        break;
-
-#define GGUF_GEMV_KERNEL(NAME, Q)                                                              \
-kernel void NAME(device const float* x [[buffer(0)]],                                        \
-                 device const uchar* w [[buffer(1)]],                                         \
-                 device const float* bias [[buffer(2)]],                                      \
-                 device float* y [[buffer(3)]],                                               \
-                 constant long& M [[buffer(4)]],                                              \
-                 constant long& K [[buffer(5)]],                                              \
-                 constant long& N [[buffer(6)]],                                              \
-                 constant long& has_bias [[buffer(7)]],                                       \
-                 uint gid [[thread_position_in_grid]],                                        \
-                 uint lane [[thread_index_in_simdgroup]]) {                                   \
-    const long n0 = long(gid / 32u) * GGUF_GEMV_COLS;                                         \
-    if (n0 >= N) return;                                                                      \
-    switch (M) {                                                                              \
-        GGUF_GEMV_CASE(Q, 1) GGUF_GEMV_CASE(Q, 2) GGUF_GEMV_CASE(Q, 3) GGUF_GEMV_CASE(Q, 4)   \
-        GGUF_GEMV_CASE(Q, 5) GGUF_GEMV_CASE(Q, 6) GGUF_GEMV_CASE(Q, 7) GGUF_GEMV_CASE(Q, 8)   \
-        default: break;               /* the host never passes M outside 1..GGUF_GEMV_MAX_M */ \
-    }                                                                                         \
-}
-
-#define GGUF_TYPE_KERNELS(q)                                                                   \
-    GGUF_DEQUANT_KERNEL(gguf_dequant_##q##_float, gguf_##q, float)                            \
-    GGUF_DEQUANT_KERNEL(gguf_dequant_##q##_half, gguf_##q, half)                              \
-    GGUF_DEQUANT_KERNEL(gguf_dequant_##q##_bfloat, gguf_##q, bfloat)                          \
-    GGUF_GEMV_KERNEL(gguf_gemv_##q, gguf_##q)
-
-GGUF_TYPE_KERNELS(q8_0)
-GGUF_TYPE_KERNELS(q4_0)
-GGUF_TYPE_KERNELS(q4_1)
-GGUF_TYPE_KERNELS(q5_0)
-GGUF_TYPE_KERNELS(q5_1)
-GGUF_TYPE_KERNELS(q2_k)
-GGUF_TYPE_KERNELS(q3_k)
-GGUF_TYPE_KERNELS(q4_k)
-GGUF_TYPE_KERNELS(q5_k)
-GGUF_TYPE_KERNELS(q6_k)
-GGUF_TYPE_KERNELS(iq4_nl)
-GGUF_TYPE_KERNELS(iq4_xs)

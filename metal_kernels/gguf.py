@@ -1,10 +1,13 @@
 """GGUF (llama.cpp / ggml) block quantisations: dequantise to a float dtype, and a fused
 dequantise + GEMV for small batches, both reading the quantised blocks directly.
 
-Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (GGUF_QUANTS:
-name -> (elements per block, bytes per block)). A weight is held as its file bytes: a uint8 tensor
-(..., row_bytes) whose last dimension is a whole number of blocks; its logical shape is
-(..., row_bytes // bytes_per_block * elements_per_block).
+Types: the keys of GGUF_TYPES (name -> its pure-torch reference and the offsets of its fp16 scales);
+GGUF_QUANTS: name -> (elements per block, bytes per block), from gguf.GGML_QUANT_SIZES. A weight is held as
+its file bytes: a uint8 tensor (..., row_bytes) whose last dimension is a whole number of blocks; its
+logical shape is (..., row_bytes // bytes_per_block * elements_per_block).
+
+Adding a type: a reference function below and its GGUF_TYPES entry, and its block struct in gguf.metal
+(the kernel names, sizes and instantiations follow from the table).
 
 gguf_dequantize(data, qtype, out_dtype=torch.float32)
     data: uint8 (..., row_bytes); qtype: a name of GGUF_QUANTS. Returns (..., K) in out_dtype
@@ -19,29 +22,42 @@ gguf_gemv(x, data, qtype, bias=None, out_dtype=None)
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
+from typing import Callable
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from . import source
 from .dtypes import MSL_TYPE
+from .linear import GEMV_ARGS, VEC_BYTES, launch_gemv
 from .registry import KernelSpec, register
 
 __all__ = ["gguf_dequantize", "gguf_gemv", "GGUF_QUANTS", "gguf_logical_shape", "gguf_byte_shape"]
 
-# name -> (elements per block, bytes per block); the layouts are ggml's (ggml-common.h).
-GGUF_QUANTS: dict[str, tuple[int, int]] = {
-    "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-    "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-    "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
-}
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-GEMV_MAX_M = 8        # GGUF_GEMV_MAX_M in gguf.metal
-GEMV_COLS = 4         # GGUF_GEMV_COLS in gguf.metal
 GROUP = 256
-MAX_THREADS = 1 << 24
+MAX_THREADS = 1 << 24          # dequantise grid; each thread strides beyond it
+MAX_LAUNCH_VALUES = 1 << 31    # values one dequantise launch covers (its 32-bit offsets); more: more launches
+GGUF_DEQUANT_PARAMS = source.Params("gguf_dequant_params", "chunks nthreads")
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFType:
+    """reference: (n_blocks, bytes_per_block) uint8 -> (n_blocks, elements_per_block) float32, with the gguf
+    package's operations in its order; f16_offsets: byte offsets of the block's fp16 scales (random test
+    blocks get finite values there); chunk: the values one lane takes of a block in the kernels (emitted as
+    GGUF_<NAME>_CHUNK). The MSL block struct is gguf_<name in lower case> of gguf.metal."""
+
+    reference: Callable[[torch.Tensor], torch.Tensor]
+    f16_offsets: tuple[int, ...]
+    chunk: int
 
 
 def _check_qtype(qtype) -> tuple[int, int]:
+    """(elements per block, bytes per block) of a supported type, or a clear error."""
     if qtype not in GGUF_QUANTS:
         raise ValueError(f"GGUF quantisation {qtype!r} is not supported; supported: {', '.join(GGUF_QUANTS)} "
                          f"(and F32/F16/BF16, which load as plain tensors)")
@@ -250,8 +266,27 @@ def _iq4_xs(b):
     return (dl * q).reshape(nb, 256)
 
 
-_DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q2_K": _q2_k,
-            "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+# The one table of the supported types (in the order of the tables that list them: bytes a weight, roughly).
+GGUF_TYPES: dict[str, GGUFType] = {
+    "Q8_0": GGUFType(_q8_0, (0,), 8),
+    "Q6_K": GGUFType(_q6_k, (208,), 8),
+    "Q5_K": GGUFType(_q5_k, (0, 2), 32),
+    "Q5_1": GGUFType(_q5_1, (0, 2), 16),
+    "Q5_0": GGUFType(_q5_0, (0,), 16),
+    "Q4_K": GGUFType(_q4_k, (0, 2), 32),
+    "Q4_1": GGUFType(_q4_1, (0, 2), 16),
+    "Q4_0": GGUFType(_q4_0, (0,), 16),
+    "IQ4_XS": GGUFType(_iq4_xs, (0,), 32),
+    "IQ4_NL": GGUFType(_iq4_nl, (0,), 16),
+    "Q3_K": GGUFType(_q3_k, (108,), 32),
+    "Q2_K": GGUFType(_q2_k, (80, 82), 32),
+}
+# name -> (elements per block, bytes per block), ggml's layouts; emitted as GGUF_<NAME>_BLOCK / _BYTES.
+GGUF_QUANTS: dict[str, tuple[int, int]] = {q: tuple(GGML_QUANT_SIZES[GGMLQuantizationType[q]]) for q in GGUF_TYPES}
+for _q, (_bs, _ts) in GGUF_QUANTS.items():
+    source.define(f"GGUF_{_q}_BLOCK", _bs)
+    source.define(f"GGUF_{_q}_BYTES", _ts)
+    source.define(f"GGUF_{_q}_CHUNK", GGUF_TYPES[_q].chunk)
 
 
 def gguf_dequantize_reference(data, qtype, out_dtype=torch.float32):
@@ -261,7 +296,7 @@ def gguf_dequantize_reference(data, qtype, out_dtype=torch.float32):
     if math.prod(shape) == 0:
         return torch.zeros(shape, dtype=out_dtype, device=data.device)
     blocks = data.contiguous().reshape(-1, ts)
-    return _DEQUANT[qtype](blocks).reshape(shape).to(out_dtype)
+    return GGUF_TYPES[qtype].reference(blocks).reshape(shape).to(out_dtype)
 
 
 def _prepare_gemv(x, data, qtype, bias, out_dtype):
@@ -300,22 +335,31 @@ def gguf_gemv_reference(x, data, qtype, bias=None, out_dtype=None):
 # Metal launch glue (gguf.metal)
 # ------------------------------------------------------------------------------------------------
 
-def _ones1(device):
-    return torch.ones(1, dtype=torch.float32, device=device)
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous at a 16-byte aligned address (the kernels' widest loads): a copy only for a view that
+    starts elsewhere (a file's blocks and a fresh tensor are aligned)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % VEC_BYTES == 0 else t.clone()
 
 
 def gguf_dequantize_metal(lib, data, qtype, out_dtype=torch.float32):
     bs, ts = _check_data(data, qtype)
     _check_out_dtype(out_dtype)
     shape = gguf_logical_shape(data.shape, qtype)
-    n = math.prod(shape)
     out = torch.empty(shape, dtype=out_dtype, device=data.device)
-    if n == 0:
+    if out.numel() == 0:
         return out
-    src = data.contiguous()
-    nthreads = min((n + 3) // 4, MAX_THREADS)
+    src = _aligned(data).reshape(-1)
+    flat = out.reshape(-1)
     kernel = getattr(lib, f"gguf_dequant_{qtype.lower()}_{MSL_TYPE[out_dtype]}")
-    kernel(src, out, n, nthreads, threads=nthreads, group_size=min(GROUP, nthreads))
+    lanes = bs // GGUF_TYPES[qtype].chunk
+    blocks, step = src.numel() // ts, max(1, MAX_LAUNCH_VALUES // bs)
+    for b0 in range(0, blocks, step):
+        nb = min(step, blocks - b0)
+        nthreads = min(nb * lanes, MAX_THREADS)
+        kernel(src[b0 * ts:(b0 + nb) * ts], flat[b0 * bs:(b0 + nb) * bs],
+               GGUF_DEQUANT_PARAMS.pack(chunks=nb * lanes, nthreads=nthreads), threads=nthreads,
+               group_size=min(GROUP, nthreads))
     return out
 
 
@@ -328,37 +372,23 @@ def gguf_gemv_metal(lib, x, data, qtype, bias=None, out_dtype=None):
         if bias is not None:
             y = y + bias.to(device=device, dtype=torch.float32)
         return y.to(out_dtype)
-    w = data.contiguous()
-    xf = x2.to(torch.float32).contiguous()
-    b_buf = bias.to(device=device, dtype=torch.float32).contiguous() if bias is not None else _ones1(device)
-    kernel = getattr(lib, f"gguf_gemv_{qtype.lower()}")
-    threads = (N + GEMV_COLS - 1) // GEMV_COLS * 32
-    group = min(GROUP, threads)
-    chunks = []
-    for m0 in range(0, M, GEMV_MAX_M):
-        xm = xf if M <= GEMV_MAX_M else xf[m0:m0 + GEMV_MAX_M].clone()      # own buffer: no offsets
-        y = torch.empty(xm.shape[0], N, dtype=torch.float32, device=device)
-        kernel(xm, w, b_buf, y, xm.shape[0], K, N, int(bias is not None), threads=threads, group_size=group)
-        chunks.append(y)
-    y = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-    return y.to(out_dtype).reshape(lead + (N,))
+    x2 = _aligned(x2)                         # x is small: a copy if it starts off 16 bytes
+    w = _aligned(data)
+    kernel = getattr(lib, f"gguf_gemv_{qtype.lower()}_{MSL_TYPE[x2.dtype]}")
+    y = launch_gemv(kernel, x2, w, 0, None, bias, out_dtype, N, w.shape[1])
+    return y.reshape(lead + (N,))
 
 
 # ------------------------------------------------------------------------------------------------
 # Self-check inputs: random blocks with finite scales, every type (and every output dtype)
 # ------------------------------------------------------------------------------------------------
 
-# Byte offsets of each type's fp16 scales inside a block (set to finite values in random blocks).
-F16_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
-               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
-
-
 def random_blocks(qtype: str, rows: int, blocks_per_row: int, gen: torch.Generator,
                   scale: float = 0.05) -> torch.Tensor:
     """uint8 (rows, blocks_per_row * bytes_per_block): random bytes, fp16 scales random but finite."""
     _, ts = _check_qtype(qtype)
     raw = torch.randint(0, 256, (rows * blocks_per_row, ts), generator=gen, dtype=torch.uint8)
-    for off in F16_OFFSETS[qtype]:
+    for off in GGUF_TYPES[qtype].f16_offsets:
         d = (torch.randn(rows * blocks_per_row, 1, generator=gen) * scale).to(torch.float16)
         raw[:, off:off + 2] = d.view(torch.uint8)
     return raw.reshape(rows, blocks_per_row * ts)
@@ -367,34 +397,37 @@ def random_blocks(qtype: str, rows: int, blocks_per_row: int, gen: torch.Generat
 def _dequant_cases(device):
     gen = torch.Generator().manual_seed(18)
     out = []
-    dtypes = list(MSL_TYPE)
-    for i, qtype in enumerate(GGUF_QUANTS):
-        for j, dtype in enumerate(dtypes):
-            rows = (3, 1, 2)[(i + j) % 3]
-            out.append(((random_blocks(qtype, rows, 1 + (i + j) % 2, gen).to(device), qtype), {"out_dtype": dtype}))
+    for i, (qtype, dtype) in enumerate(itertools.product(GGUF_TYPES, MSL_TYPE)):
+        rows = (3, 1, 2)[i % 3]
+        out.append(((random_blocks(qtype, rows, 1 + i % 2, gen).to(device), qtype), {"out_dtype": dtype}))
     return out
 
 
 def _gemv_cases(device):
+    """Every (type, activation dtype) entry point; M, N, the bias and the output type rotate."""
     gen = torch.Generator().manual_seed(81)
     out = []
-    for i, qtype in enumerate(GGUF_QUANTS):
-        M, N = (1, 5, 8, 3)[i % 4], (3, 7, 1, 6)[i % 4]
+    for i, (qtype, xdtype) in enumerate(itertools.product(GGUF_TYPES, MSL_TYPE)):
+        M, N = (1, 5, 8, 3)[i % 4], (3, 7, 1, 6, 5)[i % 5]
         data = random_blocks(qtype, N, 1 + i % 2, gen, scale=0.002)
         K = gguf_logical_shape(data.shape, qtype)[1]
-        x = torch.randn(M, K, generator=gen)
-        b = torch.randn(N, generator=gen).to(device) if i % 2 else None
-        out.append(((x.to(device), data.to(device), qtype, b), {}))
+        x = torch.randn(M, K, generator=gen).to(xdtype)
+        b = torch.randn(N, generator=gen).to((xdtype, torch.float32)[i % 2]).to(device) if i % 3 else None
+        kw = {"out_dtype": (None, torch.float32)[i % 2]}
+        out.append(((x.to(device), data.to(device), qtype, b), kw))
     return out
 
 
-_QNAMES = tuple(q.lower() for q in GGUF_QUANTS)
+_DEQUANT = {f"gguf_dequant_{q.lower()}_{t}": f"gguf_dequant<gguf_{q.lower()}, {t}>"
+            for q in GGUF_TYPES for t in MSL_TYPE.values()}
+_GEMV = {f"gguf_gemv_{q.lower()}_{t}": f"gemv<gguf_format<gguf_{q.lower()}>, {t}>"
+         for q in GGUF_TYPES for t in MSL_TYPE.values()}
 
 gguf_dequantize = register(KernelSpec(
     name="gguf_dequantize",
     source="gguf.metal",
-    entry_points={f"gguf_dequant_{q}_{k}": ("tensor", "tensor", "int", "int")
-                  for q in _QNAMES for k in MSL_TYPE.values()},
+    entry_points={name: ("tensor", "tensor", "int[]") for name in _DEQUANT},
+    instantiate=_DEQUANT,
     reference=gguf_dequantize_reference,
     metal=gguf_dequantize_metal,
     self_check_cases=_dequant_cases,
@@ -406,8 +439,8 @@ gguf_gemv = register(KernelSpec(
     name="gguf_gemv",
     measured_by_caller=True,
     source="gguf.metal",
-    entry_points={f"gguf_gemv_{q}": ("tensor", "tensor", "tensor", "tensor", "int", "int", "int", "int")
-                  for q in _QNAMES},
+    entry_points={name: GEMV_ARGS for name in _GEMV},
+    instantiate=_GEMV,
     reference=gguf_gemv_reference,
     metal=gguf_gemv_metal,
     self_check_cases=_gemv_cases,

@@ -11,19 +11,28 @@ gemv(x, weight, bias=None, *, fmt=None, scale=None, out_dtype=None)
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 
-from .dtypes import FORMAT_OF_DTYPE, MSL_TYPE
+from . import source
+from .dtypes import FORMAT_OF_DTYPE, MSL_KIND, MSL_TYPE
 from .fp8 import _as_bytes, fp8_decode_reference, ones1, scale_mode
 from .registry import KernelSpec, register
 
 __all__ = ["gemv", "GEMV_MAX_M", "weight_bytes_per_element"]
 
-GEMV_MAX_M = 8        # rows of x per dispatch (GEMV_MAX_M in linear.metal)
-GEMV_COLS = 4         # output columns per simdgroup (GEMV_COLS in linear.metal)
-GROUP = 256
+# Rows of x per launch (more rows run in launches of this many, each reading the weight again).
+GEMV_MAX_M = source.define("GEMV_MAX_M", 8)
+# The kernel body for M rows is compiled for the power of two at or above M; its simdgroups each cover
+# GEMV_ROWS[that power] output rows (more rows: more loads in flight; fewer: fewer registers for large M).
+GEMV_ROWS = source.constexpr_table("gemv_rows", {1: 4, 2: 4, 4: 2, 8: 2})
+GEMV_PARAMS = source.Params("gemv_params", "M N K row_bytes scale_mode has_bias bias_kind out_kind")
+# Threads a threadgroup of the GEMV: two simdgroups. The kernel shares nothing between its simdgroups, so small
+# groups only spread the work more evenly over the cores (3072 rows: 384 groups for 38 cores, not 96).
+GEMV_GROUP = 64
+VEC_BYTES = 16                   # bytes a lane loads per chunk in the vector kernels
 
 
 def weight_bytes_per_element(weight: torch.Tensor) -> int:
@@ -80,6 +89,38 @@ def gemv_reference(x, weight, bias=None, *, fmt=None, scale=None, out_dtype=None
     return y.to(out_dtype).reshape(lead + (N,))
 
 
+def gemv_bucket(m: int) -> int:
+    """The M the kernel body for m rows is compiled for (the power of two at or above m)."""
+    return 1 << (m - 1).bit_length()
+
+
+def launch_gemv(kernel, x2, w, mode: int, s, bias, out_dtype, N: int, row_bytes: int) -> torch.Tensor:
+    """y (M, N) in out_dtype from a gemv<F, XT> kernel of include/gemv.h: x2 (M, K) contiguous in XT, w the
+    weight bytes (row n at n * row_bytes), scale mode and fp32 scale, bias (N,) or None. Launches of at
+    most GEMV_MAX_M rows, each writing its rows of y in place."""
+    M, K = x2.shape
+    device = x2.device
+    y = torch.empty(M, N, dtype=out_dtype, device=device)
+    if bias is not None:
+        bias = bias.to(device)
+        if bias.dtype not in MSL_KIND:
+            bias = bias.to(torch.float32)
+        bias = bias.contiguous()
+    s_buf = s.contiguous() if mode else ones1(device)
+    b_buf = bias if bias is not None else ones1(device)                 # unread without a bias
+    if GEMV_MAX_M * K >= 1 << 32 or max(GEMV_ROWS.values()) * row_bytes >= 1 << 32:
+        raise ValueError(f"gemv: {M}x{K} activations or rows of {row_bytes} bytes exceed the kernel's 32-bit offsets")
+    for m0 in range(0, M, GEMV_MAX_M):
+        mm = min(GEMV_MAX_M, M - m0)
+        threads = -(-N // GEMV_ROWS[gemv_bucket(mm)]) * 32
+        params = GEMV_PARAMS.pack(M=mm, N=N, K=K, row_bytes=row_bytes, scale_mode=mode,
+                                  has_bias=int(bias is not None), bias_kind=MSL_KIND[b_buf.dtype],
+                                  out_kind=MSL_KIND[out_dtype])
+        kernel(x2[m0:m0 + mm], w, s_buf, b_buf, y[m0:m0 + mm], params, threads=threads,
+               group_size=min(GEMV_GROUP, threads))
+    return y
+
+
 def gemv_metal(lib, x, weight, bias=None, *, fmt=None, scale=None, out_dtype=None):
     x2, kind, w, fmt, lead, N, mode, s, bias, out_dtype = _prepare(x, weight, bias, fmt, scale, out_dtype)
     M, K = x2.shape
@@ -90,65 +131,61 @@ def gemv_metal(lib, x, weight, bias=None, *, fmt=None, scale=None, out_dtype=Non
             y = y + bias.to(device=device, dtype=torch.float32)
         return y.to(out_dtype)
     w = w.contiguous()                        # a no-op for the usual contiguous weight
-    # The _k4 kernels load 4 weights and 4 x values as one vector, which must be aligned to its size.
-    # A weight memory-mapped from a safetensors file can start anywhere: take the scalar kernel then
+    size = w.element_size()
+    # The vector kernels load 16 weight bytes and up to 16 bytes of x at once, aligned to their size. A
+    # weight memory-mapped from a safetensors file can start anywhere: the scalar kernel takes it then
     # (copying the weight on every call would cost more than the vector loads gain).
-    vec = K % 4 == 0 and w.data_ptr() % (4 * w.element_size()) == 0
-    kernel = getattr(lib, f"gemv_{kind}{'_k4' if vec else ''}")
-    xf = x2.to(torch.float32).contiguous()
-    if vec and xf.data_ptr() % 16:            # x is small: copy it into a fresh (aligned) buffer
-        xf = xf.clone()
-    s_buf = s.contiguous() if mode else ones1(device)
-    b_buf = bias.to(device=device, dtype=torch.float32).contiguous() if bias is not None else ones1(device)  # unread
-    groups_of_cols = (N + GEMV_COLS - 1) // GEMV_COLS
-    threads = groups_of_cols * 32
-    group = min(GROUP, threads)
-    chunks = []
-    for m0 in range(0, M, GEMV_MAX_M):
-        xm = xf if M <= GEMV_MAX_M else xf[m0:m0 + GEMV_MAX_M].clone()   # own buffer: no offsets
-        mm = xm.shape[0]
-        y = torch.empty(mm, N, dtype=torch.float32, device=device)
-        kernel(xm, w, s_buf, b_buf, y, mm, K, N, mode, int(bias is not None), threads=threads, group_size=group)
-        chunks.append(y)
-    y = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-    return y.to(out_dtype).reshape(lead + (N,))
+    vec = (K * size) % VEC_BYTES == 0 and w.data_ptr() % VEC_BYTES == 0
+    x2 = x2.contiguous()
+    if vec and x2.data_ptr() % VEC_BYTES:
+        x2 = x2.clone()                       # x is small: an aligned copy
+    kernel = getattr(lib, f"gemv_{kind}_{MSL_TYPE[x2.dtype]}{'' if vec else '_scalar'}")
+    y = launch_gemv(kernel, x2, w, mode, s, bias, out_dtype, N, K * size)
+    return y.reshape(lead + (N,))
 
 
 def _cases(device):
+    """One case per entry point (weight type x activation type x vector/scalar kernel): the self-check is
+    the only thing standing between an entry point and the user's model on a Mac. M, N, the scale mode,
+    the bias and the output type rotate through the cases: every M bucket, rows past N, masked x rows."""
     gen = torch.Generator().manual_seed(3)
     out = []
-    # Every entry point (each weight type, scalar K and K % 4 == 0 "_k4") is exercised once: the
-    # self-check is the only thing standing between an entry point and the user's model on a Mac.
-    for (M, K, N), wkind, smode, with_bias in [((1, 33, 5), "e4m3fn", "row", True), ((3, 7, 6), torch.float16, None, False),
-                                               ((8, 36, 9), "e5m2", "tensor", True), ((2, 40, 3), torch.bfloat16, "row", False),
-                                               ((5, 12, 1), torch.float32, "tensor", True),
-                                               ((1, 64, 7), "e4m3fn", "row", False), ((2, 13, 5), "e5m2", None, True),
-                                               ((4, 28, 6), torch.float16, "tensor", True), ((1, 9, 4), torch.bfloat16, None, True),
-                                               ((3, 11, 5), torch.float32, "row", False)]:
-        x = torch.randn(M, K, generator=gen)
+    weights = [torch.float32, torch.float16, torch.bfloat16, "e4m3fn", "e5m2"]
+    for i, (wkind, xdtype, vec) in enumerate(itertools.product(weights, MSL_TYPE, (True, False))):
+        M, N = (1, 3, 8, 2, 5, 4)[i % 6], (5, 7, 9, 1)[i % 4]
+        K = 48 if vec else 13
+        x = torch.randn(M, K, generator=gen).to(xdtype)
         if isinstance(wkind, str):
             # clearing bit 6 keeps |w| < 2: no inf/NaN codes, sums without catastrophic cancellation
             w = torch.randint(0, 256, (N, K), generator=gen, dtype=torch.uint8) & 0xBF
             kw = {"fmt": wkind}
         else:
             w, kw = torch.randn(N, K, generator=gen).to(wkind), {}
+        smode = (None, "row", "tensor")[i % 3]
         if smode == "row":
             kw["scale"] = (torch.rand(N, 1, generator=gen) + 0.05).to(device)
         elif smode == "tensor":
             kw["scale"] = torch.tensor([0.02]).to(device)
-        b = torch.randn(N, generator=gen).to(device) if with_bias else None
+        kw["out_dtype"] = (None, torch.float32, xdtype)[i % 3]
+        b = torch.randn(N, generator=gen).to((xdtype, torch.float32)[i % 2]).to(device) if i % 4 else None
         out.append(((x.to(device), w.to(device), b), kw))
     return out
 
 
-_KINDS = ("float", "half", "bfloat", "e4m3fn", "e5m2")
-_ARGS = ("tensor", "tensor", "tensor", "tensor", "tensor", "int", "int", "int", "int", "int")
+GEMV_ARGS = ("tensor", "tensor", "tensor", "tensor", "tensor", "int[]")
+# weight kind -> its element type in linear.metal / fp8.h
+_ELEMENTS = {"float": "gemv_float", "half": "gemv_half", "bfloat": "gemv_bfloat", "e4m3fn": "fp8_e4m3fn",
+             "e5m2": "fp8_e5m2"}
+_INSTANCES = {f"gemv_{w}_{x}{suffix}": f"gemv<gemv_{layout}<{e}>, {x}>"
+              for w, e in _ELEMENTS.items() for x in MSL_TYPE.values()
+              for suffix, layout in (("", "vec"), ("_scalar", "elem"))}
 
 gemv = register(KernelSpec(
     name="gemv",
     measured_by_caller=True,
     source="linear.metal",
-    entry_points={f"gemv_{k}{v}": _ARGS for k in _KINDS for v in ("", "_k4")},
+    entry_points={name: GEMV_ARGS for name in _INSTANCES},
+    instantiate=_INSTANCES,
     reference=gemv_reference,
     metal=gemv_metal,
     self_check_cases=_cases,

@@ -36,6 +36,10 @@ class KernelSpec:
         its reference (see dispatch.measured_backend).
     predict_cases: `predict_cases() -> list[perf.PredictCase]`, the kernel at real model shapes for
         `bench --predict` (None: its entry in metal_kernels/perf/cases.py's CASES, if any).
+    instantiate: host name -> the template-id of a kernel template of `source` (e.g.
+        "gemv<gemv_vec<gemv_e4m3fn>, half>"); source.library_source writes one
+        `template [[host_name(...)]]` line for each after the file. Entry points not listed here are
+        kernels the file defines itself.
     """
 
     name: str
@@ -49,12 +53,16 @@ class KernelSpec:
     compare: Callable[[Any, Any], str | None] | None = None
     measured_by_caller: bool = False
     predict_cases: Callable[[], list] | None = None
+    instantiate: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         for entry, kinds in self.entry_points.items():
             bad = [k for k in kinds if k not in ARG_KINDS]
             if bad:
                 raise ValueError(f"kernel {self.name}: entry point {entry} has unknown argument kinds {bad}")
+        unknown = sorted(set(self.instantiate) - set(self.entry_points))
+        if unknown:
+            raise ValueError(f"kernel {self.name}: instantiations {unknown} are not entry points")
 
 
 REGISTRY: dict[str, KernelSpec] = {}

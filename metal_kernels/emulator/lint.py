@@ -17,7 +17,8 @@
 * scalars by reference (``constant T& x [[buffer(i)]]``) must be ``long``/``ulong``/
   ``int64_t``/``uint64_t`` (Python int) or ``float`` (Python float);
 * with ``arg_kinds`` ({host name: ["tensor", "int", "float", "int[]", "float[]", ...]}),
-  every buffer parameter must match what the Python side passes, and the counts agree;
+  every buffer parameter must match what the Python side passes, and the counts agree; a list of ints
+  may also bind a params struct (``constant S& p``) whose fields are all int64 (its exact layout);
 * ``[[threadgroup(n)]]`` parameters are rejected (compile_shader cannot size them);
 * everything the strict MSL 3.1 front end rejects (``strict.check``: address spaces, C++ features Metal
   lacks, recursion, standard-library overloads MSL 3.1 does not have...).
@@ -52,7 +53,7 @@ _SCALAR_SIZES = {
 }
 _KIND_TEXT = {"tensor": "a tensor (declare a pointer: device T*)", "int": "a Python int (declare constant long&)",
               "float": "a Python float (declare constant float&)",
-              "int[]": "a list of ints (declare constant long*)",
+              "int[]": "a list of ints (declare constant long*, or constant S& for a struct of long fields)",
               "float[]": "a list of floats (declare constant float*)",
               "tensor[]": "a list of tensors (declare an array of pointers)"}
 
@@ -193,6 +194,21 @@ def _constants(pp: str, raw: str) -> tuple[dict[str, int], list[tuple[str, int]]
     return consts, named
 
 
+_STRUCT_RE = re.compile(r"\bstruct\s+([A-Za-z_]\w*)\s*\{([^{}]*)\}\s*;")
+
+
+def _int64_structs(text: str) -> set[str]:
+    """Names of the structs in `text` whose fields (one or more) are all int64: what a list of Python ints
+    binds exactly."""
+    out = set()
+    for m in _STRUCT_RE.finditer(text):
+        fields = [f.strip() for f in m.group(2).split(";") if f.strip()]
+        types = [" ".join(f.split()[:-1]) for f in fields]
+        if fields and all(t in _INT64 for t in types):
+            out.add(m.group(1))
+    return out
+
+
 _TG_RE = re.compile(r"\bthreadgroup\s+((?:(?:const|volatile)\s+)*(?:metal::)?[A-Za-z_][\w:]*(?:\s*<[^;{}()]*?>)?)"
                     r"\s+([A-Za-z_]\w*)\s*((?:\[[^\];]+\]\s*)*);")
 
@@ -271,6 +287,7 @@ def lint_source(src: str, arg_kinds: dict[str, list[str]] | None = None) -> list
         return problems + [str(e)]
     # the last definition of each kernel name (the scanner the emulator parses signatures with)
     definitions = {sig.name: sig for sig in scan_kernel_signatures(body_text) if sig.body_span}
+    int64_structs = _int64_structs(body_text)
 
     for k in kernels:
         mapping = {}
@@ -312,7 +329,7 @@ def lint_source(src: str, arg_kinds: dict[str, list[str]] | None = None) -> list
                                 f"{TG_MEMORY_LIMIT} byte (32 KiB) limit")
         # arg kinds
         if arg_kinds is not None and k.host in arg_kinds:
-            _check_kinds(where, params, list(arg_kinds[k.host]), problems)
+            _check_kinds(where, params, list(arg_kinds[k.host]), problems, int64_structs)
     if arg_kinds is not None:
         hosts = {k.host for k in kernels}
         for h in arg_kinds:
@@ -354,7 +371,8 @@ def _check_scalars(where: str, params: list[Param], problems: list[str]) -> None
                             f"scalars by value; pass vectors as a tensor or a list (constant T*)")
 
 
-def _check_kinds(where: str, params: list[Param], kinds: list[str], problems: list[str]) -> None:
+def _check_kinds(where: str, params: list[Param], kinds: list[str], problems: list[str],
+                 int64_structs: set[str] = frozenset()) -> None:
     bufs = {int(p.attr_arg): p for p in params if p.attr == "buffer" and p.attr_arg.isdigit()}
     if len(bufs) != len(kinds):
         problems.append(f"{where}: the kernel has {len(bufs)} buffer parameters but the Python side passes "
@@ -375,7 +393,8 @@ def _check_kinds(where: str, params: list[Param], kinds: list[str], problems: li
         elif kind == "float":
             ok = "&" in t and "*" not in t and base == "float"
         elif kind == "int[]":
-            ok = "*" in t and base in _INT64 and re.search(r"\bconstant\b|\bconst\b", t) is not None
+            ok = re.search(r"\bconstant\b|\bconst\b", t) is not None and (
+                ("*" in t and base in _INT64) or (("&" in t or "*" in t) and base in int64_structs))
         elif kind == "float[]":
             ok = "*" in t and base == "float" and re.search(r"\bconstant\b|\bconst\b", t) is not None
         elif kind == "tensor[]":

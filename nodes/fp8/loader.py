@@ -274,10 +274,10 @@ def model_state_for_saving(diffusion_model: torch.nn.Module, quantize_mode: str 
         tensors[key] = t.to(dtype)
 
     for name, m in fp8.items():
-        w = m.weight.detach().to("cpu").view(FP8_DTYPES[m.fp8_format])
+        w = m.weight.detach().to("cpu").view(FP8_DTYPES[m.weight_format])
         scale = m.weight_scale.detach().to("cpu") if m.weight_scale is not None else None
-        tensors.update(comfy_quant_entries(name, w, scale, m.fp8_format))
-        layers[name] = m.fp8_format
+        tensors.update(comfy_quant_entries(name, w, scale, m.weight_format))
+        layers[name] = m.weight_format
         if m.bias is not None:
             plain(f"{name}.bias", m.bias.detach().to("cpu"))
     quantize_rest = not fp8

@@ -6,9 +6,9 @@ weight (native float8 on CPU/CUDA and MPS >= torch 2.15, uint8 bytes on older MP
 scale (tensorwise () or per-row (N,)) as module state, so ComfyUI's memory accounting
 (`module_size` = bytes of the state dict) sees 1 byte a weight.
 
-Linear forward: M <= GEMV_MAX_ROWS rows -> `metal_kernels.gemv` reads the FP8 weight directly (on
-MPS only where `dispatch.measured_choice` timed it faster than decode + matmul for that shape); larger M -> `metal_kernels.fp8_decode` to the compute dtype (the input's dtype) + the platform
-matmul. Conv and embedding weights decode the same way (an embedding decodes only the looked-up rows).
+Linear forward: M <= GEMV_MAX_M rows -> `metal_kernels.gemv` reads the FP8 weight directly (on
+MPS only where `dispatch.measured_choice` timed it faster than decode + matmul for that shape); larger
+M -> `metal_kernels.fp8_decode` to the compute dtype (the input's dtype) + the platform matmul. Conv and embedding weights decode the same way (an embedding decodes only the looked-up rows).
 
 LoRA: `MetalFP8ModelPatcher` (a `comfy.model_patcher.ModelPatcher`) does not rewrite FP8 weights;
 for a patched FP8 weight it installs ComfyUI's own `LowVramPatch` on the layer, which the forward
@@ -23,11 +23,10 @@ from typing import Any
 
 import torch
 
+from ...metal_kernels.linear import GEMV_MAX_M
 from .formats import FORMAT_OF_DTYPE, CheckpointError, is_fp8_dtype
 
 log = logging.getLogger("comfy_metal")
-
-GEMV_MAX_ROWS = 8
 _BYTE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -82,7 +81,7 @@ def _plain_decode(t: torch.Tensor, scale: torch.Tensor | None = None) -> torch.T
 class FP8WeightMixin:
     """State and load/decode logic shared by the FP8 Linear, Conv and Embedding layers."""
 
-    fp8_format: str | None = None
+    weight_format: str | None = None   # "e4m3fn" / "e5m2" (or "gguf": nodes/gguf); None: a plain weight
     fp8_lora_patch = None          # a comfy LowVramPatch installed by MetalFP8ModelPatcher
     fp8_hook_patch = None          # weight-hook patches (scheduled LoRA), applied after it
     _fp8_source = ""               # file name, for error messages (set on the ops class)
@@ -125,7 +124,7 @@ class FP8WeightMixin:
             else:
                 if scale is not None:
                     w = w.float() * scale.float().reshape(-1, *([1] * (w.dim() - 1)))
-                self.fp8_format = None
+                self.weight_format = None
                 self.weight = torch.nn.Parameter(w.to(self._fp8_hp_dtype(w.dtype)), requires_grad=False)
                 self._buffers.pop("weight_scale", None)
         if bias is not None:
@@ -154,7 +153,7 @@ class FP8WeightMixin:
                                     f"{scale.numel()} values; expected 1 (tensorwise) or {w.shape[0]} (one per row)")
             if scale.is_meta:
                 raise FP8LayerError("scale on the meta device")
-        self.fp8_format = fmt
+        self.weight_format = fmt
         store = self._fp8_storage or w.dtype
         self.weight = torch.nn.Parameter(to_storage(w, fmt, store), requires_grad=False)
         if scale is None:
@@ -168,9 +167,9 @@ class FP8WeightMixin:
 
     # -- forward helpers ---------------------------------------------------------------------------
 
-    def fp8_active(self) -> bool:
+    def quantized_active(self) -> bool:
         w = getattr(self, "weight", None)
-        return self.fp8_format is not None and w is not None and w.dtype in _BYTE_DTYPES and not w.is_meta
+        return self.weight_format is not None and w is not None and w.dtype in _BYTE_DTYPES and not w.is_meta
 
     def _weight_functions(self) -> list:
         fns = list(getattr(self, "weight_function", []) or [])
@@ -199,11 +198,11 @@ class FP8WeightMixin:
             b = f(b)
         return b
 
-    def fp8_decoded_weight(self, device=None, dtype=torch.float32, apply_patches=True) -> torch.Tensor:
+    def decoded_weight(self, device=None, dtype=torch.float32, apply_patches=True) -> torch.Tensor:
         """The weight decoded to `dtype` on `device`, with LoRA/weight patches applied."""
         device = torch.device(device) if device is not None else self.weight.device
         w, scale = self._fp8_bytes_scale(device)
-        out = decode_fp8(w, self.fp8_format, scale, dtype)
+        out = decode_fp8(w, self.weight_format, scale, dtype)
         if apply_patches:
             for f in self._weight_functions():
                 out = f(out)
@@ -234,7 +233,7 @@ class FP8LinearMixin(FP8WeightMixin):
     def _fp8_expected_shape(self):
         return (self.out_features, self.in_features)
 
-    def fp8_linear(self, x: torch.Tensor) -> torch.Tensor:
+    def quantized_linear(self, x: torch.Tensor) -> torch.Tensor:
         fp8_decode, gemv = _kernels()
         dtype = self._compute_dtype(x)
         if x.dtype != dtype:
@@ -245,25 +244,25 @@ class FP8LinearMixin(FP8WeightMixin):
         M = x2.shape[0]
         bias = self._fp8_bias(x.device, dtype)
         fns = self._weight_functions()
-        if 0 < M <= GEMV_MAX_ROWS and not fns:
+        if 0 < M <= GEMV_MAX_M and not fns:
             w, scale = self._fp8_bytes_scale(x.device)
 
             def via_gemv():
-                return gemv(x2.contiguous(), w, bias, fmt=self.fp8_format, scale=scale, out_dtype=dtype)
+                return gemv(x2.contiguous(), w, bias, fmt=self.weight_format, scale=scale, out_dtype=dtype)
 
             dispatch = _dispatch()
             if not dispatch.measuring_enabled(x.device):
                 y = via_gemv()
             else:  # on MPS: GEMV only where measured faster than decode + the platform matmul
                 def via_matmul():
-                    return torch.nn.functional.linear(x2, self.fp8_decoded_weight(x.device, dtype), bias)
+                    return torch.nn.functional.linear(x2, self.decoded_weight(x.device, dtype), bias)
 
-                key = (M, self.out_features, K, self.fp8_format, str(dtype).replace("torch.", ""))
+                key = (M, self.out_features, K, self.weight_format, str(dtype).replace("torch.", ""))
                 choice = dispatch.measured_choice("gemv", key, {"decode+matmul": via_matmul, "gemv": via_gemv},
                                                   x.device)
                 y = via_gemv() if choice == "gemv" else via_matmul()
         else:
-            w = self.fp8_decoded_weight(x.device, dtype)
+            w = self.decoded_weight(x.device, dtype)
             y = torch.nn.functional.linear(x2, w, bias)
         return y.reshape(*lead, self.out_features)
 
@@ -272,11 +271,11 @@ class FP8ConvMixin(FP8WeightMixin):
     def _fp8_expected_shape(self):
         return (self.out_channels, self.in_channels // self.groups, *self.kernel_size)
 
-    def fp8_conv(self, x, *args, **kwargs):
+    def quantized_conv(self, x, *args, **kwargs):
         dtype = self._compute_dtype(x)
         if x.dtype != dtype:
             x = x.to(dtype)
-        w = self.fp8_decoded_weight(x.device, dtype)
+        w = self.decoded_weight(x.device, dtype)
         return self._conv_forward(x, w, self._fp8_bias(x.device, dtype), *args, **kwargs)
 
 
@@ -284,10 +283,10 @@ class FP8EmbeddingMixin(FP8WeightMixin):
     def _fp8_expected_shape(self):
         return (self.num_embeddings, self.embedding_dim)
 
-    def fp8_embedding(self, ids: torch.Tensor, out_dtype=None) -> torch.Tensor:
+    def quantized_embedding(self, ids: torch.Tensor, out_dtype=None) -> torch.Tensor:
         dtype = out_dtype or self._fp8_hp_dtype(torch.float32)
         if self._weight_functions() or self.max_norm is not None:
-            w = self.fp8_decoded_weight(ids.device, dtype)
+            w = self.decoded_weight(ids.device, dtype)
             return torch.nn.functional.embedding(ids, w, self.padding_idx, self.max_norm, self.norm_type,
                                                  self.scale_grad_by_freq, self.sparse)
         fp8_decode, _ = _kernels()
@@ -296,7 +295,7 @@ class FP8EmbeddingMixin(FP8WeightMixin):
         rows = w.view(torch.uint8).index_select(0, flat)       # gather bytes, decode only these rows
         if scale is not None and scale.numel() > 1:
             scale = scale.index_select(0, flat)
-        out = fp8_decode(rows, self.fp8_format, scale, out_dtype=dtype)
+        out = fp8_decode(rows, self.weight_format, scale, out_dtype=dtype)
         return out.reshape(*ids.shape, self.embedding_dim)
 
 
@@ -358,9 +357,9 @@ def make_fp8_ops(source: str = "", compute_dtype: torch.dtype | None = None,
             return None
 
         def forward(self, *args, **kwargs):
-            if self.fp8_active():
+            if self.quantized_active():
                 _tick()
-                return self.fp8_linear(*args, **kwargs)
+                return self.quantized_linear(*args, **kwargs)
             return super().forward(*args, **kwargs)
 
     def conv_class(conv_base):
@@ -372,9 +371,9 @@ def make_fp8_ops(source: str = "", compute_dtype: torch.dtype | None = None,
                 return None
 
             def forward(self, *args, **kwargs):
-                if self.fp8_active():
+                if self.quantized_active():
                     _tick()
-                    return self.fp8_conv(*args, **kwargs)
+                    return self.quantized_conv(*args, **kwargs)
                 return super().forward(*args, **kwargs)
 
         Conv.__name__ = Conv.__qualname__ = conv_base.__name__
@@ -397,9 +396,9 @@ def make_fp8_ops(source: str = "", compute_dtype: torch.dtype | None = None,
             return FP8EmbeddingMixin._load_from_state_dict(self, state_dict, prefix, *args, **kwargs)
 
         def forward(self, input, *args, **kwargs):
-            if self.fp8_active():
+            if self.quantized_active():
                 _tick()
-                return self.fp8_embedding(input, kwargs.get("out_dtype", args[0] if args else None))
+                return self.quantized_embedding(input, kwargs.get("out_dtype", args[0] if args else None))
             if standalone:
                 out_dtype = kwargs.pop("out_dtype", None)
                 y = super().forward(input)
@@ -435,7 +434,7 @@ def _wrap_conv_init(cls):
 
 
 def is_fp8_module(m) -> bool:
-    return isinstance(m, FP8WeightMixin) and m.fp8_active()
+    return isinstance(m, FP8WeightMixin) and m.quantized_active()
 
 
 def fp8_modules(model: torch.nn.Module):
@@ -512,7 +511,7 @@ def patcher_class():
                 op.fp8_lora_patch = None
                 return op.weight
             if return_weight:
-                w = op.fp8_decoded_weight(device_to, torch.float32, apply_patches=False)
+                w = op.decoded_weight(device_to, torch.float32, apply_patches=False)
                 return comfy.lora.calculate_weight(self.patches[key], w, key)
             op.fp8_lora_patch = mp.LowVramPatch(key, self.patches)
             return None
@@ -567,7 +566,7 @@ RUN_KERNELS = ["fp8_decode", "gemv"]
 def record_fp8_run(model) -> None:
     """Badge record for the node in which an FP8 model just ran (never raises)."""
     try:
-        formats = {m.fp8_format for m in model.modules() if is_fp8_module(m)}
+        formats = {m.weight_format for m in model.modules() if is_fp8_module(m)}
         if formats:
             from ..status import record_node_backend
 

@@ -7,9 +7,10 @@ model detection reads the architecture from it as from any state dict.
 `make_gguf_ops(...)` builds the custom_operations class: each layer of the FP8 op set (Linear, Conv,
 Embedding) gains the GGUF mixin below through the FP8 layers' `_load_quantized_weight` hook. A GGUF
 layer keeps its blocks as a uint8 parameter (ComfyUI's memory manager counts those bytes: the true
-quantised size), and marks itself active to the FP8 machinery, so everything built on it applies
-unchanged: the forward paths, LoRA and hook patches on the dequantised weight (MetalFP8ModelPatcher),
-and weight accounting. Linear forward: M <= 8 rows -> `gguf_gemv` (the fused Metal kernel reads the
+quantised size) with `weight_format = "gguf"`, so everything the op set builds on a quantised weight
+applies unchanged: the forward paths (`quantized_linear`, ...), LoRA and hook patches on the dequantised
+weight (MetalFP8ModelPatcher), and weight accounting. Linear forward: M <= GEMV_MAX_M rows -> `gguf_gemv`
+(the fused Metal kernel reads the
 blocks; on MPS only where the dispatch's measured choice, when it offers one, timed it faster);
 larger M -> `gguf_dequantize` to the compute dtype + the platform matmul. Embeddings gather
 the byte rows of the looked-up tokens and dequantise only those.
@@ -20,9 +21,10 @@ import math
 
 import torch
 
-from ..fp8.ops import GEMV_MAX_ROWS, FP8LayerError, make_fp8_ops
+from ...metal_kernels.linear import GEMV_MAX_M
+from ..fp8.ops import FP8LayerError, make_fp8_ops
 
-GGUF_FORMAT = "gguf"        # the layers' fp8_format marker for a GGUF weight
+GGUF_FORMAT = "gguf"        # the layers' weight_format for a GGUF weight
 RUN_KERNELS = ["gguf_dequantize", "gguf_gemv"]
 
 
@@ -157,7 +159,7 @@ class GGUFWeightMixin:
             raw = raw.reshape(math.prod(shape[:-1]), shape[-1] // bs * ts)
         else:
             raw = raw.reshape(-1, ts)
-        self.fp8_format = GGUF_FORMAT
+        self.weight_format = GGUF_FORMAT
         self.gguf_qtype = w.gguf_qtype
         self.gguf_shape = shape
         self.weight = torch.nn.Parameter(GGUFTensor(raw, w.gguf_qtype, shape, w.gguf_name), requires_grad=False)
@@ -167,7 +169,7 @@ class GGUFWeightMixin:
         return True
 
     def _gguf(self) -> bool:
-        return self.fp8_format == GGUF_FORMAT and self.gguf_qtype is not None
+        return self.weight_format == GGUF_FORMAT and self.gguf_qtype is not None
 
     def _gguf_raw(self, device=None) -> torch.Tensor:
         """The weight's block bytes, (rows, row_bytes) uint8, on `device`."""
@@ -175,9 +177,9 @@ class GGUFWeightMixin:
         raw = w.raw() if isinstance(w, GGUFTensor) else w
         return raw if device is None or raw.device == device else raw.to(device, non_blocking=True)
 
-    def fp8_decoded_weight(self, device=None, dtype=torch.float32, apply_patches=True) -> torch.Tensor:
+    def decoded_weight(self, device=None, dtype=torch.float32, apply_patches=True) -> torch.Tensor:
         if not self._gguf():
-            return super().fp8_decoded_weight(device, dtype, apply_patches)
+            return super().decoded_weight(device, dtype, apply_patches)
         dequant, _, _ = _kernels()
         device = torch.device(device) if device is not None else self.weight.device
         out = dequant(self._gguf_raw(device), self.gguf_qtype, out_dtype=dtype).reshape(self.gguf_shape)
@@ -188,9 +190,9 @@ class GGUFWeightMixin:
 
 
 class GGUFLinearMixin(GGUFWeightMixin):
-    def fp8_linear(self, x: torch.Tensor) -> torch.Tensor:
+    def quantized_linear(self, x: torch.Tensor) -> torch.Tensor:
         if not self._gguf():
-            return super().fp8_linear(x)
+            return super().quantized_linear(x)
         _, gemv, _ = _kernels()
         dtype = self._compute_dtype(x)
         if x.dtype != dtype:
@@ -202,9 +204,9 @@ class GGUFLinearMixin(GGUFWeightMixin):
         w = self._gguf_raw(x.device)
 
         def via_matmul():
-            return torch.nn.functional.linear(x2, self.fp8_decoded_weight(x.device, dtype), bias)
+            return torch.nn.functional.linear(x2, self.decoded_weight(x.device, dtype), bias)
 
-        if 0 < M <= GEMV_MAX_ROWS and not self._weight_functions() and w.shape[0] == self.out_features:
+        if 0 < M <= GEMV_MAX_M and not self._weight_functions() and w.shape[0] == self.out_features:
             def via_gemv():
                 return gemv(x2.contiguous(), w, self.gguf_qtype, bias, out_dtype=dtype)
 
@@ -226,13 +228,13 @@ class GGUFLinearMixin(GGUFWeightMixin):
 
 
 class GGUFEmbeddingMixin(GGUFWeightMixin):
-    def fp8_embedding(self, ids: torch.Tensor, out_dtype=None) -> torch.Tensor:
+    def quantized_embedding(self, ids: torch.Tensor, out_dtype=None) -> torch.Tensor:
         if not self._gguf():
-            return super().fp8_embedding(ids, out_dtype)
+            return super().quantized_embedding(ids, out_dtype)
         dtype = out_dtype or self._fp8_hp_dtype(torch.float32)
         w = self._gguf_raw(ids.device)
         if self._weight_functions() or self.max_norm is not None or w.shape[0] != self.num_embeddings:
-            w = self.fp8_decoded_weight(ids.device, dtype)
+            w = self.decoded_weight(ids.device, dtype)
             return torch.nn.functional.embedding(ids, w, self.padding_idx, self.max_norm, self.norm_type,
                                                  self.scale_grad_by_freq, self.sparse)
         dequant, _, _ = _kernels()

@@ -71,22 +71,26 @@ def test_unmutated_gemv_matches(kind, K):
     assert gemv_problem(GEMV_SRC, kind, K) is None
 
 
+LANE_LOOP = "for (uint c = lane; c < chunks; c += 32u)"
+
+
 def test_off_by_one_loop_bound_reading_past_the_row_is_caught():
-    # scalar kernels (odd K): each lane's loop runs to k <= K, reading one element past each weight
-    # row (the next row's first element, past the buffer for the last row) and past each x row
-    src = mutate(GEMV_SRC, "for (long k = long(lane); k < K; k += 32)", "for (long k = long(lane); k <= K; k += 32)")
+    # scalar kernels (odd K, one element a chunk): each lane's loop runs to c <= chunks, reading one
+    # element past each weight row (the next row's first element, past the buffer for the last row) and
+    # past each x row
+    src = mutate(GEMV_SRC, LANE_LOOP, "for (uint c = lane; c <= chunks; c += 32u)")
     for kind in ("e4m3fn", torch.float32):
         problem = gemv_problem(src, kind, K=33)
         assert problem is not None, f"off-by-one over K not caught for {kind}"
-    # K = 32: lane 0's second step reads exactly element K of row n
+    # K = 31: lane 31 reads exactly element K of row n
     assert gemv_problem(src, torch.float16, K=31) is not None
 
 
 def test_vectorised_loop_overrun_is_caught():
-    # the _k4 kernels load 4 weights per lane: a bound of k <= K lets one lane load 4 past the row
-    src = mutate(GEMV_SRC, "for (long k = long(lane) * 4; k < K; k += 128)",
-                 "for (long k = long(lane) * 4; k <= K; k += 128)")
-    assert gemv_problem(src, "e5m2", K=36) is not None      # lane 9 starts at k = 36 = K
+    # the vector kernels load 16 weight bytes per lane and chunk: a bound of c <= chunks lets one lane load
+    # 16 bytes past the row
+    src = mutate(GEMV_SRC, LANE_LOOP, "for (uint c = lane; c <= chunks; c += 32u)")
+    assert gemv_problem(src, "e5m2", K=48) is not None      # lane 3 starts at byte 48 = K
     assert gemv_problem(src, torch.float32, K=128) is not None
 
 
@@ -100,21 +104,21 @@ inline float gemv_partial_sum(float v) {
 
 
 def test_simd_reduction_over_too_few_lanes_is_caught():
-    src = mutate(GEMV_SRC, "const float t = simd_sum(acc[c][m]);", "const float t = gemv_partial_sum(acc[c][m]);")
-    src = mutate(src, "#define GEMV_MAX_M 8", PARTIAL_SUM + "\n#define GEMV_MAX_M 8")
-    # K = 17 .. : lanes 16..31 hold terms the partial butterfly never sees
+    src = mutate(GEMV_SRC, "const float t = simd_sum(acc.v[r][m]);", "const float t = gemv_partial_sum(acc.v[r][m]);")
+    src = mutate(src, "#define GEMV_TABLE_SIZE 16", PARTIAL_SUM + "\n#define GEMV_TABLE_SIZE 16")
+    # K = 33 (one element a chunk): lanes 16..31 hold terms the partial butterfly never sees
     assert gemv_problem(src, torch.float32, K=33) is not None
-    assert gemv_problem(src, "e4m3fn", K=132) is not None    # _k4: 33 groups of 4 -> every lane busy
-    # (with K = 36 only lanes 0..8 hold terms, which the partial butterfly does see: that is no bug)
+    assert gemv_problem(src, "e4m3fn", K=512) is not None    # vector kernel: 32 chunks of 16, every lane busy
+    # (with e4m3fn K = 128 only lanes 0..7 hold terms, which the partial butterfly does see: that is no bug)
     # the full butterfly (offsets 1..16) is a correct reduction: the harness does not cry wolf
     full = src.replace("off <= 8;", "off <= 16;")
     assert gemv_problem(full, torch.float32, K=33) is None
 
 
 def test_missing_scale_or_bias_is_caught():
-    src = mutate(GEMV_SRC, "y[long(m) * N + n] = fma(t, s, b);", "y[long(m) * N + n] = t + b;")
+    src = mutate(GEMV_SRC, "fma(t, s, b), p.out_kind", "t + b, p.out_kind")
     assert gemv_problem(src, "e4m3fn") is not None
-    src = mutate(GEMV_SRC, "y[long(m) * N + n] = fma(t, s, b);", "y[long(m) * N + n] = t * s;")
+    src = mutate(GEMV_SRC, "fma(t, s, b), p.out_kind", "t * s, p.out_kind")
     assert gemv_problem(src, torch.float16) is not None
 
 
@@ -183,7 +187,7 @@ def _patched_library_source(monkeypatch, old, new):
 
 
 def test_compile_error_in_a_mutated_library_falls_back_with_the_reason(emulator_backend, monkeypatch, caplog):
-    _patched_library_source(monkeypatch, "const float t = simd_sum(acc[c][m]);", "const float t = simd_sum(acc[c][m])")
+    _patched_library_source(monkeypatch, "const float t = simd_sum(acc.v[r][m]);", "const float t = simd_sum(acc.v[r][m])")
     x, w = torch.randn(2, 33), torch.randn(5, 33)
     with caplog.at_level(logging.WARNING, logger="comfy_metal"):
         y = metal_kernels.gemv(x, w)
@@ -195,7 +199,7 @@ def test_compile_error_in_a_mutated_library_falls_back_with_the_reason(emulator_
 
 
 def test_wrong_results_fail_the_self_check_and_fall_back(emulator_backend, monkeypatch):
-    _patched_library_source(monkeypatch, "y[long(m) * N + n] = fma(t, s, b);", "y[long(m) * N + n] = t + b;")
+    _patched_library_source(monkeypatch, "fma(t, s, b), p.out_kind", "t + b, p.out_kind")
     x, w = torch.randn(2, 33), torch.randn(5, 33)
     scale = torch.rand(5) + 0.5
     y = metal_kernels.gemv(x, w, scale=scale)
@@ -245,7 +249,7 @@ def test_missing_saturation_is_caught():
 
 
 def test_decode_dropping_the_last_odd_element_is_caught():
-    src = mutate(FP8_SRC, "for (int j = 0; i + j < n; ++j) fp8_store", "for (int j = 0; i + j < n - 1; ++j) fp8_store")
+    src = mutate(FP8_SRC, "for (ulong k = i; k < end; ++k) io_store(", "for (ulong k = i; k + 1 < end; ++k) io_store(")
     raw = torch.arange(7, dtype=torch.uint8) + 0x30
     lib = emulator.compile_library(src)
     got = fp8_module.fp8_decode_metal(lib, raw, "e4m3fn", out_dtype=torch.float32)

@@ -66,15 +66,17 @@ def test_every_kernel_is_registered_from_its_own_file(per_file_kernels):
 
 
 def test_the_lint_and_the_registry_check_bite():
-    """Wrong argument kinds and a kernel unknown to the source are reported."""
+    """Wrong argument kinds, a kernel unknown to the source and a params struct a list of ints does not fit
+    (a field narrower than int64) are reported."""
     src = dispatch.library_source(only="linear.metal")
     kinds = {k: v for k, v in registry.entry_point_kinds().items() if k.startswith("gemv_")}
     assert lint_source(src, kinds) == []
-    bad = dict(kinds, gemv_float=kinds["gemv_float"][:-1] + ("float",))
-    assert any("gemv_float" in p and "argument 9" in p for p in lint_source(src, bad))
+    bad = dict(kinds, gemv_float_float=kinds["gemv_float_float"][:-1] + ("float",))
+    assert any("gemv_float_float" in p and "argument 5" in p for p in lint_source(src, bad))
     assert any("gemv_missing" in p for p in lint_source(src, dict(kinds, gemv_missing=("tensor",))))
-    narrowed = src.replace("constant long& has_bias [[buffer(9)]]", "constant int& has_bias [[buffer(9)]]")
-    assert any("has_bias" in p and "int64" in p for p in lint_source(narrowed, kinds))
+    assert "    long has_bias;\n" in src
+    narrowed = src.replace("    long has_bias;\n", "    int has_bias;\n")
+    assert any("gemv_params" in p and "argument 5" in p for p in lint_source(narrowed, kinds))
 
 
 class _RecordingLibrary:

@@ -252,7 +252,7 @@ def test_lora_full_and_lowvram_loads_agree(comfyui, loader_mod, flux_files):
     p, _ = comfy.sd.load_lora_for_models(ours, None, {f"{layer}.lora_up.weight": up,
                                                       f"{layer}.lora_down.weight": down}, 0.5, 0)
     x = torch.randn(12, op.in_features, generator=g)
-    want = torch.nn.functional.linear(x, op.fp8_decoded_weight(dtype=torch.float32) + 0.5 * up @ down, op.bias)
+    want = torch.nn.functional.linear(x, op.decoded_weight(dtype=torch.float32) + 0.5 * up @ down, op.bias)
     cpu = torch.device("cpu")
     p.patch_model(device_to=cpu, lowvram_model_memory=0)          # full load
     assert op.fp8_lora_patch is not None
@@ -302,7 +302,7 @@ def test_loader_node_through_executor_and_emulator(comfyui, loader_mod, flux_fil
         monkeypatch.delenv("COMFY_METAL_BACKEND")
         for mod in (dispatch, kernels.dispatch):
             mod.reset()
-    w = op.fp8_decoded_weight(dtype=torch.float32)
+    w = op.decoded_weight(dtype=torch.float32)
     ref = torch.nn.functional.linear(x, w, op.bias)
     refb = torch.nn.functional.linear(xb, w, op.bias)
     assert backends.get("gemv") == "emulator" and backends.get("fp8_decode") == "emulator", backends

@@ -180,8 +180,9 @@ def lib():
 
 
 def _shapes():
-    # odd sizes: a scalar tail, a 4-aligned body, row lengths not multiples of 4, rows of length 1
-    return [(1,), (7,), (257,), (5, 3), (3, 1), (6, 11), (2, 3, 5)]
+    # odd sizes: a scalar tail, 16-element chunks and a tail, row lengths not multiples of 16 (per-row scales
+    # then go element by element), rows of length 1, rows of whole chunks (16-byte loads with per-row scales)
+    return [(1,), (7,), (257,), (5, 3), (3, 1), (6, 11), (2, 3, 5), (3, 32), (2, 3, 16), (5, 48)]
 
 
 @pytest.mark.parametrize("fmt", fp8.FP8_FORMATS)
@@ -281,6 +282,21 @@ def test_emulated_grid_stride_loop_covers_more_elements_than_threads(lib, monkey
                            oracle_decode(raw, fmt, scale))
         x = torch.randn(7, 9, generator=gen) * 30
         assert_same_bytes(fp8_encode_metal(lib, x, fmt, scale), oracle_encode(x, fmt, scale))
+
+
+def test_emulated_long_rows_go_in_pieces(lib, monkeypatch):
+    """Rows longer than MAX_ROW (the kernels' 32-bit offsets in a row) are converted in pieces, each with its
+    row's scale (made small here): 16-byte-aligned pieces, a tail piece, one row and several."""
+    monkeypatch.setattr(fp8, "MAX_ROW", 32)
+    gen = torch.Generator().manual_seed(11)
+    for shape in ((3, 80), (100,), (2, 3, 40)):
+        raw = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+        for scale in (None, torch.rand(shape[0], generator=gen) + 0.5):
+            for fmt in fp8.FP8_FORMATS:
+                assert_same_values(fp8_decode_metal(lib, raw, fmt, scale, out_dtype=torch.float32),
+                                   oracle_decode(raw, fmt, scale))
+                x = torch.randn(shape, generator=gen) * 30
+                assert_same_bytes(fp8_encode_metal(lib, x, fmt, scale), oracle_encode(x, fmt, scale))
 
 
 def test_decode_self_check_compare_is_exact_but_tolerates_flushed_subnormals():

@@ -39,7 +39,7 @@ def _load(path, weight_mode="auto", storage=None, **net_kw):
 def _tensor_of(net, key):
     mod = net.get_submodule(key.rsplit(".", 1)[0])
     if key.endswith(".weight") and fp8_ops.is_fp8_module(mod):
-        return mod.fp8_decoded_weight(dtype=torch.float32)
+        return mod.decoded_weight(dtype=torch.float32)
     return getattr(mod, key.rsplit(".", 1)[1]).float()
 
 
@@ -145,11 +145,11 @@ def test_embedding_decodes_only_rows_and_conv_decodes(monkeypatch):
     monkeypatch.setattr(fp8_ops, "_kernels", lambda: (recording_decode, gemv))
     emb = net.embed(ids, out_dtype=torch.float32)
     assert decoded_shapes == [(4, net.embed.embedding_dim)]     # the 4 looked-up rows, not the table
-    wd = net.embed.fp8_decoded_weight(dtype=torch.float32)
+    wd = net.embed.decoded_weight(dtype=torch.float32)
     torch.testing.assert_close(emb, wd[ids], rtol=0, atol=0)
     img = torch.randn(1, 3, 9, 7)
     torch.testing.assert_close(net.conv(img), torch.nn.functional.conv2d(
-        img, net.conv.fp8_decoded_weight(dtype=torch.float32), net.conv.bias.float(), padding=1), rtol=1e-5, atol=1e-5)
+        img, net.conv.decoded_weight(dtype=torch.float32), net.conv.bias.float(), padding=1), rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------

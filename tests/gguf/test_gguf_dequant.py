@@ -45,12 +45,12 @@ def test_extreme_scales_and_subnormals_bit_exact(qtype):
     """Large, tiny and subnormal fp16 scales (and zero) still agree bit for bit."""
     gen = torch.Generator().manual_seed(5)
     data = random_blocks(qtype, 9, 2, gen)
-    from comfy_metal.metal_kernels.gguf import F16_OFFSETS
+    from comfy_metal.metal_kernels.gguf import GGUF_TYPES
     _, ts = GGUF_QUANTS[qtype]
     blocks = data.reshape(-1, ts)
     specials = torch.tensor([65504.0, -3.0e-8, 6.0e-5, 0.0, -1.0, 1e-7], dtype=torch.float16).view(torch.uint8)
     for i in range(blocks.shape[0]):
-        for off in F16_OFFSETS[qtype]:
+        for off in GGUF_TYPES[qtype].f16_offsets:
             k = (i + off) % 6
             blocks[i, off:off + 2] = specials[2 * k:2 * k + 2]
     got = gguf_dequantize_reference(data, qtype)

@@ -34,7 +34,7 @@ class TinyNet(torch.nn.Module):
 
 
 def _accepts_out_dtype(m):
-    return hasattr(m, "fp8_embedding")
+    return hasattr(m, "quantized_embedding")
 
 
 def tiny_state(vocab=50, d=64, hidden=160, out=48, seed=0, dtype=torch.bfloat16) -> dict:

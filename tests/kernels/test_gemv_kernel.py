@@ -139,18 +139,34 @@ def test_emulated_gemv_all_small_shapes(lib, kind):
         assert_close_to_oracle(got, want, mag, K)
 
 
+class _Recording:
+    """A compiled library that records the kernels fetched from it."""
+
+    def __init__(self, lib):
+        self._lib, self.launched = lib, []
+
+    def __getattr__(self, name):
+        self.launched.append(name)
+        return getattr(self._lib, name)
+
+
 @pytest.mark.parametrize("kind", WEIGHT_TYPES)
 def test_emulated_gemv_vectorised_path_every_scale_and_bias(lib, kind):
-    """K % 4 == 0 takes the _k4 kernels (4 weights per lane load)."""
+    """K * element size % 16 == 0 takes the vector kernels (16 weight bytes a lane and chunk): one chunk,
+    a partial step of the 32 lanes (K = 48 .. 528), several full steps; every M bucket with masked x rows
+    (M = 3, 5, 7) and N not a multiple of the rows a simdgroup covers."""
     gen = torch.Generator().manual_seed(4)
-    for (M, K, N), smode, with_bias in itertools.product([(1, 4, 3), (8, 36, 5), (3, 132, 9), (2, 260, 1)],
-                                                         (None, "tensor", "row", "row1"), (False, True)):
+    rec = _Recording(lib)
+    shapes = [(1, 16, 3), (8, 48, 5), (3, 528, 9), (2, 272, 1), (5, 1040, 6), (7, 32, 2), (4, 64, 7)]
+    for (M, K, N), smode, with_bias in itertools.product(shapes, (None, "tensor", "row", "row1"), (False, True)):
         x = torch.randn(M, K, generator=gen)
         w, kw, w_exact = make_weight(kind, N, K, gen)
         scale = make_scale(smode, N, gen)
         bias = torch.randn(N, generator=gen) if with_bias else None
         want, mag = oracle(x, w_exact, scale, bias)
-        assert_close_to_oracle(gemv_metal(lib, x, w, bias, scale=scale, **kw), want, mag, K)
+        rec.launched.clear()
+        assert_close_to_oracle(gemv_metal(rec, x, w, bias, scale=scale, **kw), want, mag, K)
+        assert rec.launched and not rec.launched[0].endswith("_scalar"), (M, K, N, rec.launched)
 
 
 @pytest.mark.parametrize("x_dtype,out_dtype", [(torch.float16, None), (torch.bfloat16, None),
@@ -190,7 +206,7 @@ def test_emulated_gemv_launch_glue_edge_cases(lib):
     b = torch.randn(N, generator=gen)
     want, mag = oracle(xt, w.double(), None, b)
     assert_close_to_oracle(gemv_metal(lib, xt, w, b), want, mag, K)
-    # an fp32 x at an odd storage offset with K % 4 == 0 (the _k4 kernels load x as float4)
+    # an fp32 x at an odd storage offset with K % 4 == 0 (the vector kernels load x as float4)
     x_off = torch.randn(2 * 36 + 1, generator=gen)[1:].view(2, 36)
     w36 = torch.randn(N, 36, generator=gen).to(torch.float16)
     want, mag = oracle(x_off, w36.double(), None, b)
@@ -244,7 +260,7 @@ def test_kernels_bench_tables(monkeypatch):
                     reason="clang-19 not found: the MSL emulator cannot run")
 def test_misaligned_weight_storage_takes_the_scalar_kernel():
     """A weight memory-mapped from a safetensors file can start at any byte (storage_offset 0, base
-    off alignment): the vector (_k4) kernels would do misaligned vector loads, so the glue must pick
+    off alignment): the vector kernels would do misaligned 16-byte loads, so the glue must pick
     the scalar kernel, and the result must still match."""
     from comfy_metal.metal_kernels import dispatch as dispatch_module
     from comfy_metal.metal_kernels.emulator import compile_library
@@ -268,8 +284,28 @@ def test_misaligned_weight_storage_takes_the_scalar_kernel():
         assert w.storage_offset() == 0
         launched.clear()
         torch.testing.assert_close(gemv_metal(Recording(), x, w), gemv_reference(x, w), atol=1e-4, rtol=1e-3)
-        assert launched and not launched[0].endswith("_k4"), launched
+        assert launched and launched[0].endswith("_scalar"), launched
         aligned = w.clone()
         launched.clear()
         gemv_metal(Recording(), x, aligned)
-        assert launched[0].endswith("_k4"), launched
+        assert launched and not launched[0].endswith("_scalar"), launched
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+def test_emulated_gemv_fp8_special_codes(lib, fmt):
+    """Every FP8 code, NaN and (e5m2) infinity included, in the vector and the scalar kernels: the outputs
+    are NaN / inf exactly where the reference's are, and the rest within fp32 accumulation error (the
+    e4m3fn NaN code is the one select of the half-bits decode)."""
+    gen = torch.Generator().manual_seed(12)
+    for K in (256, 255):                                  # vector (16 codes a lane) and scalar kernels
+        codes = torch.arange(256, dtype=torch.uint8)[:K]
+        w = torch.stack([codes.roll(17 * n) for n in range(5)])      # (5, K): every code in every row
+        w[1] &= 0xBF                                                  # one row without specials
+        x = torch.rand(2, K, generator=gen) + 0.5                     # positive: inf stays inf
+        got = gemv_metal(lib, x, w, fmt=fmt, scale=torch.tensor([0.5]))
+        want = gemv_reference(x, w, fmt=fmt, scale=torch.tensor([0.5]))
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), (K, got, want)
+        assert torch.isnan(want).any() and not torch.isnan(want[:, 1]).any()
+        finite = torch.isfinite(want)
+        assert torch.equal(got[~finite & ~torch.isnan(want)], want[~finite & ~torch.isnan(want)])
+        torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-3)

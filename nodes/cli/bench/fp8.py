@@ -240,9 +240,42 @@ def crossover_table(quick: bool) -> Table:
     return t
 
 
+def gemv_table(quick: bool) -> Table:
+    """The M=1 GEMV and the decode kernel at model shapes: GB/s of the bytes they must move and the fraction of
+    the measured copy bandwidth (the roofline of these bandwidth-bound kernels)."""
+    from .... import metal_kernels as mk
+    from ....metal_kernels import dispatch
+    from ....metal_kernels.probe import mps_available
+    from .moe import copy_bandwidth
+
+    device = torch.device("mps" if mps_available() else "cpu")
+    dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
+    shapes = [(1024, 1024)] if quick else [(3072, 3072), (14336, 4096)]
+    reps = 3 if quick else 10
+    bw = copy_bandwidth(device, (64 if quick else 256) << 20)
+    g = torch.Generator().manual_seed(1)
+    t = Table(f"FP8 GEMV (M=1) and decode on {device.type}: bandwidth against the measured copy bandwidth",
+              ["kernel", "format", "N x K", "ms", "GB/s", "of roofline", "backend"])
+    for n, k in shapes:
+        raw = (torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8) & 0xBF).to(device)
+        scale = (torch.rand(n, generator=g) + 0.5).to(device)
+        x = torch.randn(1, k, generator=g).to(device, dtype)
+        for fmt in ("e4m3fn", "e5m2"):
+            for kernel, fn, nbytes in (
+                    ("gemv", lambda: mk.gemv(x, raw, fmt=fmt, scale=scale, out_dtype=dtype), n * k),
+                    ("fp8_decode", lambda: mk.fp8_decode(raw, fmt, scale, out_dtype=dtype), n * k * 3)):
+                s = median_seconds(fn, device, reps)
+                t.add(kernel, fmt, f"{n}x{k}", round(s * 1e3, 3), round(nbytes / s / 1e9, 2), f"{nbytes / s / bw:.1%}",
+                      dispatch.last_backend.get(kernel, "?"))
+    t.note = (f"bytes moved: the weight (GEMV; x and y are negligible), weight + bf16 output (decode); copy "
+              f"bandwidth {bw / 1e9:.1f} GB/s on {device.type}." + ("" if device.type == "mps" else
+                                                                    " No MPS here: these are the pure-torch references."))
+    return t
+
+
 def bench(quick: bool = False) -> list[Table]:
     tables = []
-    for make in (load_table, crossover_table):
+    for make in (load_table, crossover_table, gemv_table):
         try:
             tables.append(make(quick))
         except Exception as e:

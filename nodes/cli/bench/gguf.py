@@ -17,7 +17,6 @@ from ...common.report import Table, human_bytes, median_seconds
 from .fp8 import _COMFY_SETUP, _MAKE_FLUX, _PRELUDE, TO_DEVICE, _comfy_path, _run
 from .moe import copy_bandwidth
 
-BENCH_TYPES = ("Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "IQ4_XS", "IQ4_NL", "Q3_K", "Q2_K")
 
 
 def _device() -> torch.device:
@@ -36,8 +35,7 @@ def bytes_table(quick: bool) -> Table:
     t = Table("GGUF: bytes per weight held in memory, by quant type (a loaded 512x1024 Linear)",
               ["type", "block", "bytes/weight", "bits/weight", "vs bf16", "vs FP8"])
     g = torch.Generator().manual_seed(0)
-    for q in BENCH_TYPES:
-        bs, ts = mk.GGUF_QUANTS[q]
+    for q, (bs, ts) in mk.GGUF_QUANTS.items():
         net = torch.nn.Module()
         net.lin = ops.Linear(1024, 512, bias=False)
         net.lin.load_state_dict({"weight": GGUFTensor(random_blocks(q, 512, 1024 // bs, g), q, (512, 1024))})
@@ -146,45 +144,52 @@ def load_table(quick: bool) -> Table:
 
 
 def layer_table(quick: bool) -> Table:
-    """One Linear layer: the public kernels (Metal on MPS) against the pure-torch reference, by M."""
+    """One Linear layer: the public kernels (Metal on MPS) against the pure-torch reference, by M; and the
+    dequantise kernel alone."""
     from .... import metal_kernels as mk
     from ....metal_kernels import dispatch
     from ....metal_kernels.gguf import gguf_dequantize_reference, gguf_gemv_reference, random_blocks
 
     device = _device()
-    n = k = 1024 if quick else 3072
+    shapes = [(1024, 1024)] if quick else [(3072, 3072), (14336, 4096)]
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     reps = 3 if quick else 10
-    t = Table(f"GGUF Linear {n}x{k} on {device.type}: dequantise + matmul (M > 8) or fused GEMV (M <= 8), "
-              f"against the reference and a plain {str(dtype).replace('torch.', '')} matmul",
-              ["type", "M", "path", "ms", "reference ms", "vs reference", "plain matmul ms", "weight GB/s",
+    t = Table(f"GGUF Linear (N x K) on {device.type}: fused GEMV (M <= 8), dequantise alone, dequantise + matmul "
+              f"(M > 8), against the reference and a plain {str(dtype).replace('torch.', '')} matmul",
+              ["type", "N x K", "M", "path", "ms", "reference ms", "vs reference", "plain matmul ms", "GB/s",
                "of roofline", "backend"])
     bw = copy_bandwidth(device, (64 if quick else 256) << 20)
     g = torch.Generator().manual_seed(0)
-    w_plain = (torch.randn(n, k, generator=g) * 0.02).to(device, dtype)
-    for q in ("Q8_0", "Q4_K", "Q6_K", "Q4_0") if quick else BENCH_TYPES:
-        bs, ts = mk.GGUF_QUANTS[q]
-        raw = random_blocks(q, n, k // bs, g, scale=1e-4).to(device)
-        for m in (1, 8, 4096):
-            x = torch.randn(m, k, generator=g).to(device, dtype)
-            if m <= 8:
-                path = "gemv"
-                fn = lambda: mk.gguf_gemv(x, raw, q, out_dtype=dtype)                                   # noqa: E731
-                ref = lambda: gguf_gemv_reference(x, raw, q, out_dtype=dtype)                            # noqa: E731
-            else:
-                path = "dequantize+matmul"
-                fn = lambda: torch.nn.functional.linear(x, mk.gguf_dequantize(raw, q, out_dtype=dtype))  # noqa: E731
-                ref = lambda: torch.nn.functional.linear(x, gguf_dequantize_reference(raw, q, dtype))    # noqa: E731
-            tm = median_seconds(fn, device, reps)
-            tr = median_seconds(ref, device, reps)
-            tp = median_seconds(lambda: torch.nn.functional.linear(x, w_plain), device, reps)
-            backend = dispatch.last_backend.get("gguf_gemv" if m <= 8 else "gguf_dequantize", "?")
-            gbs = raw.numel() / tm
-            t.add(q, m, path, round(tm * 1e3, 3), round(tr * 1e3, 3), f"{tm / tr:.2f}x", round(tp * 1e3, 3),
-                  round(gbs / 1e9, 2), f"{gbs / bw:.1%}" if m <= 8 else "", backend)
-    t.note = (f"weight GB/s: the layer's block bytes over the time; of roofline (GEMV rows): that against the "
-              f"measured copy bandwidth, {bw / 1e9:.1f} GB/s on {device.type} (a GEMV reads each block once)."
-              + ("" if device.type == "mps" else " No MPS here: both columns are the pure-torch reference."))
+    for n, k in shapes:
+        w_plain = (torch.randn(n, k, generator=g) * 0.02).to(device, dtype)
+        for q in ("Q8_0", "Q4_K", "Q6_K", "Q4_0") if quick else mk.GGUF_QUANTS:
+            bs, ts = mk.GGUF_QUANTS[q]
+            raw = random_blocks(q, n, k // bs, g, scale=1e-4).to(device)
+            for m in (1, 8, 0, 4096) if n == k else (1, 0):
+                x = torch.randn(max(m, 1), k, generator=g).to(device, dtype)
+                if 1 <= m <= 8:
+                    path, kernel, nbytes = "gemv", "gguf_gemv", raw.numel()
+                    fn = lambda: mk.gguf_gemv(x, raw, q, out_dtype=dtype)                                   # noqa: E731
+                    ref = lambda: gguf_gemv_reference(x, raw, q, out_dtype=dtype)                            # noqa: E731
+                elif m == 0:
+                    path, kernel, nbytes = "dequantize", "gguf_dequantize", raw.numel() + n * k * 2
+                    fn = lambda: mk.gguf_dequantize(raw, q, out_dtype=dtype)                                 # noqa: E731
+                    ref = lambda: gguf_dequantize_reference(raw, q, dtype)                                   # noqa: E731
+                else:
+                    path, kernel, nbytes = "dequantize+matmul", "gguf_dequantize", 0
+                    fn = lambda: torch.nn.functional.linear(x, mk.gguf_dequantize(raw, q, out_dtype=dtype))  # noqa: E731
+                    ref = lambda: torch.nn.functional.linear(x, gguf_dequantize_reference(raw, q, dtype))    # noqa: E731
+                tm = median_seconds(fn, device, reps)
+                tr = median_seconds(ref, device, reps)
+                tp = median_seconds(lambda: torch.nn.functional.linear(x, w_plain), device, reps) if m else None
+                gbs = nbytes / tm
+                t.add(q, f"{n}x{k}", m or "", path, round(tm * 1e3, 3), round(tr * 1e3, 3), f"{tm / tr:.2f}x",
+                      round(tp * 1e3, 3) if tp else "", round(gbs / 1e9, 2) if nbytes else "",
+                      f"{gbs / bw:.1%}" if nbytes else "", dispatch.last_backend.get(kernel, "?"))
+    t.note = (f"GB/s: the bytes a kernel must move (GEMV: the block bytes; dequantise: blocks read + output written) "
+              f"over its time; of roofline: that against the measured copy bandwidth, {bw / 1e9:.1f} GB/s on "
+              f"{device.type}." + ("" if device.type == "mps" else " No MPS here: every column is the pure-torch "
+                                   "reference."))
     return t
 
 
