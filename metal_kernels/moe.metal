@@ -9,7 +9,7 @@
 //
 // moe_gemv<F, XT>: out[pair] = scale(e) * W[e] @ x[token] + bias[e] for every (token, expert) pair of a
 //   decode step in one dispatch, e = pair_expert[pair]: gemv.h's skeleton (F a format of gemv_formats.h:
-//   16-byte weight loads a lane, gemv_rows(1) output rows a simdgroup, x converted in the kernel, one
+//   16- or 8-byte weight loads a lane, gemv_rows(1) output rows a simdgroup, x converted in the kernel, one
 //   simd_sum per output), on the expert's weight rows. The grid is 3-D: x the rows of the expert's output,
 //   y the pairs sharing a token's row of x (top-k), z the rows of x. No division.
 //

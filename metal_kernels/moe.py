@@ -253,6 +253,27 @@ def _aligned(*tensors) -> bool:
     return all(t.data_ptr() % VEC_BYTES == 0 for t in tensors)
 
 
+def _lane_use(chunks: int) -> float:
+    """The share of lane steps doing work when 32 lanes take `chunks` chunks of a row."""
+    return chunks / (32 * -(-chunks // 32))
+
+
+# the expert GEMV's weight loads: entry-point suffix -> gemv_formats.h format of element type {e}
+PAIR_LAYOUTS = {"": "gemv_vec<{e}>", "_vec8": "gemv_vec<{e}, 8>", "_scalar": "gemv_elem<{e}>"}
+
+
+def pair_layout(K: int, size: int, x_size: int, aligned: bool) -> str:
+    """The expert GEMV's entry-point suffix for rows of K values of `size` bytes: 16-byte loads where the rows
+    are whole 16-byte chunks and the buffers aligned; for FP8 rows 8-byte loads where they keep more lanes busy
+    (768 bytes: 48 chunks of 16 fill 1.5 lane steps, 96 of 8 fill 3); else element by element."""
+    row = K * size
+    if not aligned or (K * x_size) % VEC_BYTES:
+        return "_scalar"
+    if size == 1 and row % 8 == 0 and (row % VEC_BYTES or _lane_use(row // 8) > _lane_use(row // VEC_BYTES)):
+        return "_vec8"
+    return "" if row % VEC_BYTES == 0 else "_scalar"
+
+
 def moe_experts_gemm_metal(lib, x, row_expert, weight, scale=None, bias=None, x_div: int = 1, fmt=None):
     _check_gemm(x, row_expert, weight, x_div)
     E, N, K = weight.shape
@@ -263,10 +284,10 @@ def moe_experts_gemm_metal(lib, x, row_expert, weight, scale=None, bias=None, x_
     s, se, sn = _scale_table(scale, E, N, x.device)
     b = _kernel_bias(bias, x.device)
     xc = x.contiguous()
-    # 16-byte loads of whole weight rows and x rows: rows of a multiple of 16 bytes, aligned buffers (a bank
-    # memory-mapped at an odd offset takes the element-wise kernel; x is small: an aligned copy)
-    vec = (K * size) % VEC_BYTES == 0 and (K * xc.element_size()) % VEC_BYTES == 0 and _aligned(w)
-    if vec and not _aligned(xc):
+    # vector loads of weight rows and x rows (a bank memory-mapped at an odd offset takes the element-wise
+    # kernel; x is small: an aligned copy)
+    layout = pair_layout(K, size, xc.element_size(), _aligned(w))
+    if layout != "_scalar" and not _aligned(xc):
         xc = xc.clone()
     out = torch.empty((P, N), dtype=torch.float32, device=x.device)
     params = GEMV_PARAMS.pack(M=1, N=N, K=K, row_bytes=K * size, scale_mode=0 if scale is None else 2 if sn else 1,
@@ -275,7 +296,7 @@ def moe_experts_gemm_metal(lib, x, row_expert, weight, scale=None, bias=None, x_
     pair = PAIR_PARAMS.pack(expert_bytes=N * K * size, scale_stride=se, bias_stride=N * b.element_size(),
                             y_stride=N * out.element_size())
     threads = -(-N // GEMV_ROWS[1]) * 32
-    kernel = getattr(lib, f"moe_experts_gemm_{wname}_{MSL_TYPE[x.dtype]}{'' if vec else '_scalar'}")
+    kernel = getattr(lib, f"moe_experts_gemm_{wname}_{MSL_TYPE[x.dtype]}{layout}")
     kernel(xc, row_expert.to(torch.int64).contiguous(), w, s, b, out, params, pair,
            threads=(threads, x_div, P // x_div), group_size=(min(GEMV_GROUP, threads), 1, 1))
     return out
@@ -300,22 +321,26 @@ CASE_WEIGHTS = ("float", "half", "bfloat", "e4m3fn", "e5m2")
 CASE_SCALES = (None, "scalar", "expert", "row")
 
 
-def _entry_point_cases():
-    """(i, weight kind, activation dtype, 16-byte loads or not) for every entry point of a GEMM kernel."""
-    return enumerate(itertools.product(CASE_WEIGHTS, MSL_TYPE, (True, False)))
+def _entry_point_cases(fp8_layouts=("vec", "elem")):
+    """(i, weight kind, activation dtype, load layout) for every entry point of a GEMM kernel: layouts vec
+    (16-byte loads) and elem (element-wise), FP8 banks also those of fp8_layouts."""
+    return enumerate((w, x, layout) for w in CASE_WEIGHTS for x in MSL_TYPE
+                     for layout in (fp8_layouts if w in FP8_FORMATS else ("vec", "elem")))
 
 
 def _gemm_cases(device):
-    """One case per entry point (weight kind x activation type x 16-byte / element-wise loads). The shapes
-    rotate through the tail paths: N not a multiple of the 4 rows a simdgroup covers (5, 7, 9, 13) and a single
-    row; 16-byte K of 16 (FP8: one chunk a row, most lanes idle), 48 and 144 (float: 36 chunks, a second lane
-    step), element-wise K of 7, 13 and 33; a token's row shared by its x_div pairs (1, 2 or 8); every scale
-    kind, with and without bias."""
+    """One case per entry point (weight kind x activation type x 16-byte / 8-byte / element-wise loads). The
+    shapes rotate through the tail paths: N not a multiple of the 4 rows a simdgroup covers (5, 7, 9, 13) and a
+    single row; 16-byte K of 16, 48 and 144 (float: 36 chunks, a second lane step), FP8 512 (whole lane steps:
+    16-byte loads); FP8 8-byte K of 24 (three chunks), 48 and 776 (97 chunks: a 1-lane fourth step);
+    element-wise K of 7, 13 and 33; a token's row shared by its x_div pairs (1, 2 or 8); every scale kind,
+    with and without bias."""
     gen = torch.Generator().manual_seed(2)
     out = []
-    for i, (wkind, xdtype, vec) in _entry_point_cases():
+    for i, (wkind, xdtype, layout) in _entry_point_cases(("vec", "vec8", "elem")):
         E, N = (3, 5, 2, 4)[i % 4], (5, 7, 9, 1, 13)[i % 5]
-        K = (16, 48, 144)[i % 3] if vec else (7, 13, 33)[i % 3]
+        K = {"vec": (512,) * 3 if wkind in FP8_FORMATS else (16, 48, 144), "vec8": (24, 48, 776),
+             "elem": (7, 13, 33)}[layout][i % 3]
         rows, x_div = (2, 3, 1)[i % 3], (1, 2, 8)[i % 3]
         w, fmt = _case_bank(E, N, K, wkind, gen)
         x = torch.randn(rows, K, generator=gen).to(xdtype)
@@ -327,10 +352,10 @@ def _gemm_cases(device):
     return out
 
 
-# entry point -> template: every weight kind x activation type, 16-byte loads (gemv_vec) or element-wise
-_PAIR_GEMV = {f"moe_experts_gemm_{w}_{x}{suffix}": f"moe_gemv<gemv_{layout}<{e}>, {x}>"
+# entry point -> template: every weight kind x activation type x load layout (8-byte loads: FP8 only)
+_PAIR_GEMV = {f"moe_experts_gemm_{w}_{x}{suffix}": f"moe_gemv<{layout.format(e=e)}, {x}>"
               for w, e in WEIGHT_ELEMENTS.items() for x in MSL_TYPE.values()
-              for suffix, layout in (("", "vec"), ("_scalar", "elem"))}
+              for suffix, layout in PAIR_LAYOUTS.items() if suffix != "_vec8" or w in FP8_FORMATS.values()}
 
 moe_experts_gemm = register(KernelSpec(
     name="moe_experts_gemm",
@@ -402,7 +427,8 @@ def _grouped_cases(device):
     of 32 (one K step), 48 (a step and a 16-value tail, element-wise) and 96; element-wise K of 7, 33 and 70."""
     gen = torch.Generator().manual_seed(3)
     out = []
-    for i, (wkind, xdtype, vec) in _entry_point_cases():
+    for i, (wkind, xdtype, layout) in _entry_point_cases():
+        vec = layout == "vec"
         counts = _GROUPED_COUNTS[i % len(_GROUPED_COUNTS)]
         E, P, N = len(counts), sum(counts), (33, 64, 65, 7, 1)[i % 5]
         K = (32, 48, 96)[i % 3] if vec else (7, 33, 70)[i % 3]

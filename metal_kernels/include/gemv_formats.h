@@ -1,9 +1,10 @@
 // The weight formats of dense and FP8 weights for the GEMV skeleton of gemv.h (used by linear.metal's GEMV and
 // moe.metal's expert GEMV; the element types also feed moe.metal's grouped GEMM staging).
 //
-// gemv_vec<E>: each lane loads 16 consecutive weight bytes of a row per chunk (one uint4: 16 FP8, 8 half or
-//   bfloat, 4 float values) and decodes them 4 at a time; needs K * E::BYTES % 16 == 0 and a 16-byte aligned
-//   weight (every row then starts aligned), x 4-element aligned.
+// gemv_vec<E, CB = 16>: each lane loads CB consecutive weight bytes of a row per chunk (CB 16: one uint4 of
+//   16 FP8, 8 half or bfloat, 4 float values; CB 8: one uint2, for rows whose 16-byte chunks would leave
+//   lanes of the last step idle, e.g. 48 chunks for 32 lanes) and decodes them 4 at a time; needs
+//   K * E::BYTES % CB == 0 and a CB-byte aligned weight (every row then starts aligned), x 4-element aligned.
 // gemv_elem<E>: one element per lane and chunk, for any K and any element-aligned weight (a weight mapped
 //   from a file at an odd offset, K = 33).
 // E, an element type: BYTES, unit(), decode4(uint4 raw, g) -> weights 4g .. 4g + 3 of the 16 bytes,
@@ -39,16 +40,20 @@ struct gemv_bfloat {
     static float decode1(device const uchar* p) { return bf16_bits_to_float(*((device const ushort*)p)); }
 };
 
-template <typename E>
+template <typename E, int CB = 16>
 struct gemv_vec : gemv_format {
-    enum { CHUNK = 16 / E::BYTES, GROUPS = CHUNK / 4 };
+    enum { CHUNK = CB / E::BYTES, GROUPS = CHUNK / 4 };
+    static_assert((CB == 16 || CB == 8) && CHUNK >= 4, "chunks of 16 or 8 bytes, 4 values at least");
     static float unit() { return E::unit(); }
 
     template <int R, int MM, typename XT>
     static void dot(thread const gemv_w<R>& w, uint c, thread const gemv_x<XT, MM>& x, thread gemv_acc<R, MM>& acc,
                     threadgroup const float* table) {
         uint4 raw[R];
-        UNROLL for (int r = 0; r < R; ++r) raw[r] = *((device const uint4*)(w.p + w.off[r] + c * 16u));
+        UNROLL for (int r = 0; r < R; ++r) {
+            device const uchar* p = w.p + w.off[r] + c * uint(CB);
+            raw[r] = CB == 16 ? *((device const uint4*)p) : uint4(*((device const uint2*)p), 0u, 0u);
+        }
         // x in 8-value pieces (one 16-byte load of half / bfloat), used for every row; float weights: 4 values
         UNROLL for (int g = 0; g < GROUPS; g += 2) {
             float4 xa[MM], xb[MM];

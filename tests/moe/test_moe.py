@@ -246,16 +246,18 @@ def test_grouped_gemm_kernel_in_emulator(emu_lib, E, N, K, counts, wkind, xdt, s
 
 
 @needs_clang
+@pytest.mark.parametrize("K", [3, 16, 512])
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
-def test_fp8_banks_decode_every_code_exactly_in_emulator(emu_lib, fmt):
-    """All 256 byte codes as weights, x one-hot: both kernels output each code's value exactly (the
-    shared integer decoders of common.metal): subnormals, max finite, e5m2 infinities and NaNs."""
+def test_fp8_banks_decode_every_code_exactly_in_emulator(emu_lib, fmt, K):
+    """All 256 byte codes as weights, x one-hot: both kernels output each code's value exactly (fp8.h's
+    decode through half bits): subnormals, max finite, e5m2 infinities and NaNs. K = 3 takes the
+    element-wise kernels, K = 16 the grouped GEMM's 16-byte staging and the expert GEMV's 8-byte loads, K = 512
+    the expert GEMV's 16-byte loads (the code inside a chunk, not at its start)."""
     codes = torch.arange(256, dtype=torch.uint8)
-    K = 3
     w = torch.zeros(1, 256, K, dtype=torch.uint8)
-    w[0, :, 1] = codes
+    w[0, :, K // 3] = codes
     x = torch.zeros(2, K)
-    x[:, 1] = 1.0
+    x[:, K // 3] = 1.0
     want = codes.view(torch.float8_e4m3fn if fmt == "e4m3fn" else torch.float8_e5m2).float()
     one = torch.tensor([2], dtype=torch.int32)
     for got in (moe.moe_experts_gemm_metal(emu_lib, x, torch.zeros(2, dtype=torch.int64), w, fmt=fmt),
@@ -352,27 +354,6 @@ def test_unaligned_banks_and_rows_take_the_elementwise_kernels(emu_lib, kernel):
 
 
 @needs_clang
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
-def test_fp8_codes_exact_through_the_16_byte_kernels(emu_lib, fmt):
-    """Every code as a weight in the 16-byte kernels (K = 16: one chunk a row, the code in the middle of
-    it): the decode through half bits gives each code's value exactly (NaN codes NaN)."""
-    codes = torch.arange(256, dtype=torch.uint8)
-    K = 16
-    w = torch.zeros(1, 256, K, dtype=torch.uint8)
-    w[0, :, 5] = codes
-    x = torch.zeros(2, K)
-    x[:, 5] = 1.0
-    want = codes.view(torch.float8_e4m3fn if fmt == "e4m3fn" else torch.float8_e5m2).float()
-    one = torch.tensor([2], dtype=torch.int32)
-    for got in (moe.moe_experts_gemm_metal(emu_lib, x, torch.zeros(2, dtype=torch.int64), w, fmt=fmt),
-                moe.moe_grouped_gemm_metal(emu_lib, x, one, w, fmt=fmt)):
-        for row in got:
-            assert torch.equal(row.isnan(), want.isnan())
-            finite = ~want.isnan()
-            assert torch.equal(row[finite], want[finite])
-
-
-@needs_clang
 @pytest.mark.parametrize("rows,E,K", [(3, 1000, 32), (2, 64, 1), (5, 33, 32), (4, 31, 31)])
 def test_route_kernel_lane_slots_and_top_k_limits(emu_lib, rows, E, K):
     """Every expert a lane holds up to 32 (E = 1000), a pick per lane up to 32, E one past a lane slot."""
@@ -402,3 +383,15 @@ def test_grouped_linear_times_the_kernel_against_the_platform_path(monkeypatch):
     assert asked == [("moe_grouped_gemm", ("linear", "torch.float32", (E, N, K), "torch.float32", 32),
                       ["platform", "metal"])]
     _close(got.float(), moe.moe_grouped_gemm_reference(xs, offsets, w))
+
+
+def test_expert_gemv_load_layout_keeps_the_lanes_busy():
+    """FP8 rows of 768 bytes (Qwen3-30B-A3B's down projection) take 8-byte loads (96 chunks: three whole lane
+    steps, not 1.5 of 16-byte chunks); 2048-byte rows and 16-bit rows keep 16-byte loads; unaligned banks and
+    x rows not of whole 16-byte pieces go element by element."""
+    assert moe.pair_layout(768, 1, 2, True) == "_vec8"
+    assert moe.pair_layout(24, 1, 2, True) == "_vec8"
+    assert moe.pair_layout(2048, 1, 2, True) == ""
+    assert moe.pair_layout(768, 2, 2, True) == ""
+    assert moe.pair_layout(768, 1, 2, False) == "_scalar"
+    assert moe.pair_layout(20, 1, 2, True) == "_scalar"
