@@ -4,7 +4,8 @@ and self-check each kernel once against its reference before trusting it.
 Backends (COMFY_METAL_BACKEND):
   auto (default)  Metal for MPS tensors once the library compiled, the kernel passed its
                   self-check and it was timed faster than its reference (the platform's torch ops) for
-                  the call's shape class (`measured_backend`); the reference everywhere else (CPU, CUDA).
+                  the call's shape class (`measured_backend`; the decision is saved per machine and
+                  version, dispatch_decisions.py); the reference everywhere else (CPU, CUDA).
   reference       the reference for every kernel.
   emulator        CPU tensors run the real Metal kernels and launch code through the project's
                   MSL emulator (clang-19); MPS tensors still use Metal.
@@ -13,7 +14,9 @@ COMFY_METAL_REFERENCE=name,name (or "all") forces the reference for the named ke
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
+import math
 import os
 import pathlib
 import threading
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import source
+from . import dispatch_decisions, source
 from .registry import REGISTRY, KernelSpec
 
 log = logging.getLogger("comfy_metal")
@@ -69,9 +72,17 @@ def _log_once(key, level, message):
         log.log(level, message)
 
 
-def compile_library(backend: str, only: str | None = None):
-    """Compile (once per process and backend) the shared library. Raises MetalUnavailable."""
+def compile_library(backend: str, only: str | None = None, constants: dict | None = None,
+                    threadgroup_memory: dict | None = None):
+    """Compile (once per process, backend and specialisation) the shared library. Raises MetalUnavailable.
+
+    `constants` ({index or name: value}) and `threadgroup_memory` ({kernel: {n: bytes}}) specialise the source
+    (specialize.py) before either backend compiles it: torch.mps.compile_shader has no function-constant values
+    and no threadgroup-memory lengths, so the Mac and the emulator compile the same specialised text."""
     key = backend if only is None else f"{backend}:{only}"
+    if constants or threadgroup_memory:
+        key += ":" + repr((sorted((str(k), repr(v)) for k, v in (constants or {}).items()),
+                           sorted((k, sorted(v.items())) for k, v in (threadgroup_memory or {}).items())))
     with _lock:
         if key in _libraries:
             lib = _libraries[key]
@@ -80,6 +91,10 @@ def compile_library(backend: str, only: str | None = None):
             return lib
         try:
             src = library_source(only)
+            if constants or threadgroup_memory:
+                from .specialize import specialize
+
+                src = specialize(src, constants, threadgroup_memory)
             if backend == "metal":
                 if not (hasattr(torch, "mps") and hasattr(torch.mps, "compile_shader")):
                     raise MetalUnavailable(f"torch {torch.__version__} has no torch.mps.compile_shader (needs 2.7+)")
@@ -169,12 +184,47 @@ def _to_cpu(obj):
     return obj
 
 
+def _tensors_in(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors_in(v)
+
+
+def _bound_arguments(spec: KernelSpec, args, kwargs):
+    """The call's arguments by the reference's parameter names (what `KernelSpec.writes` names)."""
+    return inspect.signature(spec.reference).bind(*args, **kwargs)
+
+
+def undeclared_writes(spec: KernelSpec, run, args, kwargs) -> list[str]:
+    """The tensor arguments (by parameter name) that `run(*args, **kwargs)` changed although `spec.writes`
+    does not name them: the measured dispatch times a kernel on the caller's own tensors, copying only
+    those it writes."""
+    bound = _bound_arguments(spec, args, kwargs)
+    before = {name: [t.clone() for t in _tensors_in(value)] for name, value in bound.arguments.items()
+              if name not in spec.writes}
+    run(*args, **kwargs)
+
+    def same(a, b):
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return [name for name, saved in before.items()
+            if not all(same(t.contiguous(), s.contiguous()) for t, s in zip(_tensors_in(bound.arguments[name]), saved))]
+
+
 def self_check(spec: KernelSpec, backend: str, device: torch.device) -> str | None:
-    """Run the kernel against its reference on small inputs. None if it agrees, else why not."""
+    """Run the kernel against its reference on small inputs. None if it agrees (and writes no argument
+    that `spec.writes` does not name), else why not."""
     lib = _library_for(spec, backend)
     for i, (args, kwargs) in enumerate(spec.self_check_cases(device)):
-        want = spec.reference(*_to_cpu(args), **_to_cpu(kwargs))
-        got = _to_cpu(spec.metal(lib, *args, **kwargs))
+        outputs = []
+        for who, run, a, k in (("reference", spec.reference, *_to_cpu((args, kwargs))),
+                               ("kernel", lambda *a, **k: spec.metal(lib, *a, **k), args, kwargs)):
+            wrote = undeclared_writes(spec, lambda *a, **k: outputs.append(run(*a, **k)), a, k)
+            if wrote:
+                return (f"self-check case {i}: the {who} wrote into {', '.join(wrote)}, which the KernelSpec's "
+                        f"writes={tuple(spec.writes)} does not name")
+        want, got = outputs[0], _to_cpu(outputs[1])
         problem = (spec.compare or (lambda g, w: default_compare(spec, g, w)))(got, want)
         if problem:
             return f"self-check case {i} failed: {problem}"
@@ -342,11 +392,17 @@ def kernel_status(device: torch.device | str | None = None, run_pending: bool = 
 # Measured choice: "never slower than the platform op", by timing both on the user's machine.
 # ----------------------------------------------------------------------------------------------
 
-# (kernel, shape class) -> {"choice": name, "times_ms": {name: ms}, "reason": str}
+# (kernel, shape class) -> {"kernel", "shape_class", "candidates", "choice", "times_ms", "reason", "device",
+# "measured_at", "source"}: source "measured" (timed in this process) or "saved" (read from the decisions
+# file, dispatch_decisions).
 measured: dict[tuple, dict] = {}
-MEASURE_REPS = 3
-MEASURE_SLOW_SECONDS = 0.5
+MEASURE_CALLS = 10               # calls timed between two syncs, at least (after a warm-up)
+MEASURE_MAX_CALLS = 100
+MEASURE_TARGET_SECONDS = 0.02    # more calls for tiny kernels: a batch lasts about this long
+MEASURE_SLOW_SECONDS = 0.5       # a call longer than this (a long video's attention) is timed alone, once
+MEASURE_MARGIN = 0.05            # the pack's kernel must be this much faster than the platform op
 _clock = None      # None: time.perf_counter (tests put a fake timing source here)
+_read_files: set[str] = set()    # decision files already read into `measured`
 
 
 def _device_sync(device: torch.device) -> None:
@@ -362,72 +418,122 @@ def measuring_enabled(device: torch.device) -> bool:
     return torch.device(device).type == "mps"
 
 
-def measured_choice(kernel: str, shape_class, candidates: dict, device, *, reps: int | None = None,
-                    sync=None, clock=None) -> str:
-    """The name of the fastest of `candidates` (name -> zero-argument callable running the same
-    work) for (kernel, shape_class), timed once per process and then remembered.
-
-    At the first call for a key every candidate runs once to warm up (compiles, self-checks,
-    allocations), then `reps` times between device synchronisations (once if its warm-up took over
-    MEASURE_SLOW_SECONDS); the median decides. A
-    candidate that raises is never chosen (its error is in the record's reason). Ties keep the
-    candidate listed first, so list the platform op first: a kernel must be strictly faster to be
-    chosen. `sync(device)` and `clock()` default to the device synchronise and time.perf_counter;
-    tests pass fakes. The record (choice, each time in ms) is in `measured` for the status route,
-    `doctor` and the badges."""
-    import statistics
-    import time
-
-    key = (kernel, shape_class)
+def _known(key: tuple, names: list[str]) -> dict | None:
+    """The decision for `key` among the candidates `names`: measured in this process, else saved in the
+    decisions file for this environment (read once per file). A decision between other candidates (say,
+    ComfyUI's attention was another function then) does not count."""
     with _lock:
-        known = measured.get(key)
-    if known is not None:
-        return known["choice"]
-    device = torch.device(device)
-    sync = sync or _device_sync
-    clock = clock or _clock or time.perf_counter
-    reps = reps or MEASURE_REPS
-    times: dict[str, float] = {}
-    failed: dict[str, str] = {}
-    for name, fn in candidates.items():
+        record = measured.get(key)
+        if record is None:
+            path = str(dispatch_decisions.decisions_path())
+            if path not in _read_files:
+                _read_files.add(path)
+                for saved in dispatch_decisions.load(pathlib.Path(path)):
+                    measured.setdefault((saved["kernel"], saved["shape_class"]), {**saved, "source": "saved"})
+                record = measured.get(key)
+    return record if record is not None and list(record["candidates"]) == names else None
+
+
+def _time_candidates(candidates: dict, device, sync, clock, before) -> tuple[dict, dict]:
+    """({name: ms per call}, {name: error}). Each candidate runs once to warm up (compiles, caches,
+    allocations) and once alone, which sizes its batches: MEASURE_CALLS or more calls between two syncs
+    (up to MEASURE_MAX_CALLS, for a batch of about MEASURE_TARGET_SECONDS), in two rounds of opposite order
+    (neither candidate gains from the GPU clocking up), the faster round counting. A call over
+    MEASURE_SLOW_SECONDS is timed alone (the sync is then a negligible part of it). `before(name)` runs
+    before every batch, outside the timing."""
+    def batch(name, calls):
+        if before is not None:
+            before(name)
+        sync(device)
+        t0 = clock()
+        for _ in range(calls):
+            candidates[name]()
+        sync(device)
+        return (clock() - t0) / calls
+
+    def guarded(name, calls):
         try:
-            sync(device)
-            t0 = clock()
-            fn()                                   # warm-up
-            sync(device)
-            slow = clock() - t0 > MEASURE_SLOW_SECONDS
-            samples = []
-            for _ in range(1 if slow else reps):   # a call of seconds (long videos) is timed once
-                t0 = clock()
-                fn()
-                sync(device)
-                samples.append(clock() - t0)
-            times[name] = statistics.median(samples) * 1e3
+            return batch(name, calls)
         except Exception as e:                     # noqa: BLE001 - a failing candidate just loses
             if _out_of_memory(e):
                 raise
             failed[name] = f"{type(e).__name__}: {e}"
+            return None
+
+    failed: dict[str, str] = {}
+    alone: dict[str, float] = {}
+    for name in candidates:
+        if guarded(name, 1) is None:                # the warm-up
+            continue
+        t = guarded(name, 1)                        # one call alone
+        if t is not None:
+            alone[name] = t
+    rounds: dict[str, list[float]] = {name: [] for name in alone}
+    for order in (list(alone), list(reversed(alone))):
+        for name in order:
+            if name in failed or alone[name] > MEASURE_SLOW_SECONDS:
+                continue
+            calls = math.ceil(MEASURE_TARGET_SECONDS / max(alone[name], 1e-9))
+            t = guarded(name, min(MEASURE_MAX_CALLS, max(MEASURE_CALLS, calls)))
+            if t is not None:
+                rounds[name].append(t)
+    return {n: min(rounds[n] or [alone[n]]) * 1e3 for n in alone if n not in failed}, failed
+
+
+def measured_choice(kernel: str, shape_class, candidates: dict, device, *, sync=None, clock=None,
+                    before=None) -> str:
+    """The name of the candidate to run for (kernel, shape_class): `candidates` maps names to zero-argument
+    callables doing the same work, the platform op first. Decided once per environment: timed at the
+    first call (`_time_candidates`; `before(name)` runs before each timed batch, outside the timing), kept
+    in `measured` and in the decisions file (dispatch_decisions), read back by later processes.
+
+    Another candidate is chosen only if it is more than MEASURE_MARGIN faster than the first one, so the
+    pack's kernel must clearly beat the platform op. A candidate that raises is never chosen (its error
+    is in the record's reason). A decision where the platform op raised is not kept (the inputs are most
+    likely bad: the caller's real call reports it). `sync(device)` and `clock()` default to the device
+    synchronise and time.perf_counter; tests pass fakes. The records are what the status route,
+    `doctor` and the badges show (`measured_records`)."""
+    import time
+
+    key = (kernel, shape_class)
+    names = list(candidates)
+    known = _known(key, names)
+    if known is not None:
+        return known["choice"]
+    device = torch.device(device)
+    times, failed = _time_candidates(candidates, device, sync or _device_sync, clock or _clock or time.perf_counter,
+                                     before)
     if not times:
         raise RuntimeError(f"{kernel}: every candidate failed for {shape_class}: {failed}")
-    first = next(n for n in candidates if n in times)
-    choice = min(times, key=lambda n: (times[n], n != first))
+    platform_op = names[0]
+    rivals = [n for n in names[1:] if n in times]
+    best = min(rivals, key=lambda n: times[n]) if rivals else None
+    if platform_op not in times:
+        choice = best
+    elif best is not None and times[best] * (1 + MEASURE_MARGIN) < times[platform_op]:
+        choice = best
+    else:
+        choice = platform_op
     others = ", ".join(f"{n} {t:.3g} ms" for n, t in times.items() if n != choice)
     reason = f"measured {choice} {times[choice]:.3g} ms" + (f" vs {others}" if others else "")
+    if choice == platform_op and best is not None and times[best] < times[platform_op]:
+        reason += f" ({best} not {MEASURE_MARGIN:.0%} faster)"
     if failed:
         reason += "; failed: " + "; ".join(f"{n}: {m}" for n, m in failed.items())
-    record = {"choice": choice, "times_ms": times, "reason": reason, "kernel": kernel,
-              "shape_class": shape_class, "device": device.type}
+    if platform_op in failed:
+        _log_once(("measured",) + key, logging.INFO, f"comfy_metal: {kernel} {shape_class}: {reason} (not kept)")
+        return choice
+    record = {"kernel": kernel, "shape_class": shape_class, "candidates": names, "choice": choice,
+              "times_ms": times, "reason": reason, "device": device.type,
+              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "source": "measured"}
     with _lock:
-        measured.setdefault(key, record)
-        record = measured[key]
+        record = measured.setdefault(key, record)
+        to_save = list(measured.values())
+    dispatch_decisions.save(to_save)
     _log_once(("measured",) + key, logging.INFO, f"comfy_metal: {kernel} {shape_class}: {record['reason']}")
     return record["choice"]
 
 
-# Calls whose tensor arguments hold more than this are not timed (timing works on a copy of them, one
-# candidate at a time: at most this much memory more, once per kernel and shape class, outside any VAE
-# budget); the self-checked kernel runs, as decided by a smaller call of its shape class if there was one.
-MEASURE_MAX_BYTES = 128 * 2**20
 SMALL_TENSOR_ELEMENTS = 4096
 
 
@@ -453,68 +559,70 @@ def call_shape_class(args, kwargs) -> tuple:
     return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()))
 
 
-def _copies(args, kwargs):
-    """The arguments with every tensor copied (a candidate may write into its arguments)."""
-    def one(a):
-        if isinstance(a, torch.Tensor):
-            return a.clone()
-        if isinstance(a, (tuple, list)):
-            return type(a)(one(x) for x in a)
-        return a
-    return [one(a) for a in args], {k: one(v) for k, v in kwargs.items()}
+def _scratch_for_writes(spec: KernelSpec, args, kwargs):
+    """(args, kwargs, reset) for timing: the call's own arguments, except those the kernel writes
+    (`spec.writes`), which are copies; `reset()` sets the copies back to the caller's values, so every
+    candidate starts from the same inputs. Nothing else is copied (a weight bank is read in place)."""
+    if not spec.writes:
+        return args, kwargs, None
+    bound = _bound_arguments(spec, args, kwargs)
+    pairs = []
+
+    def scratch(value):
+        if isinstance(value, torch.Tensor):
+            pairs.append((value.clone(), value))
+            return pairs[-1][0]
+        if isinstance(value, (tuple, list)):
+            return type(value)(scratch(v) for v in value)
+        return value
+
+    for name in spec.writes:
+        if name in bound.arguments:
+            bound.arguments[name] = scratch(bound.arguments[name])
+
+    def reset():
+        for copy, original in pairs:
+            copy.copy_(original)
+    return bound.args, bound.kwargs, reset
 
 
 def measured_backend(spec: KernelSpec, args, kwargs, device) -> str:
     """"metal" or "reference" for a self-checked kernel on MPS: the Metal kernel and its reference (the
-    platform's own torch ops) are timed once per shape class (`call_shape_class`) with
-    `measured_choice`, on a copy of the arguments (one candidate's at a time), and the Metal kernel runs
-    only where it was strictly faster, so no kernel makes a Mac slower than the torch ops it replaces. The timing
-    synchronises the device, once per kernel and shape class per process. Calls too large to copy
-    (MEASURE_MAX_BYTES) follow the choice made for their class, or run the kernel (logged once)."""
+    platform's own torch ops) are timed with `measured_choice` once per shape class (`call_shape_class`)
+    and environment, on the call's own inputs whatever their size (only the arguments the kernel writes
+    are copied), and the Metal kernel runs only where it was clearly faster, so no kernel makes a Mac
+    slower than the torch ops it replaces."""
     shape_class = call_shape_class(args, kwargs)
-    with _lock:
-        known = measured.get((spec.name, shape_class))
+    known = _known((spec.name, shape_class), ["reference", "metal"])
     if known is not None:
         return known["choice"]
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    if nbytes > MEASURE_MAX_BYTES:
-        _log_once((spec.name, "unmeasured", shape_class), logging.INFO,
-                  f"comfy_metal: {spec.name}: a call with {nbytes / 2**20:.0f} MiB of inputs is not timed "
-                  f"(over {MEASURE_MAX_BYTES >> 20} MiB to copy); the self-checked Metal kernel runs")
-        return "metal"
     lib = _library_for(spec, "metal")
-    held: dict = {}      # one candidate's copies at a time: made at its first run, dropped at the next's
-
-    def on_copies(name, fn):
-        def run():
-            if held.get("name") != name:
-                held.clear()
-                held["name"], held["args"] = name, _copies(args, kwargs)
-            a, k = held["args"]
-            return fn(*a, **k)
-        return run
-
-    candidates = {"reference": on_copies("reference", spec.reference),   # the platform op first: ties keep it
-                  "metal": on_copies("metal", lambda *a, **k: spec.metal(lib, *a, **k))}
     try:
-        choice = measured_choice(spec.name, shape_class, candidates, device)
-        held.clear()
+        a, k, reset = _scratch_for_writes(spec, args, kwargs)
+    except Exception as e:
+        if not _out_of_memory(e):
+            raise
+        _log_once((spec.name, "no-scratch", shape_class), logging.WARNING,
+                  f"comfy_metal: {spec.name}: no memory for a copy of the arguments it writes, to time it; "
+                  "the reference runs for this call")
+        return "reference"
+    candidates = {"reference": lambda: spec.reference(*a, **k),   # the platform op first
+                  "metal": lambda: spec.metal(lib, *a, **k)}
+    try:
+        choice = measured_choice(spec.name, shape_class, candidates, device,
+                                 before=None if reset is None else lambda name: reset())
     except RuntimeError as e:
-        held.clear()
         if _out_of_memory(e):
             raise
         return "reference"               # both failed: the reference raises its own clear error
-    with _lock:
-        record = measured.get((spec.name, shape_class))
-        if record is not None and "reference" not in record["times_ms"]:
-            measured.pop((spec.name, shape_class))      # the reference refused this call: bad input,
-            choice = "reference"                        # which it reports; nothing is remembered
+    if _known((spec.name, shape_class), ["reference", "metal"]) is None:
+        return "reference"               # the reference refused this call (bad input): it reports it
     return choice
 
 
 def measured_records() -> list[dict]:
-    """Every measured choice so far (JSON-friendly), for the status route and doctor."""
+    """Every measured choice known to this process (JSON-friendly), for the status route and doctor:
+    those timed here and those read from the decisions file."""
     with _lock:
         records = list(measured.values())
     return [{**r, "shape_class": list(r["shape_class"]) if isinstance(r["shape_class"], tuple)
@@ -522,10 +630,13 @@ def measured_records() -> list[dict]:
 
 
 def reset():
-    """Forget compiled libraries, decisions and measured choices (tests)."""
+    """Forget compiled libraries, decisions and measured choices (tests); the decisions file is read
+    again at the next measured choice."""
     with _lock:
         _libraries.clear()
         _decisions.clear()
         _logged.clear()
         last_backend.clear()
         measured.clear()
+        _read_files.clear()
+    dispatch_decisions.forget_logged()

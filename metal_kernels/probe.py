@@ -42,6 +42,9 @@ def capabilities() -> dict:
         "native_fp8_e4m3fn_on_mps": mps and TORCH_VERSION >= (2, 15),
         "native_fp8_e5m2_on_mps": False,
         "float8_dtypes": hasattr(torch, "float8_e4m3fn") and hasattr(torch, "float8_e5m2"),
+        # every float8 dtype this torch has (e8m0fnu: the MX block scales)
+        "float8_dtype_names": " ".join(sorted(n[len("float8_"):] for n in dir(torch) if n.startswith("float8_")
+                                              and isinstance(getattr(torch, n), torch.dtype))),
         "F.scaled_mm": hasattr(f, "scaled_mm"),
         "torch._scaled_mm": hasattr(torch, "_scaled_mm"),
         "torch._grouped_mm": hasattr(torch, "_grouped_mm"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, Mapping
 
 import torch
@@ -40,6 +41,10 @@ class KernelSpec:
         "gemv<gemv_vec<gemv_e4m3fn>, half>"); source.library_source writes one
         `template [[host_name(...)]]` line for each after the file. Entry points not listed here are
         kernels the file defines itself.
+    writes: the parameters (the reference's names) of the tensors the kernel writes into, e.g. ("acc",)
+        for an accumulation, ("flags",) for a sampler step's NaN flags. The measured dispatch times a
+        kernel on the call's own inputs and copies only these; the self-check fails a kernel that writes
+        into any other argument.
     """
 
     name: str
@@ -54,8 +59,15 @@ class KernelSpec:
     measured_by_caller: bool = False
     predict_cases: Callable[[], list] | None = None
     instantiate: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    writes: tuple[str, ...] = ()
 
     def __post_init__(self):
+        if self.writes:
+            params = inspect.signature(self.reference).parameters
+            unknown = [w for w in self.writes if w not in params]
+            if unknown:
+                raise ValueError(f"kernel {self.name}: writes names {unknown}, which are not parameters of its "
+                                 f"reference {list(params)}")
         for entry, kinds in self.entry_points.items():
             bad = [k for k in kinds if k not in ARG_KINDS]
             if bad:

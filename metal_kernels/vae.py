@@ -204,4 +204,5 @@ vae_blend_accumulate = register(KernelSpec(
     self_check_cases=_blend_cases,
     atol=1e-5,
     rtol=1e-5,
+    writes=("acc",),
 ))

@@ -107,3 +107,13 @@ def emulator_backend(monkeypatch):
     dispatch.reset()
     yield
     dispatch.reset()
+
+
+@pytest.fixture(autouse=True)
+def private_dispatch_decisions(monkeypatch, tmp_path_factory, request):
+    """The measured dispatch keeps its decisions in a file (metal_kernels/dispatch_decisions.py): each test
+    gets its own, never the user's, and no test sees another's decisions."""
+    folder = tmp_path_factory.getbasetemp() / "dispatch-decisions"
+    folder.mkdir(exist_ok=True)
+    name = "".join(c if c.isalnum() else "_" for c in request.node.nodeid)[-120:]
+    monkeypatch.setenv("COMFY_METAL_DECISIONS", str(folder / f"{name}.json"))

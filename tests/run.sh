@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up a fresh machine and run the test suite: `bash tests/run.sh [pytest args]`.
 # Debian/Ubuntu (as root or with sudo): installs clang-19 for the MSL emulator, Chromium for the browser
-# tests, and torch 2.13 CPU. macOS: uses the torch you have (MPS build from PyPI) and clang-19 from
-# Homebrew's llvm@19 if present.
+# tests, and torch 2.13 CPU ($COMFY_METAL_TORCH=2.15.0: that release instead, as CI's second leg does).
+# macOS: uses the torch you have (MPS build from PyPI) and clang-19 from Homebrew's llvm@19 if present.
+# $PYTHON: the Python (environment) to set up and test in (default python3).
 # The ComfyUI integration tests use $COMFYUI_PATH, else the ComfyUI the pack sits in, else the ComfyUI
 # archive beside the project (../shared/comfyui/), unpacked once into ~/.cache/comfy-metal with ComfyUI's
 # requirements installed (tests/tools/prepare_comfyui.py).
@@ -29,9 +30,10 @@ fi
 
 PIN=$(mktemp)
 if [ "$(uname -s)" = "Linux" ]; then
-  # A CPU torch: an unpinned torch would pull a multi-GB CUDA build.
-  echo "torch==2.13.0" > "$PIN"
-  $PY -m pip install -q "torch==2.13.0"
+  # Pinned: an unpinned torch would pull the newest multi-GB CUDA build (2.13.0 is the CPU wheel here).
+  TORCH_VERSION=${COMFY_METAL_TORCH:-2.13.0}
+  echo "torch==$TORCH_VERSION" > "$PIN"
+  $PY -m pip install -q "torch==$TORCH_VERSION"
 fi
 $PY -m pip install -q -c "$PIN" -e ".[test]"
 rm -f "$PIN"

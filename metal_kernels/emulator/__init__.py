@@ -5,30 +5,36 @@ Mirrors ``torch.mps.compile_shader``::
     lib = compile_library(src)          # MSLCompileError (clang's message) on bad source
     lib.my_kernel(t0, t1, 17, 0.5, [1, 2, 3], threads=N, group_size=G, arg_casts=None)
 
-The .metal source is preprocessed with clang-19 (stub ``<metal_stdlib>`` & co.),
+The .metal source is preprocessed with clang-19 (stub ``<metal_stdlib>`` & co., ``__METAL__`` defined),
 kernel signatures are parsed from the preprocessed text (``msl_scan``), a launcher is generated
 per kernel, and the whole thing is compiled as C++20 with ``shim.h`` force-included
 into a shared object that is cached by content hash and loaded with ctypes.
 
-Mechanical rewrites applied to the preprocessed source (nothing else is changed):
+Mechanical rewrites applied to the preprocessed source (``rewrite.py``; nothing else is changed):
 
 1. ``template [[host_name("x")]] kernel ... foo<T>(...);`` explicit instantiations
-   (also the ``decltype(foo<T>) foo<T>;`` form) are removed; the generated
+   (also the ``decltype(foo<T>) foo<T>;`` and typedef'd forms) are removed; the generated
    launcher instantiates ``foo<T>`` by calling it.
 2. threadgroup variable declarations ``threadgroup T name[N][M];`` become
    references into per-threadgroup storage (``auto& name = *(T(*)[N][M])...``),
    which is filled with 0xFF (NaN) bytes at the start of every threadgroup.
-3. vector constructors ``float4(...)`` / ``half2(...)`` / ``static_cast<float4>(..)``
-   become ``__emu::vec<float4>(...)`` (splat, element-wise convert, concatenate
-   like MSL); C-style vector casts ``(float4)x`` become ``__emu::vcast<float4>()->*x``.
-4. half literals ``1.5h`` become ``((half)1.5f)``.
+3. vector construction and casts -- ``float4(...)``, ``vec<T, 4>(...)``, ``T(...)`` through a template
+   parameter or typedef, ``static_cast``, ``(float4)x``, ``int2 a(1, 2);`` -- go through ``__emu::vec``
+   (MSL's splat / element-wise conversion / concatenation, never clang's vector bitcast); braced
+   arguments through ``__emu::ilist``.
+4. half, bfloat and unsuffixed literals: ``1.5h`` -> ``((half)1.5f)``, ``0.5`` -> ``0.5f``.
+5. functions overloaded on address spaces only are folded into one; function constants without a value
+   get a placeholder (their kernels are refused at launch: specialise the source with
+   ``metal_kernels.specialize.specialize``, the route the Mac takes too).
 
-Known limitations (MSL the emulator does not handle):
+SIMD-group matrices hold each lane's two elements in the hardware layout (``thread_elements()``); a
+product is a collective of the 32 lanes. ``[[threadgroup(n)]]`` parameters compile and are refused at
+launch unless the source is specialised (torch's kernels cannot size them either).
 
-* textures, samplers, ``simdgroup_matrix::thread_elements()`` (8x8 simdgroup
-  matrices are emulated with a full copy per lane), ``quad_ballot``, function
-  constants, ``[[threadgroup(n)]]`` parameters, kernels inside namespaces,
-  ``<c10/metal/...>`` includes (kernels must be self-contained);
+Known limitations (MSL the emulator does not handle; see README.md, "Known limitations"):
+
+* textures, samplers, ``quad_ballot``, ``[[visible]]`` functions, Metal 3.2/4 (``<metal_tensor>``,
+  MetalPerformancePrimitives, ``coherent(system)``); ``vec<bool, N>`` in the strict front end;
 * vector comparisons yield clang's int vectors, not ``boolN`` (``bool4 m = a < b``
   does not compile; ``all``/``any``/``select`` accept them); ``packed_*`` types
   have ``.xyzw`` members and convert to/from vectors, but no arithmetic operators;
@@ -37,11 +43,12 @@ Known limitations (MSL the emulator does not handle):
 * one OS thread: spin-waiting on another thread's device-memory write never ends
   (a watchdog raises ``KernelCrash`` after $COMFY_METAL_EMU_TIMEOUT CPU seconds,
   default 600); an integer division by zero is reported (``KernelCrash``) instead of giving garbage;
-* a threadgroup_barrier inside a helper function called from two places counts as
-  one call site.
+* a threadgroup_barrier (or collective) inside a helper function called from two places counts as
+  one call site; out-of-bounds accesses within threadgroup memory are not detected.
 
 Before every compile, a strict MSL 3.1 front end (``strict.py``) rejects what Apple's compiler rejects
-(``MSLCompileError`` with the spec's rule). Runtime checks: guard regions around every buffer
+(``MSLCompileError`` with the spec's rule) and accepts what it accepts (MLX, ggml and PyTorch's MPS kernels:
+README.md has the corpus figures). Runtime checks: guard regions around every buffer
 (``OutOfBoundsWrite``), NaN filled threadgroup memory and out-of-bounds reads, barrier divergence
 (``BarrierDivergence``), schedule perturbation (forward / reverse / shuffle), crashes (SIGSEGV, SIGFPE, ...)
 reported as ``KernelCrash``; in checked launches (default; ``COMFY_METAL_EMU_CHECKS=0`` or

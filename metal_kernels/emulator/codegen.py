@@ -20,21 +20,23 @@ def _check_params(k: KernelDecl) -> None:
     for p in k.params:
         where = f"kernel {k.host!r}, parameter {p.name or p.text!r}"
         if not p.attr:
-            raise MSLCompileError(f"{where}: missing [[...]] attribute (buffer(n) or a thread position attribute)")
+            raise MSLCompileError(f"{where}: missing [[...]] attribute [MSL 3.1 (Kernel Function Arguments): a "
+                                  f"kernel argument is a buffer, threadgroup memory or a thread position attribute]")
         if p.attr == "buffer":
             if not p.attr_arg.isdigit():
-                raise MSLCompileError(f"{where}: [[buffer({p.attr_arg})]] needs an integer literal index")
+                raise MSLCompileError(f"{where}: [[buffer({p.attr_arg})]] needs an integer literal index [MSL 3.1 "
+                                  f"(Attribute Qualifiers): the index of buffer(index) is an integer constant]")
             i = int(p.attr_arg)
             if i in seen:
-                raise MSLCompileError(f"{where}: buffer index {i} used twice")
+                raise MSLCompileError(f"{where}: buffer index {i} used twice [MSL 3.1 (Kernel Function Arguments): "
+                                  f"each buffer index of a kernel is bound once]")
             seen[i] = p
         elif p.attr == "threadgroup":
-            raise MSLCompileError(f"{where}: [[threadgroup({p.attr_arg})]] parameters are not supported "
-                                  f"(torch.mps.compile_shader cannot size dynamic threadgroup memory); "
-                                  f"declare a kernel-scope `threadgroup T name[N];` array instead")
+            pass  # compiles; a launch refuses it (launch.py): torch cannot size it, specialise the source
         elif p.attr not in _POS_ATTRS:
-            raise MSLCompileError(f"{where}: unsupported attribute [[{p.attr}]] (compute kernels launched by "
-                                  f"torch.mps.compile_shader only get buffers and thread positions)")
+            raise MSLCompileError(f"{where}: unsupported attribute [[{p.attr}]] (an emulator and "
+                                  f"torch.mps.compile_shader limit: compute kernels launched by torch get buffers, "
+                                  f"threadgroup memory and thread positions; no textures or samplers)")
 
 
 def generate_launchers(kernels: list[KernelDecl]) -> tuple[str, list[dict]]:
@@ -47,6 +49,8 @@ def generate_launchers(kernels: list[KernelDecl]) -> tuple[str, list[dict]]:
         for p in k.params:
             if p.attr == "buffer":
                 args.append(_buffer_arg(p, int(p.attr_arg)))
+            elif p.attr == "threadgroup":
+                args.append(f"({p.type})nullptr")
             else:
                 ptype = re.sub(r"\b(const|thread)\b", "", p.type).replace("&", "").strip()
                 args.append(f"__emu::pos<{ptype}>({_POS_ATTRS[p.attr]})")
@@ -73,6 +77,8 @@ def generate_launchers(kernels: list[KernelDecl]) -> tuple[str, list[dict]]:
             f'  return __emu::launch("{k.host}", &{entry}, b, dims, sched, seed, err, errlen);\n}}')
         buffers = {int(p.attr_arg): {"type": p.type, "name": p.name} for p in k.params if p.attr == "buffer"}
         table.append({"host": k.host, "symbol": sym, "buffers": {str(b): v for b, v in buffers.items()},
-                      "max_threads": k.max_threads, "name": k.name})
+                      "max_threads": k.max_threads, "name": k.name,
+                      "threadgroup_params": [f"{p.type} {p.name} [[threadgroup({p.attr_arg})]]" for p in k.params
+                                             if p.attr == "threadgroup"]})
     lines.append("}  // namespace __emu_gen\n")
     return "\n".join(lines), table

@@ -84,13 +84,14 @@ _FREE_CALLS = {"lifetime.start", "lifetime.end", "assume", "dbg.value", "dbg.dec
 
 # shim.h functions that are emulator machinery, not MSL the kernel runs (by the plain name the debug info
 # carries): the SIMD resolvers and exchange wrappers (the runtime counts the collective), thread positions,
-# threadgroup storage, and the per-lane emulation of simdgroup matrices (the runtime counts the operation)
-_SHIM_MACHINERY = {"resolve", "pos", "tg_storage", "simdgroup_multiply_accumulate", "simdgroup_multiply",
+# threadgroup storage, the lane layout and products of simdgroup matrices, and the per-lane emulation of simdgroup matrices (the runtime counts the operation)
+_SHIM_MACHINERY = {"resolve", "mma_resolve", "fill_resolve", "sg_coord", "pos", "tg_storage",
+                   "simdgroup_multiply_accumulate", "simdgroup_multiply",
                    "simdgroup_load", "simdgroup_store", "make_filled_simdgroup_matrix", "simdgroup_matrix"}
 _SHIM_MACHINERY_PREFIXES = ("__emu_simd_", "__emu_quad_", "__emu_simdgroup_barrier", "__emu_threadgroup_barrier",
                             "simd_", "quad_")
 # the same by mangled name, for functions without debug info
-_MACHINERY_NAMES = re.compile(r"_ZN5__emu(7resolve|3pos|10tg_storage)|simdgroup_multiply|simdgroup_load|"
+_MACHINERY_NAMES = re.compile(r"_ZN5__emu(7resolve|11mma_resolve|12fill_resolve|8sg_coord|3pos|10tg_storage)|simdgroup_multiply|simdgroup_load|"
                               r"simdgroup_store|make_filled_simdgroup_matrix|__emu_gen|^__emu_|^__tsan_|^__sanitizer_")
 SOURCE_FILE = "msl_source.metal"
 _COUNTED_FILES = (SOURCE_FILE, "shim.h")   # the kernel's own code and the MSL library it calls

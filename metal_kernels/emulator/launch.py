@@ -395,6 +395,21 @@ def _first_difference(kernel: str, regions, first, byte: int) -> str | None:
     return None
 
 
+def _refuse_unspecialised(entry: dict) -> None:
+    """What torch.mps.compile_shader cannot launch: a kernel of a library with required function constants (its
+    pipeline is created without constant values) or with [[threadgroup(n)]] parameters (its kernel cannot set
+    threadgroup memory lengths). Both need the source specialised: metal_kernels/specialize.py."""
+    if entry.get("unset_function_constants"):
+        raise EmulatorError(f"kernel {entry['host']!r}: function constants without a value: "
+                            f"{', '.join(entry['unset_function_constants'])}. torch.mps.compile_shader creates "
+                            f"pipelines without MTLFunctionConstantValues; specialise the source first "
+                            f"(comfy_metal.metal_kernels.specialize.specialize(src, {{index or name: value}}))")
+    if entry.get("threadgroup_params"):
+        raise EmulatorError(f"kernel {entry['host']!r}: {', '.join(entry['threadgroup_params'])} has no size: "
+                            f"torch.mps.compile_shader's kernels cannot set threadgroup memory lengths; specialise "
+                            f"the source first (specialize(src, threadgroup_memory={{{entry['name']!r}: {{n: bytes}}}}))")
+
+
 def _byte_region(data: bytes) -> _Region:
     return _Region(0, 0, copy_from_host=False, data=data)
 
@@ -444,6 +459,7 @@ class Library:
             if e is None:
                 raise AttributeError(f"no kernel named {name!r} in this MSL library; available kernels: "
                                      f"{', '.join(self.kernel_names)}")
+            _refuse_unspecialised(e)
             k = self._kernels[name] = Kernel(self, e)
         return k
 

@@ -6,8 +6,8 @@
 * only known attributes: ``buffer(n)``, ``host_name("...")``, ``kernel``,
   ``max_total_threads_per_threadgroup(n)``, the thread-position attributes, and
   the harmless standard ``maybe_unused`` / ``fallthrough`` / ``likely`` / ``unlikely``;
-* no ``double`` anywhere, and no unsuffixed floating literal (``0.5`` is float on Metal but double
-  in the emulator's C++; write ``0.5f``);
+* no ``double`` anywhere, and no unsuffixed floating literal (``0.5`` is float on Metal but a double
+  in C++; write ``0.5f``);
 * every pointer / reference to a built-in type has an address space (``device``, ``constant``,
   ``thread``, ``threadgroup``): the emulator defines them away, Metal rejects a pointer without one;
 * kernel-scope threadgroup memory <= 32 KiB per kernel (sizes from literal /
@@ -19,7 +19,9 @@
 * with ``arg_kinds`` ({host name: ["tensor", "int", "float", "int[]", "float[]", ...]}),
   every buffer parameter must match what the Python side passes, and the counts agree; a list of ints
   may also bind a params struct (``constant S& p``) whose fields are all int64 (its exact layout);
-* ``[[threadgroup(n)]]`` parameters are rejected (compile_shader cannot size them);
+* ``[[threadgroup(n)]]`` parameters are rejected (compile_shader cannot size them: specialise the source,
+  ``metal_kernels/specialize.py``); ``[[function_constant(n)]]`` is accepted (the source is specialised
+  before it is compiled);
 * everything the strict MSL 3.1 front end rejects (``strict.check``: address spaces, C++ features Metal
   lacks, recursion, standard-library overloads MSL 3.1 does not have...).
 
@@ -42,7 +44,7 @@ __all__ = ["lint_source", "TG_MEMORY_LIMIT", "MAX_GROUP_THREADS"]
 
 TG_MEMORY_LIMIT = 32 * 1024
 MAX_GROUP_THREADS = 1024
-_ALLOWED_ATTRS = {"buffer", "host_name", "kernel", "max_total_threads_per_threadgroup",
+_ALLOWED_ATTRS = {"buffer", "host_name", "kernel", "max_total_threads_per_threadgroup", "function_constant",
                   "maybe_unused", "fallthrough", "likely", "unlikely"} | set(POSITION_ATTRIBUTES)
 _INT64 = {"long", "ulong", "int64_t", "uint64_t", "unsigned long", "signed long", "long long", "unsigned long long"}
 _SCALAR_SIZES = {
@@ -246,7 +248,8 @@ def lint_source(src: str, arg_kinds: dict[str, list[str]] | None = None) -> list
             if name == "threadgroup":
                 problems.append(f"{at(m.start())}: [[threadgroup({arg})]] parameter: torch.mps.compile_shader "
                                 f"cannot size dynamic threadgroup memory; declare a kernel-scope "
-                                f"`threadgroup T name[N];` array instead")
+                                f"`threadgroup T name[N];` array, or size it in the source with "
+                                f"metal_kernels.specialize (threadgroup_memory=...)")
             elif name not in _ALLOWED_ATTRS:
                 problems.append(f"{at(m.start())}: unknown or unsupported attribute [[{a}]]")
             elif name == "max_total_threads_per_threadgroup":
@@ -261,11 +264,11 @@ def lint_source(src: str, arg_kinds: dict[str, list[str]] | None = None) -> list
     for m in re.finditer(r"\bdouble\b", body_text):
         problems.append(f"{at(m.start())}: `double` is not supported by Metal (use float)")
 
-    # --- unsuffixed floating literals: Metal has no double and makes them float, the emulator's C++
-    # makes them double (a different rounding of every expression they touch): write 0.5f / 0.5h.
+    # --- unsuffixed floating literals: Metal has no double and makes them float (the emulator does too), C++
+    # would make them double: the pack writes the type (0.5f / 0.5h).
     for m in _FLOAT_LITERAL_RE.finditer(body_text):
-        problems.append(f"{at(m.start())}: floating literal {m.group(0)} has no f/h suffix (float on Metal, "
-                        f"double in the emulator); write {m.group(0)}f")
+        problems.append(f"{at(m.start())}: floating literal {m.group(0)} has no f/h suffix (float on Metal, a "
+                        f"double in C++); write {m.group(0)}f")
 
     # --- pointers / references without an address space: Metal rejects them ("pointer type must have
     # explicit address space qualifier"); the emulator's shim defines address spaces away.

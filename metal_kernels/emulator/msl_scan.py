@@ -18,18 +18,61 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["LINE_MARKER_RE", "strip_line_markers", "match_close", "split_top_level", "Param",
-           "leading_attributes", "KernelSignature", "scan_kernel_signatures"]
+__all__ = ["LINE_MARKER_RE", "strip_line_markers", "code_only", "match_close", "split_top_level", "Param",
+           "leading_attributes", "KernelSignature", "scan_kernel_signatures", "FunctionConstant",
+           "function_constants"]
 
 # a preprocessor line marker: `# 12 "file"` or `#line 12 "file"` (with optional flags)
 LINE_MARKER_RE = re.compile(r'^[ \t]*#[ \t]*(?:line[ \t]+)?\d+[ \t]+"[^"\n]*"[^\n]*$', re.M)
 # `kernel void name` or `[[kernel]] void name`, attributes allowed before `void`
-_KERNEL_KEYWORD_RE = re.compile(r"(?:\bkernel\b|\[\[\s*kernel\s*\]\])\s*(?:\[\[[^\]]*\]\]\s*)*void\s+([A-Za-z_]\w*)\s*")
+_KERNEL_KEYWORD_RE = re.compile(r"(?:\bkernel\b|\[\[\s*kernel\s*(?:,(?P<list>(?:[^\[\]]|\[[^\[\]]*\])*))?\]\])\s*"
+                                r"(?P<between>(?:\[\[(?:[^\[\]]|\[[^\[\]]*\])*\]\]\s*)*)void\s+(?P<name>[A-Za-z_]\w*)\s*")
 _QUALIFIERS = {"const", "volatile", "device", "constant", "thread", "threadgroup", "restrict", "struct"}
 
 
 def strip_line_markers(s: str) -> str:
     return LINE_MARKER_RE.sub("", s)
+
+
+_COMMENT_OR_LITERAL_RE = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
+
+
+def code_only(text: str) -> str:
+    """`text` with comments and string/character literals blanked (newlines kept): same length, same offsets."""
+    return _COMMENT_OR_LITERAL_RE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+
+
+# `constant bool has_bias [[function_constant(0)]];` (a program-scope function constant declaration)
+# (MLX writes `static constant constexpr const bool inv_ [[function_constant(0)]];`)
+_FUNCTION_CONSTANT_RE = re.compile(
+    r"(?<![\w:])(?:(?:static|constexpr|const)\s+)*constant\s+(?:(?:static|constexpr|const)\s+)*"
+    r"(?P<type>(?:metal::)?[A-Za-z_]\w*)\s+(?P<name>[A-Za-z_]\w*)\s*"
+    r"\[\[\s*function_constant\s*\((?P<index>[^;\]]*)\)\s*\]\]\s*;")
+
+
+@dataclass(frozen=True)
+class FunctionConstant:
+    """A function constant declaration: its type, name, index expression (text) and span in the text scanned.
+    It is optional (may be left without a value) only if the source asks is_function_constant_defined(name):
+    Metal's MTLFunctionConstant.required rule."""
+
+    type: str
+    name: str
+    index: str
+    start: int
+    end: int
+    optional: bool
+
+
+def function_constants(code: str) -> list[FunctionConstant]:
+    """The function constant declarations of comment-free (or preprocessed) MSL."""
+    out = []
+    for m in _FUNCTION_CONSTANT_RE.finditer(code):
+        name = m.group("name")
+        optional = re.search(rf"\bis_function_constant_defined\s*\(\s*{name}\s*\)", code) is not None
+        out.append(FunctionConstant(" ".join(m.group("type").split()), name, m.group("index").strip(), m.start(),
+                                    m.end(), optional))
+    return out
 
 
 def match_close(text: str, i: int, open_ch: str, close_ch: str) -> int:
@@ -73,20 +116,30 @@ def split_top_level(s: str, sep: str = ",") -> list[str]:
 class Param:
     """One kernel parameter, e.g. ``constant long& n [[buffer(3)]]``: type ``constant long&``, name ``n``,
     attr ``buffer``, attr_arg ``3``. An unnamed parameter has name ""; no attribute gives attr "" (a kernel's
-    KernelSignature.parameters() numbers those as buffers, like Metal: ``implicit`` is then True)."""
+    KernelSignature.parameters() numbers those as buffers, like Metal: ``implicit`` is then True). With several
+    attributes (``[[buffer(5), function_constant(has_mask)]]``) attr is the binding one and ``function_constant``
+    names the constant the parameter depends on (else "")."""
 
-    __slots__ = ("text", "type", "name", "attr", "attr_arg", "implicit")
+    __slots__ = ("text", "type", "name", "attr", "attr_arg", "implicit", "function_constant")
 
     def __init__(self, text: str):
         self.text = " ".join(text.split())
-        m = re.match(r"^(.*?)\s*\[\[\s*(.*?)\s*\]\]\s*$", self.text)
+        m = re.match(r"^(.*?)\s*((?:\[\[(?:[^\[\]]|\[[^\[\]]*\])*\]\]\s*)+)$", self.text)
         decl = m.group(1) if m else self.text
-        attr = m.group(2) if m else ""
-        am = re.match(r"^(\w+)\s*(?:\((.*)\))?$", attr)
-        self.attr = am.group(1) if am else attr
-        self.attr_arg = (am.group(2) or "").strip() if am else ""
+        attrs = []
+        for group in re.findall(r"\[\[((?:[^\[\]]|\[[^\[\]]*\])*)\]\]", m.group(2) if m else ""):
+            for a in split_top_level(group):
+                am = re.match(r"^\s*(\w+)\s*(?:\((.*)\))?\s*$", a)
+                if am:
+                    attrs.append((am.group(1), (am.group(2) or "").strip()))
+        self.function_constant = next((arg for a, arg in attrs if a == "function_constant"), "")
+        binding = [(a, arg) for a, arg in attrs if a != "function_constant"]
+        self.attr, self.attr_arg = binding[0] if binding else ("", "")
         self.implicit = False
         decl = decl.strip()
+        arr = re.match(r"^(.*?\S)\s*([A-Za-z_]\w*)\s*\[[^\]]*\]$", decl)
+        if arr:  # an array parameter is a pointer: `constant const int64_t strides[2]`
+            decl = f"{arr.group(1)}* {arr.group(2)}"
         nm = re.match(r"^(.*?[\s*&>])\s*([A-Za-z_]\w*)$", decl)
         if nm and nm.group(1).strip() and not all(w in _QUALIFIERS for w in re.findall(r"\w+", nm.group(1))) \
                 and not nm.group(1).rstrip().endswith("::"):
@@ -124,6 +177,7 @@ class KernelSignature:
     terminator: str             # first non-blank character after `)`: "{" definition, ";" declaration...
     body_open: int = -1         # offset of the body's `{` (definitions only), else -1
     body_close: int = -1        # offset of the matching `}`, -1 when there is no (closed) body
+    attributes: tuple = ()      # attributes written with the keyword: [[kernel, a(1)]] or kernel [[a(1)]] void
 
     @property
     def is_definition(self) -> bool:
@@ -181,5 +235,9 @@ def scan_kernel_signatures(text: str):
         if terminator == "{":
             body_open = after
             body_close = match_close(text, after, "{", "}")
-        yield KernelSignature(m.group(1), m.start(), template_args, pos, close,
-                              strip_line_markers(text[pos + 1:close]), terminator, body_open, body_close)
+        attributes = [a.strip() for a in split_top_level(m.group("list") or "")]
+        for group in re.findall(r"\[\[((?:[^\[\]]|\[[^\[\]]*\])*)\]\]", m.group("between") or ""):
+            attributes += [a.strip() for a in split_top_level(group)]
+        yield KernelSignature(m.group("name"), m.start(), template_args, pos, close,
+                              strip_line_markers(text[pos + 1:close]), terminator, body_open, body_close,
+                              tuple(a for a in attributes if a))

@@ -57,6 +57,12 @@ _DECLTYPE_INST_RE = re.compile(
     r'decltype\s*\(\s*([A-Za-z_]\w*)\s*<')
 
 
+# through a typedef of the function type: template [[host_name("x")]] kernel kernel_unary_t kernel_unary_impl<float>;
+_TYPEDEF_INST_RE = re.compile(
+    r'\btemplate\s*\[\[\s*host_name\s*\(((?:\s*"[^"]*")+)\s*\)\s*\]\]\s*(?:\[\[[^\]]*\]\]\s*)*(?:kernel\s+)?'
+    r'(?!void\b|decltype\b)[A-Za-z_][\w:]*\s+([A-Za-z_]\w*)\s*<')
+
+
 _NOKW_INST_RE = re.compile(
     r'\btemplate\s*\[\[\s*host_name\s*\(((?:\s*"[^"]*")+)\s*\)\s*\]\]\s*(?:\[\[[^\]]*\]\]\s*)*'
     r'void\s+([A-Za-z_]\w*)\s*<')
@@ -72,6 +78,7 @@ def parse_kernels(pp: str) -> tuple[list[KernelDecl], list[tuple[int, int]]]:
         name, targs = sig.name, sig.template_args
         params = sig.parameters()
         attrs, before = leading_attributes(strip_line_markers(text[:sig.start]))
+        attrs = [a.strip() for group in attrs for a in split_top_level(group)] + list(sig.attributes)
         host_attr = None
         for a in attrs:
             hm = re.match(r'host_name\s*\(((?:\s*"[^"]*")+)\s*\)', a)
@@ -102,7 +109,11 @@ def parse_kernels(pp: str) -> tuple[list[KernelDecl], list[tuple[int, int]]]:
         kernels.append(KernelDecl(host_attr or name, name, params, attrs=attrs, kind="plain"))
     # decltype-form instantiations: template [[host_name("x")]] kernel decltype(foo<T>) foo<T>;
     # and instantiations without the `kernel` keyword: template [[host_name("x")]] void foo<T>(...);
-    for m in list(_DECLTYPE_INST_RE.finditer(text)) + list(_NOKW_INST_RE.finditer(text)):
+    seen = {a for a, _ in remove}  # `template [[host_name("x")]] [[kernel]] void f<T>(...)` was found above
+    for m in list(_DECLTYPE_INST_RE.finditer(text)) + list(_NOKW_INST_RE.finditer(text)) + \
+            list(_TYPEDEF_INST_RE.finditer(text)):
+        if m.start() in seen:
+            continue
         host, name = "".join(re.findall(r'"([^"]*)"', m.group(1))), m.group(2)
         lt = m.end() - 1
         close = match_close(text, lt, "<", ">")
@@ -125,7 +136,8 @@ def _template_param_names(header: str) -> list[str]:
     names = []
     for p in split_top_level(inner):
         p = p.split("=")[0].strip()
-        ids = re.findall(r"[A-Za-z_]\w*", p)
+        fp = re.search(r"\(\s*\*\s*([A-Za-z_]\w*)\s*\)", p)  # a function pointer: float2 (*f)(constant T*, uint2)
+        ids = [fp.group(1)] if fp else re.findall(r"[A-Za-z_]\w*", p)
         if not ids:
             raise MSLCompileError(f"cannot parse template parameter {p!r}")
         names.append(("..." if "..." in p else "") and ids[-1] + "..." or ids[-1])

@@ -348,15 +348,13 @@ static inline void prof_mma() {
   if (g_prof && g_cur) g_prof->mma[g_cur->lin]++;
 }
 
-// simdgroup_load / simdgroup_store of an 8x8 matrix: the simdgroup moves all 64 elements, lane l the
-// elements 2l and 2l+1 of the matrix (every lane of the emulator moves all of them; only this share is
-// recorded): one access of two elements, or two accesses (two sites) when the matrix is transposed
+// simdgroup_load / simdgroup_store of an 8x8 matrix: lane l moves its two elements (row r, columns c and
+// c+1 of the fixed layout, from sg_coord): one access of two elements, or two accesses (two sites) when the
+// matrix is transposed
 template <class U>
-static inline void prof_matrix(const U* base, unsigned long per_row, unsigned long ox, unsigned long oy, bool transpose,
-                               bool write, uintptr_t ra) {
+static inline void prof_matrix(const U* base, unsigned long per_row, unsigned long ox, unsigned long oy, int r, int c,
+                               bool transpose, bool write, uintptr_t ra) {
   if (!g_prof || !g_cur) return;
-  const uint32_t lane = g_cur->lin % kSimdWidth;
-  const unsigned long r = 2 * lane / 8, c = 2 * lane % 8;
   if (!transpose) {  // two neighbours of one row: one access
     prof_access((uintptr_t)&base[(oy + r) * per_row + ox + c], 2 * sizeof(U), write, 0, ra);
     return;

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from . import ir_mix
-from .build import _cache_key, _clang_or_raise, _translate, cached_build
+from .build import _cache_key, _clang_or_raise, cached_build, preprocess, translate
 from .errors import BarrierDivergence, DataRace, EmulatorError, KernelCrash
 from .launch import RACE_MAX_BYTES, SIMD_WIDTH, Library, _launch_lock, _tensor_span, checks_enabled
 from .schedule import _parse_schedule, get_schedule
@@ -263,7 +263,9 @@ def _build_profile(src: str, clang: str, out_so: Path) -> dict:
     that IR; returns the metadata (launcher table, blocks, sites)."""
     here = Path(__file__).parent
     with tempfile.TemporaryDirectory(prefix="comfy_metal_emu_prof_") as tmp:
-        cpp, table = _translate(src, clang, tmp, check=False)
+        cpp_text, table = translate(preprocess(src, clang, tmp))
+        cpp = Path(tmp) / "translated.cpp"
+        cpp.write_text(cpp_text)
         ll, ll2, tmp_so = Path(tmp) / "translated.ll", Path(tmp) / "profiled.ll", Path(tmp) / "lib.so"
         what = "MSL compilation (emulator profiling build, clang-19)"
         _run([clang, "-x", "c++", *[f for f in _FLAGS if f != "-shared"], *PROFILE_FLAGS, "-I", str(here),

@@ -5,6 +5,8 @@
 #include "runtime.h"
 #include <type_traits>
 #include <limits>
+#include <utility>
+#include <tuple>
 
 // ------------------------------------------------------------------ scalar types
 typedef _Float16 half;
@@ -70,9 +72,15 @@ __EMU_VEC(ulong, ulong)
 __EMU_VEC(bool, bool)
 
 namespace __emu {
-// Build a vector the way MSL constructors do: float4(x) splats, float4(h4)
-// converts element-wise, float4(a.xy, b, c) concatenates.  The generator
-// rewrites `floatN(` etc. into `__emu::vec<floatN>(`.
+template <class T> struct ext_vec : std::false_type {};
+template <class T, int N> struct ext_vec<T __attribute__((ext_vector_type(N)))> : std::true_type {};
+template <class A, class B>
+inline constexpr bool half_bfloat_pair = (std::is_same_v<std::remove_cv_t<A>, half> && std::is_same_v<std::remove_cv_t<B>, bfloat>) ||
+                                         (std::is_same_v<std::remove_cv_t<A>, bfloat> && std::is_same_v<std::remove_cv_t<B>, half>);
+// Build a value the way MSL constructors and casts do: float4(x) splats, float4(h4) converts element-wise,
+// float4(a.xy, b, c) concatenates; a scalar or class type is constructed as written (half <-> bfloat through
+// float, which MSL allows explicitly and clang does not).  The generator rewrites `float4(`, `T(` (a template
+// type parameter or typedef), `static_cast<float4>(` and `(float4)x` into __emu::vec / __emu::vcast.
 template <class E, class A>
 inline void vput(E* out, int& k, const A& a) {
   if constexpr (vlen<A> == 1) {
@@ -81,28 +89,57 @@ inline void vput(E* out, int& k, const A& a) {
     for (int i = 0; i < vlen<A>; i++) out[k++] = (E)a[i];
   }
 }
+template <class V, class E, class A, size_t... I>
+constexpr V splat(const A& a, std::index_sequence<I...>) {
+  return V{((void)I, (E)a)...};
+}
 template <class V, class... A>
-inline V vec(const A&... a) {
+constexpr V vec_of(const A&... a);
+// an argument as written: an array decays to a pointer to its (non-const) elements, an object is a non-const
+// lvalue (its non-const conversion operators and a constructor's reference parameters apply, as in a direct call)
+template <class A>
+constexpr decltype(auto) arg(const A& a) {
+  if constexpr (std::is_array_v<A>) return const_cast<std::remove_const_t<std::remove_extent_t<A>>*>(a);
+  else return const_cast<A&>(a);
+}
+template <class V, class... A>
+constexpr V vec(const A&... a) {
+  if constexpr (!ext_vec<std::remove_cv_t<V>>::value) {
+    if constexpr (sizeof...(A) == 1 && (half_bfloat_pair<V, A> && ...)) return (V)(float)(a, ...);
+    else return V(arg(a)...);  // a scalar or a class: its constructor
+  } else {
+    return vec_of<V>(a...);
+  }
+}
+template <class V, class... A>
+constexpr V vec_of(const A&... a) {
   using E = elem_t<V>;
   constexpr int N = vlen<V>;
-  if constexpr (N == 1) {
-    return (V)(a, ...);
-  } else if constexpr (sizeof...(A) == 0) {
+  if constexpr (sizeof...(A) == 0) {
     return V{};
   } else {
     constexpr int total = (vlen<A> + ...);
     if constexpr (sizeof...(A) == 1 && total == 1) {
-      V r;
-      E e[1];
-      int k = 0;
-      (vput(e, k, a), ...);
-      for (int i = 0; i < N; i++) r[i] = e[0];
-      return r;
+      if constexpr ((half_bfloat_pair<E, A> && ...)) return splat<V, E>((float)(a, ...), std::make_index_sequence<N>());
+      else return splat<V, E>((a, ...), std::make_index_sequence<N>());
+    } else if constexpr (sizeof...(A) == N && total == N) {
+      if constexpr ((half_bfloat_pair<E, A> || ...)) return V{(E)(float)a...};
+      else return V{(E)a...};
+    } else if constexpr (sizeof...(A) == 1 && (ext_vec<std::remove_cv_t<A>>::value && ...) &&
+                         !(half_bfloat_pair<E, elem_t<A>> && ...)) {
+      static_assert(total == N, "wrong number of components in vector constructor");
+      return __builtin_convertvector((a, ...), V);
     } else {
       static_assert(total == N, "wrong number of components in vector constructor");
       E e[N];
       int k = 0;
-      (vput(e, k, a), ...);
+      if constexpr ((half_bfloat_pair<E, elem_t<A>> || ...)) {
+        float f[N];
+        (vput(f, k, a), ...);
+        for (int i = 0; i < N; i++) e[i] = (E)f[i];
+      } else {
+        (vput(e, k, a), ...);
+      }
       V r;
       for (int i = 0; i < N; i++) r[i] = e[i];
       return r;
@@ -113,9 +150,24 @@ inline V vec(const A&... a) {
 template <class V>
 struct vcast {};
 template <class V, class U>
-inline V operator->*(vcast<V>, const U& u) {
+constexpr V operator->*(vcast<V>, const U& u) {
   return vec<V>(u);
 }
+// a braced list passed as an argument, `f({a, b, c})` (rewritten to `f(__emu::ilist{a, b, c})`): it converts to
+// a vector parameter (C++ does not list-initialise clang's vectors in a call) or to an aggregate, never to a scalar
+template <class... A>
+struct ilist {
+  std::tuple<A...> v;
+  constexpr ilist(const A&... a) : v(a...) {}
+  template <class V, class = std::enable_if_t<ext_vec<V>::value>>
+  constexpr operator V() const { return std::apply([](const A&... a) { return vec<V>(a...); }, v); }
+  template <class V, class = std::enable_if_t<!ext_vec<V>::value && std::is_aggregate_v<V>>, class = void>
+  constexpr operator V() const { return std::apply([](const A&... a) { return V{a...}; }, v); }
+};
+template <class... A> ilist(A...) -> ilist<A...>;
+// a function constant compiled without a value (the launch refuses the kernel: specialise the source first)
+template <class T>
+constexpr T fc_unset() { return T(); }
 // thread-position attribute value of the declared type
 template <class T>
 inline T pos(uint32_t x, uint32_t y, uint32_t z) {
@@ -158,7 +210,7 @@ inline T map3(T x, T y, T z, F f) {
 }
 // convert a scalar or same-length vector to T
 template <class T, class U>
-inline T conv(const U& u) {
+constexpr T conv(const U& u) {
   if constexpr (std::is_same_v<T, U>) return u;
   else if constexpr (vlen<U> == 1) return vec<T>(u);
   else return vec<T>(u);
@@ -229,40 +281,19 @@ __EMU_PACKED(char, char)
 __EMU_PACKED(uchar, uchar)
 
 // ------------------------------------------------------------------ constants
-#define MAXFLOAT 3.402823466e+38F
-#define HUGE_VALF __builtin_huge_valf()
-#define HUGE_VALH ((half)__builtin_huge_valf())
-#define INFINITY __builtin_inff()
-#define NAN __builtin_nanf("")
-#define FLT_MAX 3.402823466e+38F
-#define FLT_MIN 1.175494351e-38F
-#define FLT_EPSILON 1.192092896e-07F
-#define HALF_MAX ((half)65504.0f)
-#define HALF_MIN ((half)6.103515625e-05f)
-#define HALF_EPSILON ((half)9.765625e-4f)
-#define INT_MAX 2147483647
-#define INT_MIN (-2147483647 - 1)
-#define UINT_MAX 4294967295u
-#define M_E_F 2.71828182845904523536028747135266250f
-#define M_LOG2E_F 1.44269504088896340735992468100189214f
-#define M_LOG10E_F 0.434294481903251827651128918916605082f
-#define M_LN2_F 0.693147180559945309417232121458176568f
-#define M_LN10_F 2.30258509299404568401799145468436421f
-#define M_PI_F 3.14159265358979323846264338327950288f
-#define M_PI_2_F 1.57079632679489661923132169163975144f
-#define M_PI_4_F 0.785398163397448309615660845819875721f
-#define M_1_PI_F 0.318309886183790671537767526745028724f
-#define M_2_PI_F 0.636619772367581343075535053490057448f
-#define M_2_SQRTPI_F 1.12837916709551257389615890312154517f
-#define M_SQRT2_F 1.41421356237309504880168872420969808f
-#define M_SQRT1_2_F 0.707106781186547524400844362104849039f
-#define M_PI_H ((half)M_PI_F)
-#define M_E_H ((half)M_E_F)
-#define M_LN2_H ((half)M_LN2_F)
-#define M_SQRT2_H ((half)M_SQRT2_F)
+#include "msl_constants.h"
+
+// as_type<T>(x): an operator of the language, visible before `using namespace metal`
+template <class T, class U>
+constexpr T as_type(const U& u) {
+  static_assert(sizeof(T) == sizeof(U), "as_type: sizes differ");
+  return __builtin_bit_cast(T, u);
+}
 
 // ------------------------------------------------------------------ metal namespace
 namespace metal {
+using ::as_type;
+__MSL_VECTOR_TYPES;  // the vector types are metal:: names too (metal::float4)
 
 enum class mem_flags : uint32_t {
   mem_none = 0,
@@ -275,36 +306,178 @@ enum class mem_flags : uint32_t {
 constexpr mem_flags operator|(mem_flags a, mem_flags b) { return (mem_flags)((uint32_t)a | (uint32_t)b); }
 constexpr mem_flags operator&(mem_flags a, mem_flags b) { return (mem_flags)((uint32_t)a & (uint32_t)b); }
 
+// ---- <metal_type_traits>, <metal_utility>: the std traits, with half and bfloat floating-point types
+template <bool B, class T = void> using enable_if = std::enable_if<B, T>;
+using std::bool_constant, std::conditional, std::conditional_t, std::decay, std::decay_t, std::declval,
+    std::enable_if_t, std::false_type, std::integral_constant, std::is_class, std::is_class_v,
+    std::is_const, std::is_const_v, std::is_convertible, std::is_convertible_v,
+    std::is_enum, std::is_enum_v, std::is_pointer, std::is_pointer_v, std::is_reference, std::is_reference_v,
+    std::is_same, std::is_same_v, std::is_void, std::is_void_v, std::make_signed, std::make_signed_t,
+    std::make_unsigned, std::make_unsigned_t, std::remove_const, std::remove_const_t, std::remove_cv,
+    std::remove_cv_t, std::remove_pointer, std::remove_pointer_t, std::remove_reference, std::remove_reference_t,
+    std::remove_volatile, std::remove_volatile_t, std::true_type, std::underlying_type, std::underlying_type_t,
+    std::conjunction, std::disjunction, std::negation, std::is_trivially_copyable,
+    std::is_trivially_copyable_v, std::common_type, std::common_type_t, std::is_base_of, std::is_base_of_v;
+// Apple's internal names (`#pragma METAL internals : enable`, MLX's atomic.h)
+template <class... B> using _disjunction = std::disjunction<B...>;
+template <class... B> using _conjunction = std::conjunction<B...>;
+template <class T> struct is_floating_point : bool_constant<__emu::is_fp_elem<remove_cv_t<T>>> {};
+template <class T> inline constexpr bool is_floating_point_v = is_floating_point<T>::value;
+template <class T> struct is_integral : std::is_integral<T> {};
+template <class T> inline constexpr bool is_integral_v = is_integral<T>::value;
+template <class T> struct is_arithmetic : bool_constant<is_integral_v<T> || is_floating_point_v<T>> {};
+template <class T> inline constexpr bool is_arithmetic_v = is_arithmetic<T>::value;
+template <class T> struct is_scalar : bool_constant<is_arithmetic_v<T> || std::is_scalar_v<T>> {};
+template <class T> inline constexpr bool is_scalar_v = is_scalar<T>::value;
+template <class T> struct is_signed : bool_constant<is_floating_point_v<T> || std::is_signed_v<T>> {};
+template <class T> inline constexpr bool is_signed_v = is_signed<T>::value;
+template <class T> struct is_unsigned : std::is_unsigned<T> {};
+template <class T> inline constexpr bool is_unsigned_v = is_unsigned<T>::value;
+template <class T> struct is_vector : bool_constant<(__emu::vinfo<remove_cv_t<T>>::n > 1)> {};
+template <class T> inline constexpr bool is_vector_v = is_vector<T>::value;
+template <class T> struct vec_elements : integral_constant<int, __emu::vinfo<remove_cv_t<T>>::n> {};
+template <class T> inline constexpr int vec_elements_v = vec_elements<T>::value;
+template <class T> struct make_scalar { typedef __emu::elem_t<T> type; };
+template <class T> using make_scalar_t = typename make_scalar<T>::type;
+// address spaces are empty here: removing one is the identity
+template <class T> struct remove_addrspace { typedef T type; };
+template <class T> using remove_addrspace_t = typename remove_addrspace<T>::type;
+
 template <class T>
 struct numeric_limits : std::numeric_limits<T> {};
 template <>
 struct numeric_limits<half> {
-  static constexpr bool is_specialized = true;
-  static half max() { return (half)65504.0f; }
-  static half min() { return (half)6.103515625e-05f; }
-  static half lowest() { return (half)-65504.0f; }
-  static half epsilon() { return (half)9.765625e-4f; }
-  static half infinity() { return (half)__builtin_inff(); }
-  static half quiet_NaN() { return (half)__builtin_nanf(""); }
-  static half denorm_min() { return __builtin_bit_cast(half, (unsigned short)1); }
+  static constexpr bool is_specialized = true, is_signed = true, is_integer = false, is_exact = false,
+                        has_infinity = true, has_quiet_NaN = true;
+  static constexpr int digits = 11, digits10 = 3, radix = 2, min_exponent = -13, max_exponent = 16;
+  static constexpr half max() { return (half)65504.0f; }
+  static constexpr half min() { return (half)6.103515625e-05f; }
+  static constexpr half lowest() { return (half)-65504.0f; }
+  static constexpr half epsilon() { return (half)9.765625e-4f; }
+  static constexpr half infinity() { return (half)__builtin_inff(); }
+  static constexpr half quiet_NaN() { return (half)__builtin_nanf(""); }
+  static constexpr half denorm_min() { return __builtin_bit_cast(half, (unsigned short)1); }
 };
 template <>
 struct numeric_limits<bfloat> {
-  static constexpr bool is_specialized = true;
-  static bfloat max() { return __builtin_bit_cast(bfloat, (unsigned short)0x7F7F); }
-  static bfloat min() { return __builtin_bit_cast(bfloat, (unsigned short)0x0080); }
-  static bfloat lowest() { return __builtin_bit_cast(bfloat, (unsigned short)0xFF7F); }
-  static bfloat epsilon() { return __builtin_bit_cast(bfloat, (unsigned short)0x3C00); }
-  static bfloat infinity() { return __builtin_bit_cast(bfloat, (unsigned short)0x7F80); }
-  static bfloat quiet_NaN() { return __builtin_bit_cast(bfloat, (unsigned short)0x7FC0); }
-  static bfloat denorm_min() { return __builtin_bit_cast(bfloat, (unsigned short)1); }
+  static constexpr bool is_specialized = true, is_signed = true, is_integer = false, is_exact = false,
+                        has_infinity = true, has_quiet_NaN = true;
+  static constexpr int digits = 8, digits10 = 2, radix = 2, min_exponent = -125, max_exponent = 128;
+  static constexpr bfloat max() { return __builtin_bit_cast(bfloat, (unsigned short)0x7F7F); }
+  static constexpr bfloat min() { return __builtin_bit_cast(bfloat, (unsigned short)0x0080); }
+  static constexpr bfloat lowest() { return __builtin_bit_cast(bfloat, (unsigned short)0xFF7F); }
+  static constexpr bfloat epsilon() { return __builtin_bit_cast(bfloat, (unsigned short)0x3C00); }
+  static constexpr bfloat infinity() { return __builtin_bit_cast(bfloat, (unsigned short)0x7F80); }
+  static constexpr bfloat quiet_NaN() { return __builtin_bit_cast(bfloat, (unsigned short)0x7FC0); }
+  static constexpr bfloat denorm_min() { return __builtin_bit_cast(bfloat, (unsigned short)1); }
 };
 
-template <class T, class U>
-inline T as_type(const U& u) {
-  static_assert(sizeof(T) == sizeof(U), "as_type: sizes differ");
-  return __builtin_bit_cast(T, u);
+// ---- vec<T, N>, <metal_array>, <metal_uniform>
+template <class T, int N> using vec = T __attribute__((ext_vector_type(N)));
+template <class T, size_t N>
+struct array {
+  T __elems[N ? N : 1];
+  constexpr T& operator[](size_t i) { return __elems[i]; }
+  constexpr const T& operator[](size_t i) const { return __elems[i]; }
+  static constexpr size_t size() { return N; }
+  static constexpr bool empty() { return N == 0; }
+  constexpr T* data() { return __elems; }
+  constexpr const T* data() const { return __elems; }
+  constexpr T* begin() { return __elems; }
+  constexpr const T* begin() const { return __elems; }
+  constexpr T* end() { return __elems + N; }
+  constexpr const T* end() const { return __elems + N; }
+  constexpr T& front() { return __elems[0]; }
+  constexpr const T& front() const { return __elems[0]; }
+  constexpr T& back() { return __elems[N - 1]; }
+  constexpr const T& back() const { return __elems[N - 1]; }
+};
+// uniform<T>: a value the same in every thread (a compiler hint); behaves like T
+template <class T>
+struct uniform {
+  T __v;
+  uniform() = default;
+  constexpr uniform(T v) : __v(v) {}
+  constexpr operator T() const { return __v; }
+};
+template <class T> constexpr uniform<T> make_uniform(T v) { return uniform<T>(v); }
+
+// ---- <metal_matrix>: C columns of vec<T, R> (column-major, as in MSL)
+template <class T, int C, int R>
+struct matrix {
+  static_assert(C >= 2 && C <= 4 && R >= 2 && R <= 4, "MSL matrices have 2 to 4 columns and rows");
+  vec<T, R> columns[C];
+  matrix() = default;
+  explicit matrix(T diag) {
+    for (int c = 0; c < C; c++)
+      for (int r = 0; r < R; r++) columns[c][r] = c == r ? diag : (T)0;
+  }
+  template <class... V, std::enable_if_t<sizeof...(V) == C && (std::is_same_v<std::remove_cv_t<V>, vec<T, R>> && ...),
+                                         int> = 0>
+  matrix(const V&... cols) : columns{cols...} {}
+  template <class... S, std::enable_if_t<sizeof...(S) == C * R && (std::is_arithmetic_v<S> && ...), int> = 0>
+  matrix(S... s) {
+    const T e[C * R] = {(T)s...};
+    for (int c = 0; c < C; c++)
+      for (int r = 0; r < R; r++) columns[c][r] = e[c * R + r];
+  }
+  template <class U>
+  explicit matrix(const matrix<U, C, R>& m) {
+    for (int c = 0; c < C; c++)
+      for (int r = 0; r < R; r++) columns[c][r] = (T)(float)m.columns[c][r];  // (bfloat <-> half through float)
+  }
+  vec<T, R>& operator[](int c) { return columns[c]; }
+  const vec<T, R>& operator[](int c) const { return columns[c]; }
+};
+template <class T, int C, int R>
+inline vec<T, R> operator*(const matrix<T, C, R>& m, const vec<T, C>& v) {
+  vec<T, R> r = m.columns[0] * v[0];
+  for (int c = 1; c < C; c++) r += m.columns[c] * v[c];
+  return r;
 }
+template <class T, int C, int R>
+inline vec<T, C> operator*(const vec<T, R>& v, const matrix<T, C, R>& m) {
+  vec<T, C> r;
+  for (int c = 0; c < C; c++) {
+    T s = (T)0;
+    for (int k = 0; k < R; k++) s += v[k] * m.columns[c][k];
+    r[c] = s;
+  }
+  return r;
+}
+template <class T, int K, int R, int C>
+inline matrix<T, C, R> operator*(const matrix<T, K, R>& a, const matrix<T, C, K>& b) {
+  matrix<T, C, R> r;
+  for (int c = 0; c < C; c++) r.columns[c] = a * b.columns[c];
+  return r;
+}
+#define __EMU_MAT_ELEMENTWISE(OP)                                                                \
+  template <class T, int C, int R>                                                               \
+  inline matrix<T, C, R> operator OP(const matrix<T, C, R>& a, const matrix<T, C, R>& b) {       \
+    matrix<T, C, R> r;                                                                           \
+    for (int c = 0; c < C; c++) r.columns[c] = a.columns[c] OP b.columns[c];                     \
+    return r;                                                                                    \
+  }
+__EMU_MAT_ELEMENTWISE(+)
+__EMU_MAT_ELEMENTWISE(-)
+#undef __EMU_MAT_ELEMENTWISE
+template <class T, int C, int R, class S, std::enable_if_t<std::is_arithmetic_v<S>, int> = 0>
+inline matrix<T, C, R> operator*(const matrix<T, C, R>& a, S s) {
+  matrix<T, C, R> r;
+  for (int c = 0; c < C; c++) r.columns[c] = a.columns[c] * (T)s;
+  return r;
+}
+template <class T, int C, int R, class S, std::enable_if_t<std::is_arithmetic_v<S>, int> = 0>
+inline matrix<T, C, R> operator*(S s, const matrix<T, C, R>& a) { return a * s; }
+template <class T, int C, int R>
+inline matrix<T, R, C> transpose(const matrix<T, C, R>& m) {
+  matrix<T, R, C> t;
+  for (int c = 0; c < C; c++)
+    for (int r = 0; r < R; r++) t.columns[r][c] = m.columns[c][r];
+  return t;
+}
+__MSL_MATRIX_TYPES(float)
+__MSL_MATRIX_TYPES(half)
 
 // ---- float math, element-wise on vectors; computed in float precision
 #define __EMU_F1(NAME, EXPR)                                                       \
@@ -343,6 +516,8 @@ __EMU_F1(cospi, __builtin_cosf(v * M_PI_F))
 __EMU_F1(fract, __builtin_fminf(v - __builtin_floorf(v), 0x1.fffffep-1f))
 __EMU_F1(saturate, __builtin_fminf(__builtin_fmaxf(v, 0.0f), 1.0f))
 __EMU_F1(sign, v > 0.0f ? 1.0f : (v < 0.0f ? -1.0f : (v != v ? 0.0f : v)))
+__EMU_F1(tanpi, __builtin_tanf(v * M_PI_F))
+__EMU_F1(logb, __builtin_logbf(v))
 #undef __EMU_F1
 
 #define __EMU_F2(NAME, EXPR)                                                                        \
@@ -365,6 +540,7 @@ __EMU_F2(step, y < x ? 0.0f : 1.0f)
 __EMU_F2(fdim, x > y ? x - y : 0.0f)
 __EMU_F2(hypot, __builtin_hypotf(x, y))
 __EMU_F2(divide, x / y)
+__EMU_F2(nextafter, __builtin_nextafterf(x, y))
 #undef __EMU_F2
 
 template <class A, class B, class C, std::enable_if_t<__emu::is_fp<A>, int> = 0>
@@ -401,6 +577,10 @@ inline T ldexp(T x, I k) {
 template <class T, std::enable_if_t<__emu::is_fp<T> && __emu::vlen<T> == 1, int> = 0>
 inline T frexp(T x, int& e) {
   return (T)__builtin_frexpf((float)x, &e);
+}
+template <class T, std::enable_if_t<__emu::is_fp<T> && __emu::vlen<T> == 1, int> = 0>
+inline T frexp(T x, int* e) {
+  return (T)__builtin_frexpf((float)x, e);
 }
 template <class T, std::enable_if_t<__emu::is_fp<T> && __emu::vlen<T> == 1, int> = 0>
 inline T modf(T x, T& ip) {
@@ -470,6 +650,15 @@ inline __emu::common_t<A, B> max(A a_, B b_) {
     else return x < y ? y : x;
   });
 }
+// the same-type overloads are plain functions (as in Metal's headers): they beat any user template of the same
+// name (c10/metal's max<T, U>) on an exact match
+#define __EMU_MM(T) \
+  inline T min(T a, T b) { return min<T, T>(a, b); } inline T max(T a, T b) { return max<T, T>(a, b); }
+#define __EMU_MMV(E) __EMU_MM(E) __EMU_MM(E##2) __EMU_MM(E##3) __EMU_MM(E##4)
+__EMU_MMV(float) __EMU_MMV(half) __EMU_MMV(char) __EMU_MMV(uchar) __EMU_MMV(short) __EMU_MMV(ushort) __EMU_MMV(int)
+__EMU_MMV(uint) __EMU_MMV(long) __EMU_MMV(ulong)
+#undef __EMU_MMV
+#undef __EMU_MM
 template <class T, class L, class H, std::enable_if_t<__emu::is_num<T>, int> = 0>
 inline T clamp(T x, L lo, H hi) {
   return min(max(x, __emu::conv<T>(lo)), __emu::conv<T>(hi));
@@ -567,11 +756,94 @@ inline bool any(T v) {
   }
 }
 
+// ---- three-operand and integer functions
+#define __EMU_THREE(P, MIN, MAX)                                                                           \
+  template <class A, class B, class C>                                                                       \
+  inline A P##min3(A a, B b, C c) { return MIN(MIN(a, __emu::conv<A>(b)), __emu::conv<A>(c)); }             \
+  template <class A, class B, class C>                                                                       \
+  inline A P##max3(A a, B b, C c) { return MAX(MAX(a, __emu::conv<A>(b)), __emu::conv<A>(c)); }             \
+  template <class A, class B, class C>                                                                       \
+  inline A P##median3(A a, B b, C c) {                                                                       \
+    const A bb = __emu::conv<A>(b), cc = __emu::conv<A>(c);                                                  \
+    return MAX(MIN(a, bb), MIN(MAX(a, bb), cc));                                                             \
+  }
+__EMU_THREE(, min, max)
+__EMU_THREE(f, fmin, fmax)
+#undef __EMU_THREE
+template <class T, std::enable_if_t<__emu::is_fp<T> && __emu::vlen<T> == 1, int> = 0>
+inline bool isordered(T x, T y) { return !__builtin_isnan((float)x) && !__builtin_isnan((float)y); }
+template <class T, std::enable_if_t<__emu::is_fp<T> && __emu::vlen<T> == 1, int> = 0>
+inline bool isunordered(T x, T y) { return !isordered(x, y); }
+template <class T, std::enable_if_t<__emu::is_fp<T> && __emu::vlen<T> == 1, int> = 0>
+inline int ilogb(T x) { return __builtin_ilogbf((float)x); }
+#define __EMU_I2(NAME, EXPR)                                                                      \
+  template <class T, std::enable_if_t<std::is_integral_v<__emu::elem_t<T>>, int> = 0>             \
+  inline T NAME(T a_, T b_) {                                                                     \
+    return __emu::map2(a_, b_, [](auto x, auto y) {                                               \
+      using E = decltype(x);                                                                      \
+      using W = std::conditional_t<std::is_signed_v<E>, __int128, unsigned __int128>;             \
+      constexpr W lo = (W)std::numeric_limits<E>::min(), hi = (W)std::numeric_limits<E>::max();   \
+      (void)lo; (void)hi;                                                                         \
+      return (E)(EXPR);                                                                           \
+    });                                                                                           \
+  }
+__EMU_I2(absdiff, x > y ? (W)x - (W)y : (W)y - (W)x)
+__EMU_I2(addsat, (W)x + (W)y > hi ? hi : ((W)x + (W)y < lo ? lo : (W)x + (W)y))
+__EMU_I2(subsat, (W)x - (W)y > hi ? hi : ((W)x - (W)y < lo ? lo : (W)x - (W)y))
+__EMU_I2(hadd, ((W)x + (W)y) >> 1)
+__EMU_I2(rhadd, ((W)x + (W)y + 1) >> 1)
+#undef __EMU_I2
+template <class T, std::enable_if_t<std::is_integral_v<__emu::elem_t<T>>, int> = 0>
+inline T reverse_bits(T x) {
+  return __emu::map1(x, [](auto e) {
+    using E = decltype(e);
+    using U = std::make_unsigned_t<E>;
+    U u = (U)e, r = 0;
+    for (unsigned i = 0; i < 8 * sizeof(E); i++) r |= (U)((u >> i) & 1u) << (8 * sizeof(E) - 1 - i);
+    return (E)r;
+  });
+}
+template <class T, class S, std::enable_if_t<std::is_integral_v<__emu::elem_t<T>>, int> = 0>
+inline T rotate(T v, S i) {
+  return __emu::map2(v, __emu::conv<T>(i), [](auto e, auto k) {
+    using E = decltype(e);
+    using U = std::make_unsigned_t<E>;
+    constexpr unsigned bits = 8 * sizeof(E);
+    const unsigned n = (unsigned)((U)k % bits);
+    return (E)(n ? (U)((U)e << n | (U)e >> (bits - n)) : (U)e);
+  });
+}
+template <class T, std::enable_if_t<std::is_integral_v<__emu::elem_t<T>>, int> = 0>
+inline T extract_bits(T x, uint offset, uint bits) {
+  return __emu::map1(x, [=](auto e) {
+    using E = decltype(e);
+    using U = std::make_unsigned_t<E>;
+    if (!bits) return (E)0;
+    U v = (U)((U)e >> offset);
+    if (bits < 8 * sizeof(E)) v &= (U)(((U)1 << bits) - 1);
+    if constexpr (std::is_signed_v<E>)
+      if (bits < 8 * sizeof(E) && (v >> (bits - 1) & 1)) v |= (U)~(U)(((U)1 << bits) - 1);
+    return (E)v;
+  });
+}
+template <class T, std::enable_if_t<std::is_integral_v<__emu::elem_t<T>>, int> = 0>
+inline T insert_bits(T base, T insert, uint offset, uint bits) {
+  return __emu::map2(base, insert, [=](auto b, auto i) {
+    using E = decltype(b);
+    using U = std::make_unsigned_t<E>;
+    if (!bits) return b;
+    const U m = (U)((bits < 8 * sizeof(E) ? (U)(((U)1 << bits) - 1) : (U)~(U)0) << offset);
+    return (E)(((U)b & (U)~m) | (((U)i << offset) & m));
+  });
+}
+
+// metal::fast and metal::precise declare the math functions themselves (a user overload added to either does
+// not hide the standard ones)
 namespace fast {
-using namespace ::metal;
+__MSL_MATH_FUNCTIONS;
 }
 namespace precise {
-using namespace ::metal;
+__MSL_MATH_FUNCTIONS;
 }
 
 // ---- atomics (the emulator runs one OS thread: plain operations are atomic)
@@ -639,11 +911,6 @@ inline bool atomic_compare_exchange_strong_explicit(volatile atomic<T>* o, T* ex
 }
 #undef __EMU_AT
 
-// ---- synchronisation
-__attribute__((noinline)) inline void threadgroup_barrier(mem_flags) {
-  __emu::barrier((uintptr_t)__builtin_return_address(0));
-}
-
 }  // namespace metal
 
 // ------------------------------------------------------------------ SIMD collectives
@@ -670,7 +937,11 @@ inline T combine(T a, T b) {
   else if constexpr (OP == OP_PROD || OP == OP_PREFIX_EXCL_PROD || OP == OP_PREFIX_INCL_PROD) return a * b;
   else if constexpr (OP == OP_MIN) return metal::min(a, b);
   else if constexpr (OP == OP_MAX) return metal::max(a, b);
-  else if constexpr (OP == OP_AND) return a & b;
+  else if constexpr ((OP == OP_AND || OP == OP_OR || OP == OP_XOR) && is_fp<T>) {  // on the bits (Apple's
+    using U = std::conditional_t<sizeof(T) == 2, uint16_t, std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>>;
+    const U x = __builtin_bit_cast(U, a), y = __builtin_bit_cast(U, b);  // __metal_simd_xor takes float)
+    return __builtin_bit_cast(T, (U)(OP == OP_AND ? x & y : OP == OP_OR ? x | y : x ^ y));
+  } else if constexpr (OP == OP_AND) return a & b;
   else if constexpr (OP == OP_OR) return a | b;
   else if constexpr (OP == OP_XOR) return a ^ b;
   else return a;
@@ -751,7 +1022,12 @@ void resolve(SimdGroup& g, uint32_t mask, uint32_t width) {
     }
   }
 }
-#define __EMU_RA ((uintptr_t)__builtin_return_address(0))
+// The call site of a collective or barrier: a defaulted last parameter evaluated where the call is written
+// (file, line, column), so that no optimisation can merge two sites and a user function may share the name of
+// a standard one (MLX defines its own bfloat simd_sum).  Sites of one file increase in source order.
+#define __EMU_SITE                                                                                          \
+  uintptr_t __emu_site = ((uintptr_t)__builtin_FILE() & 0xFFFFFull) << 40 | (uintptr_t)__builtin_LINE() << 12 | \
+                         (uintptr_t)__builtin_COLUMN()
 }  // namespace __emu
 
 namespace metal {
@@ -759,31 +1035,20 @@ struct simd_vote {
   typedef ulong vote_t;
   vote_t __v;
   explicit constexpr operator vote_t() const { return __v; }
+  explicit constexpr operator bool() const { return __v != 0; }
   bool all() const { return __v == 0xFFFFFFFFull; }
   bool any() const { return __v != 0; }
 };
 
-// Every collective / barrier has a call-site id: the generated macros below pass
-// __COUNTER__ (unique per source location, increasing in source order) so that the
-// optimiser merging identical calls cannot merge sites; a direct call such as
-// simd_sum<float>(x) falls back to the return address.
 #define __EMU_SIMD1(NAME, OP, G)                                                                     \
   template <class T>                                                                                 \
-  inline T __emu_##NAME(uintptr_t site, T v) {                                                       \
-    return __emu::simd_exchange<T>(v, 0, site, &__emu::resolve<T, __emu::OP, G>);                    \
-  }                                                                                                  \
-  template <class T>                                                                                 \
-  __attribute__((noinline)) T NAME(T v) {                                                            \
-    return __emu_##NAME(__EMU_RA, v);                                                                \
+  inline T NAME(T v, __EMU_SITE) {                                                                   \
+    return __emu::simd_exchange<T>(v, 0, __emu_site, &__emu::resolve<T, __emu::OP, G>);              \
   }
 #define __EMU_SIMD2(NAME, OP, G)                                                                     \
   template <class T, class I>                                                                        \
-  inline T __emu_##NAME(uintptr_t site, T v, I a) {                                                  \
-    return __emu::simd_exchange<T>(v, (uint32_t)a, site, &__emu::resolve<T, __emu::OP, G>);          \
-  }                                                                                                  \
-  template <class T, class I>                                                                        \
-  __attribute__((noinline)) T NAME(T v, I a) {                                                       \
-    return __emu_##NAME(__EMU_RA, v, a);                                                             \
+  inline T NAME(T v, I a, __EMU_SITE) {                                                              \
+    return __emu::simd_exchange<T>(v, (uint32_t)a, __emu_site, &__emu::resolve<T, __emu::OP, G>);    \
   }
 #define __EMU_GROUP_OPS(P, G)                                                \
   __EMU_SIMD1(P##_sum, OP_SUM, G)                                            \
@@ -812,101 +1077,244 @@ __EMU_GROUP_OPS(quad, 4)
 #undef __EMU_SIMD2
 template <class T>
 T simd_prod(T v) = delete;  // not an MSL function (it is simd_product)
+}  // namespace metal
+namespace __emu {
+// simd_shuffle_and_fill_down/up: lane r of a segment of `modulo` lanes takes data from lane r + delta (down) or
+// r - delta (up) of its segment, and filling_data from the lane that many places past the segment's other end
+template <class T, bool DOWN>
+void fill_resolve(SimdGroup& g, uint32_t mask, uint32_t width) {
+  for (uint32_t l = 0; l < width; l++) {
+    if (!(mask >> l & 1)) continue;
+    const uint32_t delta = g.arg[l] & 0xFFFFu, m = g.arg[l] >> 16 ? g.arg[l] >> 16 : kSimdWidth;
+    const uint32_t base = l - l % m, r = l % m;
+    int64_t src;
+    bool fill;
+    if (DOWN) { fill = r + delta >= m; src = base + (fill ? r + delta - m : r + delta); }
+    else { fill = r < delta; src = base + (fill ? m + r - delta : r - delta); }
+    if (src >= (int64_t)width || !(mask >> src & 1)) memset(g.out[l], 0xFF, sizeof(T));
+    else memcpy(g.out[l], g.in[src] + (fill ? sizeof(T) : 0), sizeof(T));
+  }
+}
+template <class T, bool DOWN>
+inline T shuffle_fill(T v, T fill, uint32_t delta, uint32_t modulo, uintptr_t site) {
+  struct Pair { T v, f; };
+  Pair out = simd_exchange(Pair{v, fill}, (delta & 0xFFFFu) | (modulo & 0xFFFFu) << 16, site, &fill_resolve<T, DOWN>);
+  return out.v;
+}
+}  // namespace __emu
+namespace metal {
+#define __EMU_FILL(NAME, DOWN)                                                                          \
+  template <class T, class D>                                                                             \
+  inline T NAME(T v, T fill, D delta, __EMU_SITE) {                                                       \
+    return __emu::shuffle_fill<T, DOWN>(v, fill, (uint32_t)delta, 32, __emu_site);                        \
+  }                                                                                                       \
+  template <class T, class D, class M>                                                                    \
+  inline T NAME(T v, T fill, D delta, M modulo, __EMU_SITE) {                                             \
+    return __emu::shuffle_fill<T, DOWN>(v, fill, (uint32_t)delta, (uint32_t)modulo, __emu_site);          \
+  }
+__EMU_FILL(simd_shuffle_and_fill_down, true)
+__EMU_FILL(simd_shuffle_and_fill_up, false)
+#undef __EMU_FILL
 
-#define __EMU_VOTE(OP, V, SITE) __emu::simd_exchange<uint64_t>((V), 0, (SITE), &__emu::resolve<uint64_t, __emu::OP>)
-#define __EMU_QVOTE(OP, V, SITE) __emu::simd_exchange<uint64_t>((V), 0, (SITE), &__emu::resolve<uint64_t, __emu::OP, 4>)
-inline bool __emu_quad_all(uintptr_t site, bool b) { return (bool)__EMU_QVOTE(OP_ALL, b, site); }
-inline bool __emu_quad_any(uintptr_t site, bool b) { return (bool)__EMU_QVOTE(OP_ANY, b, site); }
-inline bool __emu_quad_is_first(uintptr_t site) { return (bool)__EMU_QVOTE(OP_IS_FIRST, 1, site); }
-__attribute__((noinline)) inline bool quad_all(bool b) { return __emu_quad_all(__EMU_RA, b); }
-__attribute__((noinline)) inline bool quad_any(bool b) { return __emu_quad_any(__EMU_RA, b); }
-__attribute__((noinline)) inline bool quad_is_first() { return __emu_quad_is_first(__EMU_RA); }
-#undef __EMU_QVOTE
-inline bool __emu_simd_all(uintptr_t site, bool b) { return (bool)__EMU_VOTE(OP_ALL, b, site); }
-inline bool __emu_simd_any(uintptr_t site, bool b) { return (bool)__EMU_VOTE(OP_ANY, b, site); }
-inline simd_vote __emu_simd_ballot(uintptr_t site, bool b) { return simd_vote{__EMU_VOTE(OP_BALLOT, b, site)}; }
-inline bool __emu_simd_is_first(uintptr_t site) { return (bool)__EMU_VOTE(OP_IS_FIRST, 1, site); }
-inline simd_vote __emu_simd_active_threads_mask(uintptr_t site) { return simd_vote{__EMU_VOTE(OP_BARRIER, 1, site)}; }
-__attribute__((noinline)) inline bool simd_all(bool b) { return __emu_simd_all(__EMU_RA, b); }
-__attribute__((noinline)) inline bool simd_any(bool b) { return __emu_simd_any(__EMU_RA, b); }
-__attribute__((noinline)) inline simd_vote simd_ballot(bool b) { return __emu_simd_ballot(__EMU_RA, b); }
-__attribute__((noinline)) inline bool simd_is_first() { return __emu_simd_is_first(__EMU_RA); }
-__attribute__((noinline)) inline simd_vote simd_active_threads_mask() { return __emu_simd_active_threads_mask(__EMU_RA); }
+#define __EMU_VOTE(OP, V, G) __emu::simd_exchange<uint64_t>((V), 0, __emu_site, &__emu::resolve<uint64_t, __emu::OP, G>)
+inline bool quad_all(bool b, __EMU_SITE) { return (bool)__EMU_VOTE(OP_ALL, b, 4); }
+inline bool quad_any(bool b, __EMU_SITE) { return (bool)__EMU_VOTE(OP_ANY, b, 4); }
+inline bool quad_is_first(__EMU_SITE) { return (bool)__EMU_VOTE(OP_IS_FIRST, 1, 4); }
+inline bool simd_all(bool b, __EMU_SITE) { return (bool)__EMU_VOTE(OP_ALL, b, 32); }
+inline bool simd_any(bool b, __EMU_SITE) { return (bool)__EMU_VOTE(OP_ANY, b, 32); }
+inline simd_vote simd_ballot(bool b, __EMU_SITE) { return simd_vote{__EMU_VOTE(OP_BALLOT, b, 32)}; }
+inline bool simd_is_first(__EMU_SITE) { return (bool)__EMU_VOTE(OP_IS_FIRST, 1, 32); }
+inline simd_vote simd_active_threads_mask(__EMU_SITE) { return simd_vote{__EMU_VOTE(OP_BARRIER, 1, 32)}; }
 #undef __EMU_VOTE
-inline void __emu_simdgroup_barrier(uintptr_t site, mem_flags) {
-  (void)__emu::simd_exchange<uint64_t>(1, 0, site, &__emu::resolve<uint64_t, __emu::OP_BARRIER>);
+inline void simdgroup_barrier(mem_flags, __EMU_SITE) {
+  (void)__emu::simd_exchange<uint64_t>(1, 0, __emu_site, &__emu::resolve<uint64_t, __emu::OP_BARRIER>);
   __emu::cur().sepoch++;  // orders this lane's accesses after its simdgroup's earlier ones (race detector)
 }
-__attribute__((noinline)) inline void simdgroup_barrier(mem_flags f) { __emu_simdgroup_barrier(__EMU_RA, f); }
-inline void __emu_threadgroup_barrier(uintptr_t site, mem_flags) { __emu::barrier(site); }
+inline void threadgroup_barrier(mem_flags, __EMU_SITE) { __emu::barrier(__emu_site); }
 }  // namespace metal
 
 // ------------------------------------------------------------------ simdgroup matrices
-// Emulated per lane: every lane holds the whole 8x8 matrix.  The MSL rules
-// (uniform operands across the simdgroup) make that equivalent; thread_elements()
-// (the hardware's lane layout) is not provided.
+// Each lane holds the two elements the hardware gives it (thread_elements()): lane l of the simdgroup holds row
+// (q & 4) + (l / 2) % 4, columns c and c + 1, with q = l / 4 and c = 2 (q & 2) + 2 (l % 2).  simdgroup_load/store
+// move each lane's own elements (race-checked like any access); a product is a collective of the 32 lanes.
+namespace __emu {
+inline void sg_coord(int& r, int& c) {
+  const uint32_t l = cur().lin % kSimdWidth, q = l / 4;
+  r = (int)((q & 4) + (l / 2) % 4);
+  c = (int)(2 * (q & 2) + 2 * (l % 2));
+}
+template <class TA, class TB, class TC>
+struct MmaSlot {
+  TA a[2];
+  TB b[2];
+  TC c[2];
+};
+// d = a * b + c for the lanes of one simdgroup; without all 32 lanes the product is undefined (NaN bytes)
+template <class TD, class TA, class TB, class TC, uint32_t G = kSimdWidth>
+void mma_resolve(SimdGroup& g, uint32_t mask, uint32_t width) {
+  if (width != kSimdWidth || mask != 0xFFFFFFFFu) {
+    for (uint32_t l = 0; l < width; l++)
+      if (mask >> l & 1) memset(g.out[l], 0xFF, sizeof(MmaSlot<TA, TB, TC>));
+    return;
+  }
+  float A[8][8], B[8][8], C[8][8];
+  for (uint32_t l = 0; l < kSimdWidth; l++) {
+    const uint32_t q = l / 4, r = (q & 4) + (l / 2) % 4, c = 2 * (q & 2) + 2 * (l % 2);
+    MmaSlot<TA, TB, TC> v;
+    memcpy(&v, g.in[l], sizeof v);
+    for (int j = 0; j < 2; j++) {
+      A[r][c + j] = (float)v.a[j];
+      B[r][c + j] = (float)v.b[j];
+      C[r][c + j] = (float)v.c[j];
+    }
+  }
+  for (uint32_t l = 0; l < kSimdWidth; l++) {
+    const uint32_t q = l / 4, r = (q & 4) + (l / 2) % 4, c = 2 * (q & 2) + 2 * (l % 2);
+    TD d[2];
+    for (int j = 0; j < 2; j++) {
+      float acc = C[r][c + j];
+      for (int k = 0; k < 8; k++) acc += A[r][k] * B[k][c + j];
+      d[j] = (TD)acc;
+    }
+    memcpy(g.out[l], d, sizeof d);
+  }
+}
+}  // namespace __emu
+
 namespace metal {
-template <class T, int Cols, int Rows>
+template <class T, int Cols, int Rows = Cols>
 struct simdgroup_matrix {
-  static_assert(Cols == 8 && Rows == 8, "the emulator supports 8x8 simdgroup matrices");
-  T e[Rows][Cols];
+  static_assert(Cols == 8 && Rows == 8, "MSL simdgroup matrices are 8x8");
+  vec<T, 2> __e;
   simdgroup_matrix() = default;
   explicit simdgroup_matrix(T diag) {
-    for (int r = 0; r < Rows; r++)
-      for (int c = 0; c < Cols; c++) e[r][c] = r == c ? diag : (T)0;
+    int r, c;
+    __emu::sg_coord(r, c);
+    __e[0] = r == c ? diag : (T)0;
+    __e[1] = r == c + 1 ? diag : (T)0;
   }
+  vec<T, 2>& thread_elements() { return __e; }
+  const vec<T, 2>& thread_elements() const { return __e; }
 };
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
 typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
-template <class T, int C, int R>
+template <class T, int C, int R = C>
 inline simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(T v) {
   simdgroup_matrix<T, C, R> m;
-  for (int r = 0; r < R; r++)
-    for (int c = 0; c < C; c++) m.e[r][c] = v;
+  m.__e[0] = m.__e[1] = v;
   return m;
 }
-// every lane loads/stores the whole matrix here (on the GPU the simdgroup shares the work): not race-checked
 template <class T, int C, int R, class U, class O = ulong2>
-__attribute__((no_sanitize("thread"), noinline)) inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const U* src, ulong elements_per_row = C,
-                           O origin = O(0), bool transpose = false) {
-  const ulong ox = (ulong)origin[0], oy = (ulong)origin[1];
-  __EMU_PROF(__emu::prof_matrix(src, elements_per_row, ox, oy, transpose, false, (uintptr_t)__builtin_return_address(0));)
-  for (int r = 0; r < R; r++)
-    for (int c = 0; c < C; c++)
-      d.e[r][c] = (T)(transpose ? src[(oy + c) * elements_per_row + ox + r] : src[(oy + r) * elements_per_row + ox + c]);
+__attribute__((no_sanitize("thread"), noinline)) inline void simdgroup_load(simdgroup_matrix<T, C, R>& d, const U* src,
+                                                                            ulong elements_per_row = C, O origin = O(0),
+                                                                            bool transpose = false) {
+  const ulong2 o = __emu::vec<ulong2>(origin);  // an ulong2, or a scalar written for it (`0`)
+  const ulong ox = o[0], oy = o[1];
+  int r, c;
+  __emu::sg_coord(r, c);
+  __EMU_PROF(__emu::prof_matrix(src, elements_per_row, ox, oy, r, c, transpose, false, (uintptr_t)__builtin_return_address(0));)
+  for (int j = 0; j < 2; j++)
+    d.__e[j] = (T)(transpose ? src[(oy + c + j) * elements_per_row + ox + r] : src[(oy + r) * elements_per_row + ox + c + j]);
 }
 template <class T, int C, int R, class U, class O = ulong2>
-__attribute__((no_sanitize("thread"), noinline)) inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, U* dst, ulong elements_per_row = C,
-                            O origin = O(0), bool transpose = false) {
-  const ulong ox = (ulong)origin[0], oy = (ulong)origin[1];
-  __EMU_PROF(__emu::prof_matrix(dst, elements_per_row, ox, oy, transpose, true, (uintptr_t)__builtin_return_address(0));)
-  for (int r = 0; r < R; r++)
-    for (int c = 0; c < C; c++) {
-      if (transpose) dst[(oy + c) * elements_per_row + ox + r] = (U)a.e[r][c];
-      else dst[(oy + r) * elements_per_row + ox + c] = (U)a.e[r][c];
-    }
+__attribute__((no_sanitize("thread"), noinline)) inline void simdgroup_store(const simdgroup_matrix<T, C, R>& a, U* dst,
+                                                                             ulong elements_per_row = C, O origin = O(0),
+                                                                             bool transpose = false) {
+  const ulong2 o = __emu::vec<ulong2>(origin);  // an ulong2, or a scalar written for it (`0`)
+  const ulong ox = o[0], oy = o[1];
+  int r, c;
+  __emu::sg_coord(r, c);
+  __EMU_PROF(__emu::prof_matrix(dst, elements_per_row, ox, oy, r, c, transpose, true, (uintptr_t)__builtin_return_address(0));)
+  for (int j = 0; j < 2; j++) {
+    if (transpose) dst[(oy + c + j) * elements_per_row + ox + r] = (U)a.__e[j];
+    else dst[(oy + r) * elements_per_row + ox + c + j] = (U)a.__e[j];
+  }
 }
 template <class TD, class TA, class TB, class TC, int N>
 inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, N, N>& d, const simdgroup_matrix<TA, N, N>& a,
-                                          const simdgroup_matrix<TB, N, N>& b, const simdgroup_matrix<TC, N, N>& c) {
+                                          const simdgroup_matrix<TB, N, N>& b, const simdgroup_matrix<TC, N, N>& c,
+                                          __EMU_SITE) {
   __EMU_PROF(__emu::prof_mma();)  // one 8x8x8 multiply-accumulate of the simdgroup: 512 MACs
-  float t[N][N];
-  for (int r = 0; r < N; r++)
-    for (int k = 0; k < N; k++) {
-      float s = (float)c.e[r][k];
-      for (int j = 0; j < N; j++) s += (float)a.e[r][j] * (float)b.e[j][k];
-      t[r][k] = s;
-    }
-  for (int r = 0; r < N; r++)
-    for (int k = 0; k < N; k++) d.e[r][k] = (TD)t[r][k];
+  __emu::MmaSlot<TA, TB, TC> in{{a.__e[0], a.__e[1]}, {b.__e[0], b.__e[1]}, {c.__e[0], c.__e[1]}};
+  auto out = __emu::simd_exchange(in, 0, __emu_site, &__emu::mma_resolve<TD, TA, TB, TC>);
+  TD res[2];
+  memcpy(res, &out, sizeof res);
+  d.__e[0] = res[0];
+  d.__e[1] = res[1];
 }
 template <class TD, class TA, class TB, int N>
 inline void simdgroup_multiply(simdgroup_matrix<TD, N, N>& d, const simdgroup_matrix<TA, N, N>& a,
-                               const simdgroup_matrix<TB, N, N>& b) {
-  simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<TD, N, N>((TD)0));
+                               const simdgroup_matrix<TB, N, N>& b, __EMU_SITE) {
+  simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<TD, N, N>((TD)0), __emu_site);
+}
+// a * b (a product: the collective, its site the caller's return address -- an operator has no defaulted
+// parameter), a + b and a - b (element-wise, each lane its own elements)
+template <class T, int N>
+__attribute__((noinline)) simdgroup_matrix<T, N, N> operator*(const simdgroup_matrix<T, N, N>& a,
+                                                             const simdgroup_matrix<T, N, N>& b) {
+  simdgroup_matrix<T, N, N> d;
+  simdgroup_multiply(d, a, b, (uintptr_t)__builtin_return_address(0));
+  return d;
+}
+template <class T, int N>
+inline simdgroup_matrix<T, N, N> operator+(const simdgroup_matrix<T, N, N>& a, const simdgroup_matrix<T, N, N>& b) {
+  simdgroup_matrix<T, N, N> d;
+  d.__e = a.__e + b.__e;
+  return d;
+}
+template <class T, int N>
+inline simdgroup_matrix<T, N, N> operator-(const simdgroup_matrix<T, N, N>& a, const simdgroup_matrix<T, N, N>& b) {
+  simdgroup_matrix<T, N, N> d;
+  d.__e = a.__e - b.__e;
+  return d;
 }
 }  // namespace metal
+
+// Apple's standard-library intrinsics, which real kernels call directly (MLX's bf16_math.h):
+// __metal_exp(x, __METAL_MAYBE_FAST_MATH__) & co.; the math-mode argument changes nothing here.
+#define __EMU_INTRIN1(NAME, FN) \
+  template <class T, class... M> inline T __metal_##NAME(T x, M...) { return metal::FN(x); }
+#define __EMU_INTRIN2(NAME, FN) \
+  template <class T, class U, class... M> inline T __metal_##NAME(T x, U y, M...) { return metal::FN(x, y); }
+#define __EMU_INTRIN3(NAME, FN) \
+  template <class T, class U, class V, class... M> inline T __metal_##NAME(T x, U y, V z, M...) { return metal::FN(x, y, z); }
+__EMU_INTRIN1(fabs, fabs) __EMU_INTRIN1(acos, acos) __EMU_INTRIN1(acosh, acosh) __EMU_INTRIN1(asin, asin)
+__EMU_INTRIN1(asinh, asinh) __EMU_INTRIN1(atan, atan) __EMU_INTRIN1(atanh, atanh) __EMU_INTRIN1(ceil, ceil)
+__EMU_INTRIN1(cos, cos) __EMU_INTRIN1(cosh, cosh) __EMU_INTRIN1(cospi, cospi) __EMU_INTRIN1(exp, exp)
+__EMU_INTRIN1(exp10, exp10) __EMU_INTRIN1(exp2, exp2) __EMU_INTRIN1(floor, floor) __EMU_INTRIN1(fract, fract)
+__EMU_INTRIN1(log, log) __EMU_INTRIN1(log10, log10) __EMU_INTRIN1(log2, log2) __EMU_INTRIN1(rint, rint)
+__EMU_INTRIN1(round, round) __EMU_INTRIN1(rsqrt, rsqrt) __EMU_INTRIN1(sin, sin) __EMU_INTRIN1(sinh, sinh)
+__EMU_INTRIN1(sinpi, sinpi) __EMU_INTRIN1(sqrt, sqrt) __EMU_INTRIN1(tan, tan) __EMU_INTRIN1(tanh, tanh)
+__EMU_INTRIN1(tanpi, tanpi) __EMU_INTRIN1(trunc, trunc)
+__EMU_INTRIN2(atan2, atan2) __EMU_INTRIN2(divide, divide) __EMU_INTRIN2(fmax, fmax) __EMU_INTRIN2(fmin, fmin)
+__EMU_INTRIN2(fmod, fmod) __EMU_INTRIN2(nextafter, nextafter) __EMU_INTRIN2(pow, pow) __EMU_INTRIN2(powr, powr)
+__EMU_INTRIN2(ldexp, ldexp)
+__EMU_INTRIN3(fma, fma) __EMU_INTRIN3(fmax3, fmax3) __EMU_INTRIN3(fmin3, fmin3) __EMU_INTRIN3(fmedian3, fmedian3)
+#undef __EMU_INTRIN1
+#undef __EMU_INTRIN2
+#undef __EMU_INTRIN3
+template <class T> inline T __metal_frexp(T x, int* e) { return metal::frexp(x, *e); }
+#define __EMU_SIMD_INTRIN(NAME) \
+  template <class T, class... A> inline T __metal_##NAME(T v, A... a) { return metal::NAME(v, a...); }
+__EMU_SIMD_INTRIN(simd_sum) __EMU_SIMD_INTRIN(simd_product) __EMU_SIMD_INTRIN(simd_min) __EMU_SIMD_INTRIN(simd_max)
+__EMU_SIMD_INTRIN(simd_and) __EMU_SIMD_INTRIN(simd_or) __EMU_SIMD_INTRIN(simd_xor)
+__EMU_SIMD_INTRIN(simd_prefix_exclusive_sum) __EMU_SIMD_INTRIN(simd_prefix_inclusive_sum)
+__EMU_SIMD_INTRIN(simd_prefix_exclusive_product) __EMU_SIMD_INTRIN(simd_prefix_inclusive_product)
+__EMU_SIMD_INTRIN(simd_broadcast) __EMU_SIMD_INTRIN(simd_shuffle) __EMU_SIMD_INTRIN(simd_shuffle_xor)
+__EMU_SIMD_INTRIN(simd_shuffle_up) __EMU_SIMD_INTRIN(simd_shuffle_down) __EMU_SIMD_INTRIN(simd_shuffle_rotate_up)
+__EMU_SIMD_INTRIN(simd_shuffle_rotate_down) __EMU_SIMD_INTRIN(simd_broadcast_first)
+#undef __EMU_SIMD_INTRIN
+template <class T, class D, class M>
+inline T __metal_simd_shuffle_and_fill_down(T v, T fill, D delta, M modulo) {
+  return metal::simd_shuffle_and_fill_down(v, fill, delta, modulo);
+}
+template <class T, class D, class M>
+inline T __metal_simd_shuffle_and_fill_up(T v, T fill, D delta, M modulo) {
+  return metal::simd_shuffle_and_fill_up(v, fill, delta, modulo);
+}
+template <class T> inline T __metal_get_simdgroup_size(T) { return (T)__emu::kSimdWidth; }
+template <class T> inline T __metal_get_thread_index_in_simdgroup(T) { return (T)(__emu::cur().lin % __emu::kSimdWidth); }
 
 // threadgroup memory: per-group storage, filled with 0xFF at the start of every group
 namespace __emu {
@@ -926,51 +1334,3 @@ inline void* tg_storage(uint32_t slot, size_t size, size_t align, const char* na
 #define object_data
 #define METAL_FUNC inline
 #define __METAL_EMULATOR__ 1
-#define threadgroup_barrier(...) __emu_threadgroup_barrier(__COUNTER__ + 1 __VA_OPT__(, ) __VA_ARGS__)
-#define simdgroup_barrier(...) __emu_simdgroup_barrier(__COUNTER__ + 1 __VA_OPT__(, ) __VA_ARGS__)
-#define quad_sum(...) __emu_quad_sum(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_product(...) __emu_quad_product(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_min(...) __emu_quad_min(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_max(...) __emu_quad_max(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_and(...) __emu_quad_and(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_or(...) __emu_quad_or(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_xor(...) __emu_quad_xor(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_broadcast_first(...) __emu_quad_broadcast_first(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_prefix_exclusive_sum(...) __emu_quad_prefix_exclusive_sum(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_prefix_inclusive_sum(...) __emu_quad_prefix_inclusive_sum(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_prefix_exclusive_product(...) __emu_quad_prefix_exclusive_product(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_prefix_inclusive_product(...) __emu_quad_prefix_inclusive_product(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_shuffle(...) __emu_quad_shuffle(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_broadcast(...) __emu_quad_broadcast(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_shuffle_xor(...) __emu_quad_shuffle_xor(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_shuffle_down(...) __emu_quad_shuffle_down(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_shuffle_up(...) __emu_quad_shuffle_up(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_shuffle_rotate_down(...) __emu_quad_shuffle_rotate_down(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_shuffle_rotate_up(...) __emu_quad_shuffle_rotate_up(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_all(...) __emu_quad_all(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_any(...) __emu_quad_any(__COUNTER__ + 1, __VA_ARGS__)
-#define quad_is_first() __emu_quad_is_first(__COUNTER__ + 1)
-#define simd_sum(...) __emu_simd_sum(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_product(...) __emu_simd_product(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_min(...) __emu_simd_min(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_max(...) __emu_simd_max(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_and(...) __emu_simd_and(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_or(...) __emu_simd_or(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_xor(...) __emu_simd_xor(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_broadcast_first(...) __emu_simd_broadcast_first(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_prefix_exclusive_sum(...) __emu_simd_prefix_exclusive_sum(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_prefix_inclusive_sum(...) __emu_simd_prefix_inclusive_sum(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_prefix_exclusive_product(...) __emu_simd_prefix_exclusive_product(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_prefix_inclusive_product(...) __emu_simd_prefix_inclusive_product(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_shuffle(...) __emu_simd_shuffle(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_broadcast(...) __emu_simd_broadcast(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_shuffle_xor(...) __emu_simd_shuffle_xor(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_shuffle_down(...) __emu_simd_shuffle_down(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_shuffle_up(...) __emu_simd_shuffle_up(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_shuffle_rotate_down(...) __emu_simd_shuffle_rotate_down(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_shuffle_rotate_up(...) __emu_simd_shuffle_rotate_up(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_all(...) __emu_simd_all(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_any(...) __emu_simd_any(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_ballot(...) __emu_simd_ballot(__COUNTER__ + 1, __VA_ARGS__)
-#define simd_is_first() __emu_simd_is_first(__COUNTER__ + 1)
-#define simd_active_threads_mask() __emu_simd_active_threads_mask(__COUNTER__ + 1)

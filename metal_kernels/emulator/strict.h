@@ -2,14 +2,16 @@
 // syntax-only clang-19 pass in C++-for-OpenCL 2021 mode (see strict.py).  The address spaces are real
 // here (device/threadgroup/constant/thread -> OpenCL global/local/constant/private; strict.py rejects
 // pointers written without one), exceptions and RTTI are off, and no C++ standard library is reachable.  Every function has the
-// overloads MSL 3.1 has and no more: math on float/half (bfloat has no math functions in MSL 3.1: they are
-// deleted here), integer functions on all integer types, SIMD reductions on 32-bit-or-narrower types only.
+// overloads MSL 3.1 has and no more: math on float/half (bfloat has no math functions in MSL 3.1: a bfloat scalar
+// converts to float, and abs/min/max/clamp, which take integers too, are ambiguous for it), integer functions on
+// all integer types, SIMD reductions on 32-bit-or-narrower types only.
 #pragma OPENCL EXTENSION cl_khr_fp16 : enable
+#pragma OPENCL EXTENSION __cl_clang_function_pointers : enable
 
 #define kernel
 #define device __global
 #define threadgroup __local
-#define constant __constant
+#define constant const __constant  // the constant address space implies const
 #define thread __private
 #define METAL_FUNC inline
 #define __METAL_STRICT__ 1
@@ -51,9 +53,54 @@ __MSLV(char, bool)  // OpenCL has no bool vectors; comparisons give int vectors 
 #undef __MSLV
 
 namespace __emu {
-template <class V, class... A> V vec(A... a);
+// MSL construction and casts (strict.py rewrites them as the emulator does): defined where they can be constant
+// expressions (scalars, a splat, an element-wise conversion), declared for a concatenation
+template <class T> struct __vec_info { typedef T E; static constexpr constant int n = 1; };
+template <class T, int N> struct __vec_info<T __attribute__((ext_vector_type(N)))> {
+  typedef T E;
+  static constexpr constant int n = N;
+};
+template <class T> struct __vec_info<const T> : __vec_info<T> {};
+template <class E, int N> struct packed;
+template <class T, int N> struct __vec_info<packed<T, N>> { typedef T E; static constexpr constant int n = N; };
+template <bool B, class T = void> struct __enable_if {};
+template <class T> struct __enable_if<true, T> { typedef T type; };
+template <class T> T&& __declval();
+template <class T, T... I> struct __iseq {};
+template <class V, class E, class A, int... I> constexpr V __splat(A a, __iseq<int, I...>) { return V{((void)I, (E)a)...}; }
+template <class A, class B> struct __same { static constexpr constant bool v = false; };
+template <class A> struct __same<A, A> { static constexpr constant bool v = true; };
+template <class A, class B> constexpr constant bool __hb = (__same<A, half>::v && __same<B, bfloat>::v) ||
+                                                             (__same<A, bfloat>::v && __same<B, half>::v);
+// a scalar or class type: constructed as written (half <-> bfloat through float, as MSL allows explicitly)
+template <class V, class... A, typename __enable_if<__vec_info<V>::n == 1, int>::type = 0>
+constexpr auto vec(A... a) -> decltype(V(a...)) { return V(a...); }
+template <class V, class A, typename __enable_if<__vec_info<V>::n == 1 && __hb<V, A>, int>::type = 0>
+constexpr V vec(A a) { return (V)(float)a; }
+template <class V, typename __enable_if<(__vec_info<V>::n > 1), int>::type = 0>
+constexpr V vec() { return V{}; }
+template <class V, class A, typename __enable_if<(__vec_info<V>::n > 1) && __vec_info<A>::n == 1 &&
+                                                 !__hb<typename __vec_info<V>::E, A>, int>::type = 0>
+constexpr V vec(A a) { return __splat<V, typename __vec_info<V>::E>(a, __make_integer_seq<__iseq, int, __vec_info<V>::n>()); }
+template <class V, class A, typename __enable_if<(__vec_info<V>::n > 1) && __vec_info<A>::n == 1 &&
+                                                 __hb<typename __vec_info<V>::E, A>, int>::type = 0>
+constexpr V vec(A a) { return __splat<V, typename __vec_info<V>::E>((float)a, __make_integer_seq<__iseq, int, __vec_info<V>::n>()); }
+template <class V, class A, typename __enable_if<(__vec_info<V>::n > 1) && __vec_info<A>::n == __vec_info<V>::n,
+                                                 int>::type = 0>
+V vec(A a);
+template <class V, class A, class B, class... C,
+          typename __enable_if<(__vec_info<V>::n > 1) && 2 + sizeof...(C) == __vec_info<V>::n &&
+                                   __vec_info<A>::n == 1 && __vec_info<B>::n == 1, int>::type = 0>
+constexpr V vec(A a, B b, C... c) { return V{(typename __vec_info<V>::E)a, (typename __vec_info<V>::E)b, (typename __vec_info<V>::E)c...}; }
+template <class... A> constexpr constant int __total = (0 + ... + __vec_info<A>::n);
+template <class... A> constexpr constant bool __any_vec = (false || ... || (__vec_info<A>::n > 1));
+template <class V, class A, class B, class... C,
+          typename __enable_if<(__vec_info<V>::n > 1) && __total<A, B, C...> == __vec_info<V>::n &&
+                                   __any_vec<A, B, C...>, int>::type = 0>
+V vec(A a, B b, C... c);
 template <class V> struct vcast {};
-template <class V, class U> V operator->*(vcast<V>, U u);
+template <class V, class U> constexpr V operator->*(vcast<V>, U u) { return vec<V>(u); }
+template <class T> constexpr T fc_unset() { return T(); }
 template <class E, int N> struct packed_base;
 template <class E> struct packed_base<E, 2> { E x, y; };
 template <class E> struct packed_base<E, 3> { E x, y, z; };
@@ -93,37 +140,10 @@ __MSLP(char, char)
 __MSLP(uchar, uchar)
 #undef __MSLP
 
-#define MAXFLOAT 3.402823466e+38F
-#define HUGE_VALF __builtin_huge_valf()
-#define HUGE_VALH ((half)__builtin_huge_valf())
-#define INFINITY __builtin_inff()
-#define NAN __builtin_nanf("")
-#define FLT_MAX 3.402823466e+38F
-#define FLT_MIN 1.175494351e-38F
-#define FLT_EPSILON 1.192092896e-07F
-#define HALF_MAX ((half)65504.0f)
-#define HALF_MIN ((half)6.103515625e-05f)
-#define HALF_EPSILON ((half)9.765625e-4f)
-#define INT_MAX 2147483647
-#define INT_MIN (-2147483647 - 1)
-#define UINT_MAX 4294967295u
-#define M_E_F 2.71828182845904523536028747135266250f
-#define M_LOG2E_F 1.44269504088896340735992468100189214f
-#define M_LOG10E_F 0.434294481903251827651128918916605082f
-#define M_LN2_F 0.693147180559945309417232121458176568f
-#define M_LN10_F 2.30258509299404568401799145468436421f
-#define M_PI_F 3.14159265358979323846264338327950288f
-#define M_PI_2_F 1.57079632679489661923132169163975144f
-#define M_PI_4_F 0.785398163397448309615660845819875721f
-#define M_1_PI_F 0.318309886183790671537767526745028724f
-#define M_2_PI_F 0.636619772367581343075535053490057448f
-#define M_2_SQRTPI_F 1.12837916709551257389615890312154517f
-#define M_SQRT2_F 1.41421356237309504880168872420969808f
-#define M_SQRT1_2_F 0.707106781186547524400844362104849039f
-#define M_PI_H ((half)M_PI_F)
-#define M_E_H ((half)M_E_F)
-#define M_LN2_H ((half)M_LN2_F)
-#define M_SQRT2_H ((half)M_SQRT2_F)
+#include "msl_constants.h"
+
+// as_type<T>(x): an operator of the language, visible before `using namespace metal`
+template <class T, class U> constexpr T as_type(U u) { return __builtin_bit_cast(T, u); }
 
 namespace metal {
 // ---- type traits (metal_type_traits)
@@ -141,6 +161,71 @@ template <class T> struct remove_cv<const T> { typedef T type; };
 template <class T> struct remove_cv<volatile T> { typedef T type; };
 template <class T> struct remove_cv<const volatile T> { typedef T type; };
 template <class T> using remove_cv_t = typename remove_cv<T>::type;
+template <class T, T v> struct integral_constant {
+  static constexpr constant T value = v;
+  typedef T value_type;
+  typedef integral_constant type;
+  constexpr operator value_type() const { return value; }
+  constexpr value_type operator()() const { return value; }
+};
+template <bool B> using bool_constant = integral_constant<bool, B>;
+typedef bool_constant<true> true_type;
+typedef bool_constant<false> false_type;
+template <class T> struct remove_const { typedef T type; };
+template <class T> struct remove_const<const T> { typedef T type; };
+template <class T> using remove_const_t = typename remove_const<T>::type;
+template <class T> struct remove_volatile { typedef T type; };
+template <class T> struct remove_volatile<volatile T> { typedef T type; };
+template <class T> using remove_volatile_t = typename remove_volatile<T>::type;
+template <class T> struct remove_reference { typedef T type; };
+template <class T> struct remove_reference<T&> { typedef T type; };
+template <class T> struct remove_reference<T&&> { typedef T type; };
+template <class T> using remove_reference_t = typename remove_reference<T>::type;
+template <class T> struct remove_pointer { typedef T type; };
+template <class T> struct remove_pointer<T*> { typedef T type; };
+template <class T> struct remove_pointer<T* const> { typedef T type; };
+template <class T> using remove_pointer_t = typename remove_pointer<T>::type;
+template <class T> struct remove_addrspace { typedef T type; };
+template <class T> struct remove_addrspace<__global T> { typedef T type; };
+template <class T> struct remove_addrspace<__local T> { typedef T type; };
+template <class T> struct remove_addrspace<__constant T> { typedef T type; };
+template <class T> struct remove_addrspace<__private T> { typedef T type; };
+template <class T> using remove_addrspace_t = typename remove_addrspace<T>::type;
+template <class T> struct decay { typedef remove_cv_t<remove_reference_t<T>> type; };
+template <class T> using decay_t = typename decay<T>::type;
+template <class T> typename remove_reference<T>::type&& declval();
+template <class F, class T> struct is_convertible : bool_constant<__is_convertible_to(F, T)> {};
+template <class F, class T> constexpr constant bool is_convertible_v = is_convertible<F, T>::value;
+template <class B, class D> struct is_base_of : bool_constant<__is_base_of(B, D)> {};
+template <class B, class D> constexpr constant bool is_base_of_v = is_base_of<B, D>::value;
+template <class T> struct is_class : bool_constant<__is_class(T)> {};
+template <class T> constexpr constant bool is_class_v = is_class<T>::value;
+template <class T> struct is_enum : bool_constant<__is_enum(T)> {};
+template <class T> constexpr constant bool is_enum_v = is_enum<T>::value;
+template <class T> struct is_trivially_copyable : bool_constant<__is_trivially_copyable(T)> {};
+template <class T> constexpr constant bool is_trivially_copyable_v = is_trivially_copyable<T>::value;
+template <class T> struct is_void : is_same<remove_cv_t<T>, void> {};
+template <class T> constexpr constant bool is_void_v = is_void<T>::value;
+template <class T> struct is_pointer : false_type {};
+template <class T> struct is_pointer<T*> : true_type {};
+template <class T> constexpr constant bool is_pointer_v = is_pointer<remove_cv_t<T>>::value;
+template <class T> struct is_const : false_type {};
+template <class T> struct is_const<const T> : true_type {};
+template <class T> constexpr constant bool is_const_v = is_const<T>::value;
+template <class T> struct is_reference : false_type {};
+template <class T> struct is_reference<T&> : true_type {};
+template <class T> struct is_reference<T&&> : true_type {};
+template <class T> constexpr constant bool is_reference_v = is_reference<T>::value;
+template <class T> struct underlying_type { typedef __underlying_type(T) type; };
+template <class T> using underlying_type_t = typename underlying_type<T>::type;
+template <class... B> struct conjunction : true_type {};
+template <class B, class... R> struct conjunction<B, R...> : bool_constant<B::value && conjunction<R...>::value> {};
+template <class... B> struct disjunction : false_type {};
+template <class B, class... R> struct disjunction<B, R...> : bool_constant<B::value || disjunction<R...>::value> {};
+template <class B> struct negation : bool_constant<!B::value> {};
+// Apple's internal names (`#pragma METAL internals : enable`, MLX's atomic.h)
+template <class... B> using _disjunction = disjunction<B...>;
+template <class... B> using _conjunction = conjunction<B...>;
 
 template <class T> struct __elem { typedef T type; static constexpr constant int n = 1; };
 #define __MSLE(E, NAME) \
@@ -176,29 +261,143 @@ template <class T> struct is_integral { static constexpr constant bool value = _
 template <class T> constexpr constant bool is_integral_v = is_integral<T>::value;
 template <class T> struct is_arithmetic { static constexpr constant bool value = is_floating_point_v<T> || is_integral_v<T>; };
 template <class T> constexpr constant bool is_arithmetic_v = is_arithmetic<T>::value;
-template <class T> struct is_signed { static constexpr constant bool value = T(-1) < T(0); };
+template <class T> struct __signed_s { static constexpr constant bool v = false; };
+#define __MSLS(T) template <> struct __signed_s<T> { static constexpr constant bool v = true; };
+__MSLS(char) __MSLS(signed char) __MSLS(short) __MSLS(int) __MSLS(long) __MSLS(float) __MSLS(half) __MSLS(bfloat)
+#undef __MSLS
+// on a class type is_signed is false, not an error
+template <class T> struct is_signed { static constexpr constant bool value = __signed_s<remove_cv_t<T>>::v; };
 template <class T> constexpr constant bool is_signed_v = is_signed<T>::value;
-template <class T> struct is_unsigned { static constexpr constant bool value = is_integral_v<T> && !(T(-1) < T(0)); };
+template <class T> struct is_unsigned { static constexpr constant bool value = is_integral_v<T> && !is_signed<T>::value; };
+template <class T> struct is_scalar { static constexpr constant bool value = is_arithmetic_v<T> || is_pointer_v<T> || is_enum_v<T>; };
+template <class T> constexpr constant bool is_scalar_v = is_scalar<T>::value;
+template <class T> struct is_vector { static constexpr constant bool value = (__elem<remove_cv_t<T>>::n > 1); };
+template <class T> constexpr constant bool is_vector_v = is_vector<T>::value;
+template <class T> struct vec_elements { static constexpr constant int value = __elem<remove_cv_t<T>>::n; };
+template <class T> constexpr constant int vec_elements_v = vec_elements<T>::value;
+template <class T> struct make_scalar { typedef __elem_t<T> type; };
+template <class T> using make_scalar_t = typename make_scalar<T>::type;
+template <class T> struct make_signed { typedef T type; };
+template <class T> struct make_unsigned { typedef T type; };
+#define __MSLSU(S, U)                                                                              \
+  template <> struct make_signed<S> { typedef S type; };                                           \
+  template <> struct make_signed<U> { typedef S type; };                                           \
+  template <> struct make_unsigned<S> { typedef U type; };                                         \
+  template <> struct make_unsigned<U> { typedef U type; };
+__MSLSU(char, uchar) __MSLSU(short, ushort) __MSLSU(int, uint) __MSLSU(long, ulong)
+#undef __MSLSU
+template <> struct make_unsigned<signed char> { typedef uchar type; };
+template <> struct make_signed<signed char> { typedef signed char type; };
+template <class T> using make_signed_t = typename make_signed<remove_cv_t<T>>::type;
+template <class T> using make_unsigned_t = typename make_unsigned<remove_cv_t<T>>::type;
+template <class... T> struct common_type;
+template <class T> struct common_type<T> { typedef decay_t<T> type; };
+template <class A, class B> struct common_type<A, B> { typedef decay_t<decltype(true ? declval<A>() : declval<B>())> type; };
+template <class... T> using common_type_t = typename common_type<T...>::type;
 template <class T> constexpr constant bool is_unsigned_v = is_unsigned<T>::value;
 
-template <class T> struct numeric_limits {
-  static constexpr constant bool is_specialized = true;
-  static constexpr T max();
-  static constexpr T min();
-  static constexpr T lowest();
-  static constexpr T epsilon();
-  static constexpr T infinity();
-  static constexpr T quiet_NaN();
-  static constexpr T denorm_min();
-  static constexpr constant int digits = 0;
-};
+// numeric_limits: constexpr members, as MSL's (usable in constant expressions)
+template <class T> struct numeric_limits { static constexpr constant bool is_specialized = false; };
+#define __MSL_NL_INT(T, LO, HI, SIGNED, DIGITS)                                                        \
+  template <> struct numeric_limits<T> {                                                             \
+    static constexpr constant bool is_specialized = true, is_signed = SIGNED, is_integer = true,      \
+                                   is_exact = true, has_infinity = false, has_quiet_NaN = false;       \
+    static constexpr constant int digits = DIGITS, radix = 2;                                        \
+    static constexpr T min() { return LO; }                                                          \
+    static constexpr T lowest() { return LO; }                                                       \
+    static constexpr T max() { return HI; }                                                          \
+    static constexpr T epsilon() { return 0; }                                                       \
+  };
+__MSL_NL_INT(bool, false, true, false, 1)
+__MSL_NL_INT(char, (char)-128, (char)127, true, 7)
+__MSL_NL_INT(signed char, (signed char)-128, (signed char)127, true, 7)
+__MSL_NL_INT(uchar, (uchar)0, (uchar)255, false, 8)
+__MSL_NL_INT(short, (short)-32768, (short)32767, true, 15)
+__MSL_NL_INT(ushort, (ushort)0, (ushort)65535, false, 16)
+__MSL_NL_INT(int, INT_MIN, INT_MAX, true, 31)
+__MSL_NL_INT(uint, 0u, UINT_MAX, false, 32)
+__MSL_NL_INT(long, LONG_MIN, LONG_MAX, true, 63)
+__MSL_NL_INT(ulong, 0ul, ULONG_MAX, false, 64)
+#undef __MSL_NL_INT
+#define __MSL_NL_FP(T, MIN, MAX, EPS, DENORM, DIGITS)                                                  \
+  template <> struct numeric_limits<T> {                                                             \
+    static constexpr constant bool is_specialized = true, is_signed = true, is_integer = false,       \
+                                   is_exact = false, has_infinity = true, has_quiet_NaN = true;        \
+    static constexpr constant int digits = DIGITS, radix = 2;                                        \
+    static constexpr T min() { return __builtin_bit_cast(T, MIN); }                                  \
+    static constexpr T max() { return __builtin_bit_cast(T, MAX); }                                  \
+    static constexpr T lowest() { return -max(); }                                                   \
+    static constexpr T epsilon() { return __builtin_bit_cast(T, EPS); }                              \
+    static constexpr T denorm_min() { return __builtin_bit_cast(T, DENORM); }                        \
+    static constexpr T infinity() { return (T)__builtin_inff(); }                                    \
+    static constexpr T quiet_NaN() { return (T)__builtin_nanf(""); }                                 \
+  };
+__MSL_NL_FP(float, 0x00800000u, 0x7F7FFFFFu, 0x34000000u, 1u, 24)
+__MSL_NL_FP(half, (ushort)0x0400, (ushort)0x7BFF, (ushort)0x1400, (ushort)1, 11)
+__MSL_NL_FP(bfloat, (ushort)0x0080, (ushort)0x7F7F, (ushort)0x3C00, (ushort)1, 8)
+#undef __MSL_NL_FP
+using ::as_type;
+__MSL_VECTOR_TYPES;  // the vector types are metal:: names too (metal::float4)
 
-template <class T, class U> T as_type(U u);
+// ---- vec<T, N>, <metal_array>, <metal_uniform>, <metal_matrix>; members for objects in every address space
+template <class T, int N> using vec = T __attribute__((ext_vector_type(N)));
+#define COMMA ,
+#define __MSL_AS_MEMBERS(RET, NAME, ARGS, BODY)                                                     \
+  constexpr RET NAME ARGS __private BODY                                                            \
+  constexpr __global RET NAME ARGS __global BODY                                                    \
+  constexpr __local RET NAME ARGS __local BODY                                                      \
+  constexpr const RET NAME ARGS const __private BODY                                                \
+  constexpr const __global RET NAME ARGS const __global BODY                                        \
+  constexpr const __local RET NAME ARGS const __local BODY                                          \
+  constexpr const __constant RET NAME ARGS const __constant BODY
+template <class T, __SIZE_TYPE__ N> struct array {
+  T __elems[N ? N : 1];
+  __MSL_AS_MEMBERS(T&, operator[], (__SIZE_TYPE__ i), { return __elems[i]; })
+  __MSL_AS_MEMBERS(T*, data, (), { return __elems; })
+  __MSL_AS_MEMBERS(T*, begin, (), { return __elems; })
+  __MSL_AS_MEMBERS(T*, end, (), { return __elems + N; })
+  __MSL_AS_MEMBERS(T&, front, (), { return __elems[0]; })
+  __MSL_AS_MEMBERS(T&, back, (), { return __elems[N - 1]; })
+  static constexpr __SIZE_TYPE__ size() { return N; }
+  static constexpr bool empty() { return N == 0; }
+};
+template <class T> struct uniform {
+  T __v;
+  uniform() = default;
+  constexpr uniform(T v) : __v(v) {}
+  constexpr operator T() const { return __v; }
+};
+template <class T> constexpr uniform<T> make_uniform(T v) { return uniform<T>(v); }
+template <class T, int C, int R> struct matrix {
+  vec<T, R> columns[C];
+  matrix() = default;
+  explicit matrix(T diag);
+  template <class... V, enable_if_t<sizeof...(V) == C && (is_same_v<V, vec<T, R>> && ...), int> = 0> matrix(V... cols);
+  template <class... S, enable_if_t<sizeof...(S) == C * R && (is_arithmetic_v<S> && ...), int> = 0> matrix(S... s);
+  template <class U> explicit matrix(matrix<U, C, R> m);
+  __MSL_AS_MEMBERS(vec<T COMMA R>&, operator[], (int c), { return columns[c]; })
+};
+template <class T, int C, int R> vec<T, R> operator*(matrix<T, C, R> m, vec<T, C> v);
+template <class T, int C, int R> vec<T, C> operator*(vec<T, R> v, matrix<T, C, R> m);
+template <class T, int K, int R, int C> matrix<T, C, R> operator*(matrix<T, K, R> a, matrix<T, C, K> b);
+template <class T, int C, int R> matrix<T, C, R> operator+(matrix<T, C, R> a, matrix<T, C, R> b);
+template <class T, int C, int R> matrix<T, C, R> operator-(matrix<T, C, R> a, matrix<T, C, R> b);
+template <class T, int C, int R, class S, enable_if_t<is_arithmetic_v<S>, int> = 0> matrix<T, C, R> operator*(matrix<T, C, R> a, S s);
+template <class T, int C, int R, class S, enable_if_t<is_arithmetic_v<S>, int> = 0> matrix<T, C, R> operator*(S s, matrix<T, C, R> a);
+template <class T, int C, int R> matrix<T, R, C> transpose(matrix<T, C, R> m);
+__MSL_MATRIX_TYPES(float)
+__MSL_MATRIX_TYPES(half)
+#undef __MSL_AS_MEMBERS
+#undef COMMA
 
 // ---- math (metal_math / metal_common): float and half, scalar and vector; none for bfloat in MSL 3.1
+// a bfloat scalar converts to float (the result is float); a bfloat vector does not convert
+template <class T> constexpr constant bool __bfs = __bf<T> && __elem<T>::n == 1;
+template <class T> constexpr constant bool __bfv = __bf<T> && (__elem<T>::n > 1);
 #define __MSL_F1(NAME)                                                          \
   template <class T, enable_if_t<__fm<T>, int> = 0> T NAME(T x);                \
-  template <class T, enable_if_t<__bf<T>, int> = 0> T NAME(T x) = delete;
+  template <class T, enable_if_t<__bfs<T>, int> = 0> float NAME(T x);           \
+  template <class T, enable_if_t<__bfv<T>, int> = 0> T NAME(T x) = delete;
 __MSL_F1(fabs) __MSL_F1(floor) __MSL_F1(ceil) __MSL_F1(round) __MSL_F1(rint) __MSL_F1(trunc) __MSL_F1(sqrt)
 __MSL_F1(rsqrt) __MSL_F1(exp) __MSL_F1(exp2) __MSL_F1(exp10) __MSL_F1(log) __MSL_F1(log2) __MSL_F1(log10)
 __MSL_F1(sin) __MSL_F1(cos) __MSL_F1(tan) __MSL_F1(asin) __MSL_F1(acos) __MSL_F1(atan) __MSL_F1(sinh)
@@ -208,33 +407,55 @@ __MSL_F1(tanpi) __MSL_F1(fract) __MSL_F1(saturate) __MSL_F1(sign) __MSL_F1(logb)
 #define __MSL_F2(NAME)                                                                           \
   template <class A, class B, enable_if_t<(__fm<A> || __fm<B>) && __num<A> && __num<B>, int> = 0> \
   __common_t<A, B> NAME(A a, B b);                                                               \
-  template <class A, class B, enable_if_t<__bf<A> || __bf<B>, int> = 0> A NAME(A a, B b) = delete;
+  template <class A, class B, enable_if_t<(__bfs<A> || __bfs<B>) && !__bfv<A> && !__bfv<B> &&          \
+                                          (__num<A> || __bfs<A>) && (__num<B> || __bfs<B>), int> = 0>  \
+  __common_t<decltype(float() + A()), B> NAME(A a, B b);                                          \
+  template <class A, class B, enable_if_t<__bfv<A> || __bfv<B>, int> = 0> A NAME(A a, B b) = delete;
 __MSL_F2(pow) __MSL_F2(powr) __MSL_F2(fmin) __MSL_F2(fmax) __MSL_F2(fmod) __MSL_F2(atan2) __MSL_F2(copysign)
 __MSL_F2(step) __MSL_F2(fdim) __MSL_F2(divide) __MSL_F2(nextafter)
 #undef __MSL_F2
 template <class A, class B, class C, enable_if_t<__fm<A> && __num<B> && __num<C>, int> = 0> A fma(A a, B b, C c);
 template <class A, class B, class C, enable_if_t<__fm<A> && __num<B> && __num<C>, int> = 0> A mix(A x, B y, C a);
 template <class A, class B, class C, enable_if_t<__fm<C> && __num<A> && __num<B>, int> = 0> C smoothstep(A e0, B e1, C x);
-template <class A, class B, class C, enable_if_t<__bf<A> || __bf<B> || __bf<C>, int> = 0> A fma(A, B, C) = delete;
-template <class A, class B, class C, enable_if_t<__bf<A> || __bf<B> || __bf<C>, int> = 0> A mix(A, B, C) = delete;
+template <class A, class B, class C, enable_if_t<__bfs<A> && !__bfv<B> && !__bfv<C>, int> = 0> float fma(A, B, C);
+template <class A, class B, class C, enable_if_t<__bfs<A> && !__bfv<B> && !__bfv<C>, int> = 0> float mix(A, B, C);
+template <class A, class B, class C, enable_if_t<__bfv<A> || __bfv<B> || __bfv<C>, int> = 0> A fma(A, B, C) = delete;
+template <class A, class B, class C, enable_if_t<__bfv<A> || __bfv<B> || __bfv<C>, int> = 0> A mix(A, B, C) = delete;
+template <class A, class B, class C, enable_if_t<__fm<A> && __num<B> && __num<C>, int> = 0> A fmin3(A, B, C);
+template <class A, class B, class C, enable_if_t<__fm<A> && __num<B> && __num<C>, int> = 0> A fmax3(A, B, C);
+template <class A, class B, class C, enable_if_t<__fm<A> && __num<B> && __num<C>, int> = 0> A fmedian3(A, B, C);
 template <class T, class I, enable_if_t<__fm<T> && __in<I>, int> = 0> T ldexp(T x, I k);
 template <class T, enable_if_t<__fm<T>, int> = 0> T frexp(T x, thread int& e);
+template <class T, enable_if_t<__fm<T>, int> = 0> T frexp(T x, thread int* e);
 template <class T, enable_if_t<__fm<T>, int> = 0> T modf(T x, thread T& ip);
 template <class T, enable_if_t<__fm<T>, int> = 0> T sincos(T x, thread T& c);
 template <class T, enable_if_t<__fm<T>, int> = 0> int ilogb(T x);
 #define __MSL_P(NAME)                                                              \
   template <class T, enable_if_t<__fm<T> && __elem<T>::n == 1, int> = 0> bool NAME(T x); \
   template <class T, enable_if_t<__fm<T> && (__elem<T>::n > 1), int> = 0> bool4 NAME(T x); \
-  template <class T, enable_if_t<__bf<T>, int> = 0> bool NAME(T x) = delete;
+  template <class T, enable_if_t<__bfs<T>, int> = 0> bool NAME(T x);                    \
+  template <class T, enable_if_t<__bfv<T>, int> = 0> bool NAME(T x) = delete;
 __MSL_P(isnan) __MSL_P(isinf) __MSL_P(isfinite) __MSL_P(isnormal) __MSL_P(signbit)
 #undef __MSL_P
+template <class T, enable_if_t<__fm<T> || __bfs<T>, int> = 0> bool isordered(T x, T y);
+template <class T, enable_if_t<__fm<T> || __bfs<T>, int> = 0> bool isunordered(T x, T y);
 
-// ---- abs/min/max/clamp: float, half and every integer type (long included); not bfloat
+// ---- abs/min/max/clamp: float, half and every integer type (long included); not bfloat (with the integer
+// overloads competing, a bfloat argument is ambiguous)
 template <class T, enable_if_t<__num<T>, int> = 0> T abs(T x);
 template <class T, enable_if_t<__bf<T>, int> = 0> T abs(T x) = delete;
 template <class A, class B, enable_if_t<__num<A> && __num<B>, int> = 0> __common_t<A, B> min(A a, B b);
 template <class A, class B, enable_if_t<__num<A> && __num<B>, int> = 0> __common_t<A, B> max(A a, B b);
 template <class A, class B, enable_if_t<__bf<A> || __bf<B>, int> = 0> A min(A a, B b) = delete;
+// the same-type overloads are plain functions (as in Metal's headers): they beat any user template of the same
+// name (c10/metal's max<T, U>) on an exact match
+#define __MSL_MM(T) T min(T a, T b); T max(T a, T b);
+#define __MSL_MMV(E) __MSL_MM(E) __MSL_MM(E##2) __MSL_MM(E##3) __MSL_MM(E##4)
+__MSL_MMV(float) __MSL_MMV(half) __MSL_MMV(char) __MSL_MMV(uchar) __MSL_MMV(short) __MSL_MMV(ushort) __MSL_MMV(int)
+__MSL_MMV(uint) __MSL_MMV(long) __MSL_MMV(ulong)
+#undef __MSL_MMV
+#undef __MSL_MM
+
 template <class A, class B, enable_if_t<__bf<A> || __bf<B>, int> = 0> A max(A a, B b) = delete;
 template <class A, class B, class C, enable_if_t<__num<A> && __num<B> && __num<C>, int> = 0> A min3(A, B, C);
 template <class A, class B, class C, enable_if_t<__num<A> && __num<B> && __num<C>, int> = 0> A max3(A, B, C);
@@ -264,8 +485,10 @@ template <class T, enable_if_t<__fm<T> && __elem<T>::n == 3, int> = 0> T cross(T
 template <class T> bool all(T v);
 template <class T> bool any(T v);
 
-namespace fast { using namespace metal; }
-namespace precise { using namespace metal; }
+// metal::fast and metal::precise declare the math functions themselves (a user overload added to either does
+// not hide the standard ones)
+namespace fast { __MSL_MATH_FUNCTIONS; }
+namespace precise { __MSL_MATH_FUNCTIONS; }
 
 // ---- synchronisation (metal_compute)
 enum class mem_flags : uint { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4,
@@ -320,6 +543,10 @@ __MSL_SM(quad_shuffle_up) __MSL_SM(quad_shuffle_rotate_down) __MSL_SM(quad_shuff
 #undef __MSL_SM
 template <class T, class I, enable_if_t<__simd_move<T>, int> = 0> T simd_shuffle_and_fill_down(T v, T fill, I d);
 template <class T, class I, enable_if_t<__simd_move<T>, int> = 0> T simd_shuffle_and_fill_up(T v, T fill, I d);
+template <class T, class I, class M, enable_if_t<__simd_move<T>, int> = 0>
+T simd_shuffle_and_fill_down(T v, T fill, I d, M modulo);
+template <class T, class I, class M, enable_if_t<__simd_move<T>, int> = 0>
+T simd_shuffle_and_fill_up(T v, T fill, I d, M modulo);
 template <class T, enable_if_t<__simd_move<T>, int> = 0> T simd_broadcast_first(T v);
 template <class T, enable_if_t<__simd_move<T>, int> = 0> T quad_broadcast_first(T v);
 struct simd_vote {
@@ -339,14 +566,17 @@ bool quad_any(bool b);
 bool quad_is_first();
 
 // ---- SIMD-group matrices (metal_simdgroup_matrix)
-template <class T, int Cols, int Rows> struct simdgroup_matrix {
+template <class T, int Cols, int Rows = Cols> struct simdgroup_matrix {
   simdgroup_matrix();
   explicit simdgroup_matrix(T diag);
+  // this lane's two elements (the hardware layout; see shim.h)
+  thread vec<T, 2>& thread_elements() __private;
+  const thread vec<T, 2>& thread_elements() const __private;
 };
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
 typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
-template <class T, int C, int R> simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(T v);
+template <class T, int C, int R = C> simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(T v);
 #define __MSL_SG(AS)                                                                                          \
   template <class T, int C, int R, class U>                                                                   \
   void simdgroup_load(thread simdgroup_matrix<T, C, R>& d, const AS U* src, ulong elements_per_row = C,      \
@@ -366,7 +596,36 @@ void simdgroup_multiply_accumulate(thread simdgroup_matrix<TD, N, N>& d, const t
 template <class TD, class TA, class TB, int N>
 void simdgroup_multiply(thread simdgroup_matrix<TD, N, N>& d, const thread simdgroup_matrix<TA, N, N>& a,
                         const thread simdgroup_matrix<TB, N, N>& b);
+template <class T, int N> simdgroup_matrix<T, N, N> operator*(simdgroup_matrix<T, N, N> a, simdgroup_matrix<T, N, N> b);
+template <class T, int N> simdgroup_matrix<T, N, N> operator+(simdgroup_matrix<T, N, N> a, simdgroup_matrix<T, N, N> b);
+template <class T, int N> simdgroup_matrix<T, N, N> operator-(simdgroup_matrix<T, N, N> a, simdgroup_matrix<T, N, N> b);
 }  // namespace metal
+
+// Apple's standard-library intrinsics, which real kernels call directly (MLX's bf16_math.h)
+#define __MSL_INTRIN1(NAME) template <class T, class... M> T __metal_##NAME(T x, M...);
+#define __MSL_INTRIN2(NAME) template <class T, class U, class... M> T __metal_##NAME(T x, U y, M...);
+#define __MSL_INTRIN3(NAME) template <class T, class U, class V, class... M> T __metal_##NAME(T x, U y, V z, M...);
+__MSL_INTRIN1(fabs) __MSL_INTRIN1(acos) __MSL_INTRIN1(acosh) __MSL_INTRIN1(asin) __MSL_INTRIN1(asinh) __MSL_INTRIN1(atan)
+__MSL_INTRIN1(atanh) __MSL_INTRIN1(ceil) __MSL_INTRIN1(cos) __MSL_INTRIN1(cosh) __MSL_INTRIN1(cospi) __MSL_INTRIN1(exp)
+__MSL_INTRIN1(exp10) __MSL_INTRIN1(exp2) __MSL_INTRIN1(floor) __MSL_INTRIN1(fract) __MSL_INTRIN1(log) __MSL_INTRIN1(log10)
+__MSL_INTRIN1(log2) __MSL_INTRIN1(rint) __MSL_INTRIN1(round) __MSL_INTRIN1(rsqrt) __MSL_INTRIN1(sin) __MSL_INTRIN1(sinh)
+__MSL_INTRIN1(sinpi) __MSL_INTRIN1(sqrt) __MSL_INTRIN1(tan) __MSL_INTRIN1(tanh) __MSL_INTRIN1(tanpi) __MSL_INTRIN1(trunc)
+__MSL_INTRIN1(simd_sum) __MSL_INTRIN1(simd_product) __MSL_INTRIN1(simd_min) __MSL_INTRIN1(simd_max) __MSL_INTRIN1(simd_and)
+__MSL_INTRIN1(simd_or) __MSL_INTRIN1(simd_xor) __MSL_INTRIN1(simd_prefix_exclusive_sum)
+__MSL_INTRIN1(simd_prefix_inclusive_sum) __MSL_INTRIN1(simd_prefix_exclusive_product)
+__MSL_INTRIN1(simd_prefix_inclusive_product) __MSL_INTRIN1(simd_broadcast_first) __MSL_INTRIN1(simd_broadcast)
+__MSL_INTRIN1(simd_shuffle) __MSL_INTRIN1(simd_shuffle_xor) __MSL_INTRIN1(simd_shuffle_up) __MSL_INTRIN1(simd_shuffle_down)
+__MSL_INTRIN1(simd_shuffle_rotate_up) __MSL_INTRIN1(simd_shuffle_rotate_down)
+__MSL_INTRIN2(atan2) __MSL_INTRIN2(divide) __MSL_INTRIN2(fmax) __MSL_INTRIN2(fmin) __MSL_INTRIN2(fmod)
+__MSL_INTRIN2(nextafter) __MSL_INTRIN2(pow) __MSL_INTRIN2(powr) __MSL_INTRIN2(ldexp)
+__MSL_INTRIN3(fma) __MSL_INTRIN3(fmax3) __MSL_INTRIN3(fmin3) __MSL_INTRIN3(fmedian3)
+__MSL_INTRIN3(simd_shuffle_and_fill_down) __MSL_INTRIN3(simd_shuffle_and_fill_up)
+#undef __MSL_INTRIN1
+#undef __MSL_INTRIN2
+#undef __MSL_INTRIN3
+template <class T> T __metal_frexp(T x, thread int* e);
+template <class T> T __metal_get_simdgroup_size(T);
+template <class T> T __metal_get_thread_index_in_simdgroup(T);
 
 namespace __emu {
 // stands in for the kernel-scope threadgroup arrays (strict.py rewrites only those inside kernel bodies)

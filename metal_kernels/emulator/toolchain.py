@@ -15,11 +15,11 @@ HERE = Path(__file__).resolve().parent
 _FLAGS = ["-std=c++20", "-O1", "-Xclang", "-ffloat16-excess-precision=none", "-Xclang",
           "-fbfloat16-excess-precision=none", "-fPIC", "-shared", "-fvisibility=hidden", "-fno-strict-aliasing", "-fwrapv",
           "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-deprecated-volatile",
-          "-Wno-unused-value", "-Wno-c++11-narrowing", "-ferror-limit=20",
+          "-Wno-unused-value", "-Wno-c++11-narrowing", "-Wno-invalid-constexpr", "-ferror-limit=20",
           # the race detector: ThreadSanitizer's instrumentation calls __tsan_read/write, defined in runtime.h
           "-fsanitize=thread", "-mllvm", "-tsan-instrument-func-entry-exit=0", "-mllvm", "-tsan-instrument-atomics=0",
           "-mllvm", "-tsan-instrument-memintrinsics=0"]
-_PP_FLAGS = ["-E", "-x", "c++", "-std=c++20", "-nostdinc", "-D__METAL_VERSION__=310", "-D__HAVE_BFLOAT__=1",
+_PP_FLAGS = ["-E", "-x", "c++", "-std=c++20", "-nostdinc", "-D__METAL__=1", "-D__METAL_VERSION__=310", "-D__HAVE_BFLOAT__=1",
              "-D__METAL_MACOS__=1", "-D__METAL_EMULATOR__=1"]
 _STUB_HEADERS = ["metal_stdlib", "metal_math", "metal_simdgroup", "metal_simdgroup_matrix", "metal_atomic",
                  "metal_compute", "metal_integer", "metal_common", "metal_geometric", "metal_relational",
@@ -99,7 +99,19 @@ def _run(cmd: list[str], tmpdir: str, what: str) -> subprocess.CompletedProcess:
     return r
 
 
-def _preprocessor_args(tmp: str, src: str) -> list[str]:
+def torch_include_dir() -> str | None:
+    """torch's include folder: torch.mps.compile_shader embeds the headers a source includes from it
+    (`#include <c10/metal/utils.h>`), so the emulator searches it too."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    inc = Path(list(spec.submodule_search_locations)[0]) / "include"
+    return str(inc) if (inc / "c10" / "metal").is_dir() else None
+
+
+def _preprocessor_args(tmp: str, src: str, extra=()) -> list[str]:
     """Write `src` as tmp/msl_source.metal and empty stand-ins for <metal_stdlib> & co. under tmp/stub_include;
     return the `clang -E` arguments (after the compiler) that preprocess it. Shared with the lint."""
     stub = Path(tmp) / "stub_include"
@@ -109,4 +121,5 @@ def _preprocessor_args(tmp: str, src: str) -> list[str]:
         p.write_text("#pragma once\n")
     src_path = Path(tmp) / _SRC_NAME
     src_path.write_text(src)
-    return [*_PP_FLAGS, "-I", str(stub), str(src_path)]
+    torch_inc = torch_include_dir()
+    return [*_PP_FLAGS, "-I", str(stub), *extra, *(["-I", torch_inc] if torch_inc else []), str(src_path)]

@@ -16,6 +16,8 @@ flags[step] on the device; the sampler reads the flags once after the loop.
 """
 from __future__ import annotations
 
+import inspect
+
 from ..registry import KernelSpec, register
 from ..dtypes import MSL_TYPE  # noqa: F401  (re-exported: K.MSL_TYPE)
 from .cases import (_cases_churn, _cases_dpmpp_2m, _cases_dpmpp_2m_cfg_pp, _cases_dpmpp_2m_sde,
@@ -59,8 +61,10 @@ _ATOL, _RTOL = 2e-5, 2e-5
 
 
 def _spec(name, ref, metal, cases, entries=_LINCOMB_ENTRIES):
+    # a step with a non-finite output sets flags[step]
+    writes = ("flags",) if "flags" in inspect.signature(ref).parameters else ()
     return register(KernelSpec(name=name, source="sampling.metal", entry_points=entries, reference=ref, metal=metal,
-                               self_check_cases=cases, atol=_ATOL, rtol=_RTOL))
+                               self_check_cases=cases, atol=_ATOL, rtol=_RTOL, writes=writes))
 
 
 sampler_device_noise = _spec("sampler_device_noise", device_noise_ref, device_noise_metal, _cases_noise,

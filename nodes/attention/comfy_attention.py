@@ -13,8 +13,9 @@ skip_output_reshape=False, **kwargs)` has the signature of ComfyUI's attention f
 Which attention runs (decided per call, logged once per reason):
 * on MPS, mode "auto": for each shape class (dtype, head dim, length buckets, mask, GQA) the Metal
   kernel and ComfyUI's own attention (sub-quad, or SDPA with --use-pytorch-cross-attention) are
-  timed once, synchronised, and the faster one is kept for the process (metal_kernels.dispatch.
-  measured_choice; ComfyUI's wins ties). A kernel that failed its self-check is never used.
+  timed once on this machine (metal_kernels.dispatch.measured_choice: batches of calls between syncs;
+  the decision is saved, so a later start does not time it again) and the kernel is used only where
+  more than 5% faster than ComfyUI's. A kernel that failed its self-check is never used.
 * mode "always" (or COMFY_METAL_BACKEND=emulator): the pack's attention on every device (Metal on
   MPS, the MSL emulator with COMFY_METAL_BACKEND=emulator, else the chunked pure-torch reference).
 * on CPU/CUDA in "auto": ComfyUI's own attention; the pack never replaces it unless asked.

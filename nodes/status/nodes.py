@@ -35,11 +35,12 @@ def measured_table(records: list[dict]):
     """The measured choices (kernel vs platform op, per shape class) as a table."""
     from ..common.report import Table
 
-    t = Table("Measured choices (the faster path is kept for the process)",
-              ["kernel", "shape class", "device", "chosen", "times (ms)"])
+    t = Table("Measured choices (kept on this machine until its chip, macOS, torch or the pack changes)",
+              ["kernel", "shape class", "device", "chosen", "times (ms)", "measured"])
     for r in records:
         times = ", ".join(f"{n} {ms:.3g}" for n, ms in r["times_ms"].items())
-        t.add(r["kernel"], " ".join(str(x) for x in r["shape_class"]), r["device"], r["choice"], times)
+        when = "this run" if r.get("source", "measured") == "measured" else f"saved {r.get('measured_at') or ''}".strip()
+        t.add(r["kernel"], " ".join(str(x) for x in r["shape_class"]), r["device"], r["choice"], times, when)
     return t
 
 

@@ -16,6 +16,25 @@ def _run_doctor(out, *extra, env=None, cwd=None):
                           text=True, timeout=600, env={**os.environ, **(env or {})}, cwd=cwd)
 
 
+def assert_capabilities_of_this_torch(caps):
+    """The probe reports the torch it runs under: what each API of it is, and from 2.15 (CI's second leg)
+    the APIs that release has on every platform."""
+    import torch
+
+    from comfy_metal.metal_kernels import probe
+
+    assert caps["torch"] == torch.__version__
+    assert caps["F.scaled_mm"] == hasattr(torch.nn.functional, "scaled_mm")
+    assert caps["torch._grouped_mm"] == hasattr(torch, "_grouped_mm")
+    assert caps["float8_dtypes"] == (hasattr(torch, "float8_e4m3fn") and hasattr(torch, "float8_e5m2"))
+    names = caps["float8_dtype_names"].split()
+    assert all(isinstance(getattr(torch, f"float8_{n}"), torch.dtype) for n in names) and "e4m3fn" in names
+    assert caps["native_fp8_e4m3fn_on_mps"] == (caps["mps_available"] and probe.TORCH_VERSION >= (2, 15))
+    if probe.TORCH_VERSION >= (2, 15):
+        assert caps["F.scaled_mm"] and caps["torch._grouped_mm"] and caps["float8_dtypes"] and caps["mps_pad_is_safe"]
+        assert {"e4m3fn", "e5m2", "e8m0fnu"} <= set(names)
+
+
 def test_doctor_json_reports_every_kernel_and_runs_the_pipeline(tmp_path):
     from comfy_metal.metal_kernels import REGISTRY
 
@@ -29,6 +48,7 @@ def test_doctor_json_reports_every_kernel_and_runs_the_pipeline(tmp_path):
     assert report["summary"]["verdict"].startswith("No Apple GPU here")     # the Metal tab's words
     caps = report["status"]["capabilities"]
     assert "native_fp8_e4m3fn_on_mps" in caps and "torch.mps.compile_shader" in caps
+    assert_capabilities_of_this_torch(caps)
     stages = {s["stage"]: s for s in report["stages"]}
     assert list(stages) == ["FP8 load", "MoE text encode", "Metal sampler", "low-memory VAE decode", "PNG",
                             "Metal attention"]

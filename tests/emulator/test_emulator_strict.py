@@ -47,6 +47,8 @@ ILLEGAL = {
  "exceptions": K("try { throw 1; } catch (...) { o[i] = 0.0f; }"),
  "write_to_constant": K("c[0] = 1.0f; o[i] = c[0];", "device float* o [[buffer(0)]], constant float* c [[buffer(1)]], uint i [[thread_position_in_grid]]"),
  "printf": K("printf(\"%f\", o[i]);"),
+ "half_to_bfloat_implicit": K("half h = half(o[i]); bfloat x = h; o[i] = x;", "device bfloat* o [[buffer(0)]], uint i [[thread_position_in_grid]]"),
+ "bfloat_vector_math": K("bfloat2 v = bfloat2(o[i], o[i]); float2 e = exp(v); o[i] = bfloat(e.x);", "device bfloat* o [[buffer(0)]], uint i [[thread_position_in_grid]]"),
 }
 LEGAL = {
  "no_buffer_attributes": "kernel void full(device float* out, constant float& val, uint idx [[thread_position_in_grid]]) { out[idx] = val; }\n",
@@ -68,6 +70,11 @@ LEGAL = {
  "packed_half4": K("packed_half4 p = packed_half4(half4(1.0h)); half4 h = p; o[i] = float(h.x);"),
  "user_struct_constructor": "struct Acc { float s; Acc(float v) : s(v) {} float get() const { return s; } };\n" + K("Acc a(o[i]); Acc b = a; o[i] = b.get();"),
  "pointer_array_param": K("o[i] = p[0][i];", "device float* o [[buffer(0)]], constant float* constant* p [[buffer(1)]], uint i [[thread_position_in_grid]]"),
+ "attribute_list_instantiation": "template <typename T>\n[[kernel]] void tk(device T* o [[buffer(0)]], uint i [[thread_position_in_grid]]) { o[i] = T(1); }\ntemplate [[host_name(\"tk_f\")]] [[kernel]] void tk<float>(device float*, uint);\n",
+ "kernel_attribute_list_threadgroup": "[[kernel, max_total_threads_per_threadgroup(64)]] void ka(device float* o [[buffer(0)]], uint l [[thread_position_in_threadgroup]]) {\n  threadgroup float t[64] = {0};\n  t[l] = 1.0f;\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n  o[l] = t[63 - l];\n}\n",
+ "threadgroup_typename": "template <class T> struct Acc { typedef T acc_type; };\ntemplate <class T>\nkernel void tt(device T* o [[buffer(0)]], uint l [[thread_position_in_threadgroup]]) {\n  threadgroup typename Acc<T>::acc_type buf[32];\n  buf[l % 32] = o[l];\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n  o[l] = buf[0];\n}\ntemplate [[host_name(\"tt_f\")]] kernel void tt<float>(device float*, uint);\n",
+ "bfloat_scalar_math_is_float": K("float e = exp(o[i]); o[i] = bfloat(e + (isfinite(o[i]) ? 1.0f : 0.0f));", "device bfloat* o [[buffer(0)]], uint i [[thread_position_in_grid]]"),
+ "bfloat_half_static_cast": K("half h = static_cast<half>(o[i]); o[i] = static_cast<bfloat>(h);", "device bfloat* o [[buffer(0)]], uint i [[thread_position_in_grid]]"),
 }
 
 # what each rejection must say (the rule from the MSL 3.1 specification, or the missing overload)
@@ -84,6 +91,7 @@ WHY = {
     "bfloat_exp": "no bfloat overload", "bfloat_tanh": "no bfloat overload", "bfloat_max": "no bfloat overload",
     "simd_sum_long": "SIMD-group functions", "typeid": "type identification", "exceptions": "exception handling",
     "write_to_constant": "not assignable", "printf": "C standard library",
+    "half_to_bfloat_implicit": "bfloat and half do not convert", "bfloat_vector_math": "no bfloat overload",
 }
 
 

@@ -77,7 +77,7 @@ def test_double_is_rejected():
 
 
 def test_unsuffixed_float_literal_is_flagged():
-    """0.5 is float on Metal but double in the emulator's C++: the emulator would test other numerics."""
+    """0.5 is float on Metal but a double in C++: the pack writes the type."""
     probs = lint_source(kernel("device float* x [[buffer(0)]]", "  x[i] = x[i] * 0.5 + 1e-6;"))
     assert len(probs) == 2 and "0.5" in probs[0] and "1e-6" in probs[1] and "line 4" in probs[0]
     assert lint_source(kernel("device float* x [[buffer(0)]]",

@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import logging
@@ -65,13 +66,25 @@ def missing_files(path: pathlib.Path) -> list[str]:
 # into a cache folder outside the repository by tests/tools/prepare_comfyui.py (tests/run.sh runs it).
 ARCHIVE_DIR = REPO_ROOT.parent / "shared" / "comfyui"
 ARCHIVE_GLOB = "ComfyUI-*.tar.gz"
-READY_MARKER = ".comfy-metal-ready"  # written once ComfyUI's requirements are installed
+READY_MARKER = ".comfy-metal-ready"  # + "-<environment>": written once ComfyUI's requirements are installed
 
 
 def shared_archive() -> pathlib.Path | None:
     """The newest ComfyUI source archive beside the project, if any."""
     found = sorted(ARCHIVE_DIR.glob(ARCHIVE_GLOB)) if ARCHIVE_DIR.is_dir() else []
     return found[-1] if found else None
+
+
+def environment_key() -> str:
+    """This Python environment: its prefix (each venv has its own) and interpreter (two Pythons can
+    share a prefix, each with its own site-packages)."""
+    return hashlib.sha256(f"{sys.prefix}\n{sys.implementation.cache_tag}".encode()).hexdigest()[:16]
+
+
+def ready_marker(unpacked: pathlib.Path) -> pathlib.Path:
+    """The file saying ComfyUI's requirements (of the ComfyUI unpacked at `unpacked`) are installed in
+    this Python environment: one per environment, beside the unpacked tree shared by all of them."""
+    return unpacked.parent / f"{READY_MARKER}-{environment_key()}"
 
 
 def cache_dir() -> pathlib.Path:
@@ -99,7 +112,7 @@ def comfyui_path_or_reason() -> tuple[pathlib.Path | None, str | None]:
     """(path, None) for the ComfyUI the tests use, else (None, the reason to skip).
 
     In order: $COMFYUI_PATH; the ComfyUI the pack sits in; the archive beside the project once
-    tests/tools/prepare_comfyui.py unpacked it and installed its requirements."""
+    tests/tools/prepare_comfyui.py unpacked it and installed its requirements into this Python."""
     raw = os.environ.get(ENV_VAR, "").strip()
     if raw:
         path = pathlib.Path(raw).expanduser().resolve()
@@ -116,9 +129,10 @@ def comfyui_path_or_reason() -> tuple[pathlib.Path | None, str | None]:
         return None, (f"COMFYUI_PATH is unset, the pack is not inside a ComfyUI/custom_nodes folder, and no "
                       f"{ARCHIVE_GLOB} is in {ARCHIVE_DIR}: ComfyUI integration tests skipped")
     unpacked = unpacked_archive_path(archive)
-    if not (unpacked.parent / READY_MARKER).is_file() or missing_files(unpacked):
-        return None, (f"{archive.name} is not prepared yet (run `python tests/tools/prepare_comfyui.py`, "
-                      f"which tests/run.sh does): ComfyUI integration tests skipped")
+    if missing_files(unpacked) or not ready_marker(unpacked).is_file():
+        return None, (f"{archive.name} is not prepared for this Python ({sys.prefix}) yet (run "
+                      f"`python tests/tools/prepare_comfyui.py`, which tests/run.sh does): ComfyUI "
+                      f"integration tests skipped")
     return unpacked, None
 
 

@@ -71,5 +71,85 @@ def test_then_the_prepared_archive_else_a_reason(tmp_path, monkeypatch):
 
     unpacked = _fake_comfyui(tmp_path / "cache" / "ComfyUI-0123abcd" / "ComfyUI")
     assert comfyui_env.comfyui_path_or_reason()[0] is None  # requirements not installed yet
-    (unpacked.parent / comfyui_env.READY_MARKER).write_text("digest")
+    (unpacked.parent / comfyui_env.READY_MARKER).write_text("digest")   # another environment's marker
+    assert comfyui_env.comfyui_path_or_reason()[0] is None
+    comfyui_env.ready_marker(unpacked).write_text("digest")
     assert comfyui_env.comfyui_path_or_reason() == (unpacked, None)
+
+
+FAKE_REQUIREMENT = "comfy_metal_fake_requirement"
+
+
+def _wheel(folder: pathlib.Path, name: str, version: str) -> pathlib.Path:
+    """A pure-Python wheel of one empty module, written by hand (nothing is built or downloaded)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}.py": "", f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+              f"{len(text.encode())}" for path, text in files.items()] + [f"{info}/RECORD,,"]
+    files[f"{info}/RECORD"] = "\n".join(record) + "\n"
+    wheel = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+    return wheel
+
+
+def _fake_archive(folder: pathlib.Path, requirements: str) -> pathlib.Path:
+    import tarfile
+
+    tree = _fake_comfyui(folder / "src" / "ComfyUI")
+    (tree / "requirements.txt").write_text(requirements)
+    archive = folder / "ComfyUI-0badc0de.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tree, arcname="ComfyUI")
+    return archive
+
+
+def test_comfyui_requirements_are_installed_in_each_python_environment(tmp_path):
+    """Two environments share the unpacked ComfyUI (one cache), but each gets ComfyUI's requirements: the
+    second venv must not take the first one's marker for its own (its ComfyUI tests would all fail with
+    ModuleNotFoundError). A requirement removed from an environment is installed again."""
+    _wheel(tmp_path / "wheels", FAKE_REQUIREMENT, "1.0")
+    archive = _fake_archive(tmp_path, f"torch\n# a comment\n{FAKE_REQUIREMENT}>=1.0  # the one to install\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(COMFY_METAL_CACHE=str(tmp_path / "cache"), PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull,
+               PIP_FIND_LINKS=str(tmp_path / "wheels"), PIP_DISABLE_PIP_VERSION_CHECK="1")
+    env.pop(comfyui_env.ENV_VAR, None)
+    script = ROOT / "tests" / "tools" / "prepare_comfyui.py"
+
+    def python_of(venv):   # an empty venv that sees this Python's packages (pip, torch) but installs into its own
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)],
+                       check=True, timeout=120)
+        return str(venv / "bin" / "python")
+
+    def prepare(python):
+        code = comfyui_env.checkout_import_code() + (f"import runpy; sys.argv = ['prepare', '--archive', {str(archive)!r}]; "
+                                                     f"runpy.run_path({str(script)!r}, run_name='__main__')")
+        proc = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    def has_requirement(python):
+        return subprocess.run([python, "-c", f"import {FAKE_REQUIREMENT}"], env=env, capture_output=True,
+                              timeout=120).returncode == 0
+
+    first, second = python_of(tmp_path / "venv-a"), python_of(tmp_path / "venv-b")
+    assert not has_requirement(first) and not has_requirement(second)
+    out = prepare(first)
+    assert "unpacking" in out and "installing ComfyUI's requirements" in out, out
+    assert has_requirement(first) and not has_requirement(second)
+    out = prepare(second)
+    assert "unpacking" not in out and f"missing here: {FAKE_REQUIREMENT}>=1.0" in out, out
+    assert has_requirement(second)
+    assert "installing" not in prepare(second)                # prepared: nothing to do
+    markers = sorted(p.name for p in (tmp_path / "cache" / "ComfyUI-0badc0de").glob(comfyui_env.READY_MARKER + "-*"))
+    assert len(markers) == 2
+    subprocess.run([second, "-m", "pip", "uninstall", "-q", "-y", FAKE_REQUIREMENT], env=env, check=True,
+                   capture_output=True, timeout=120)
+    assert "installing" in prepare(second) and has_requirement(second)

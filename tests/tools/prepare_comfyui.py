@@ -5,12 +5,16 @@ is done here. Otherwise the ComfyUI source archive beside the project (../shared
 is unpacked once into a cache folder outside the repository (tests/helpers/comfyui_env.py: cache_dir) and
 ComfyUI's requirements are installed into this Python, keeping the torch already installed (a
 constraint pins it), and without torchvision/torchaudio, whose import stubs stay in the test
-environment (tests/comfy_stubs/). Prints the path of the ComfyUI the tests will use, or why none.
+environment (tests/comfy_stubs/). The unpacked tree is shared; the requirements are decided per Python
+environment: each has its own marker (comfyui_env.ready_marker), and a marker only counts while every
+requirement is still installed in that environment. Prints the path of the ComfyUI the tests will use,
+or why none.
 
-    python tests/tools/prepare_comfyui.py
+    python tests/tools/prepare_comfyui.py [--archive ComfyUI-xxxx.tar.gz]
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib.metadata
 import os
@@ -50,54 +54,103 @@ def _unpack(archive: pathlib.Path, target: pathlib.Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _torch_version() -> str | None:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _requirements_digest(comfyui: pathlib.Path) -> str:
     """What the installed requirements depend on: ComfyUI's requirements.txt and the torch kept."""
     text = (comfyui / "requirements.txt").read_text()
-    return hashlib.sha256(f"{text}\ntorch=={importlib.metadata.version('torch')}".encode()).hexdigest()
+    return hashlib.sha256(f"{text}\ntorch=={_torch_version()}".encode()).hexdigest()
+
+
+def _requirements(comfyui: pathlib.Path) -> list[str]:
+    """ComfyUI's requirement lines, less those never installed here (SKIPPED_REQUIREMENTS)."""
+    lines = (raw.split("#", 1)[0].strip() for raw in (comfyui / "requirements.txt").read_text().splitlines())
+    return [line for line in lines if line and _requirement_name(line) not in SKIPPED_REQUIREMENTS]
+
+
+def missing_requirements(comfyui: pathlib.Path) -> list[str]:
+    """The requirements not installed in this Python environment, or installed at a version the line
+    excludes (read from the installed distributions' metadata: nothing is imported)."""
+    try:
+        from packaging.requirements import InvalidRequirement, Requirement
+    except ImportError:                       # a bare venv: the names alone
+        Requirement = None
+    missing = []
+    for line in _requirements(comfyui):
+        try:
+            installed = importlib.metadata.version(_requirement_name(line))
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(line)
+            continue
+        if Requirement is not None:
+            try:
+                if not Requirement(line).specifier.contains(installed, prereleases=True):
+                    missing.append(f"{line} (found {installed})")
+            except InvalidRequirement:
+                pass
+    return missing
 
 
 def _install_requirements(comfyui: pathlib.Path) -> None:
-    """pip-install ComfyUI's requirements with the current torch pinned by a constraint."""
+    """pip-install ComfyUI's requirements into this Python, with the current torch pinned by a
+    constraint."""
     wanted, no_deps = [], []
-    for raw in (comfyui / "requirements.txt").read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        name = _requirement_name(line)
-        if name in SKIPPED_REQUIREMENTS:
-            continue
-        (no_deps if name in NO_DEPS_REQUIREMENTS else wanted).append(line)
+    for line in _requirements(comfyui):
+        (no_deps if _requirement_name(line) in NO_DEPS_REQUIREMENTS else wanted).append(line)
     with tempfile.TemporaryDirectory() as d:
         constraint = pathlib.Path(d) / "constraints.txt"
-        constraint.write_text(f"torch=={importlib.metadata.version('torch')}\n")
+        torch_version = _torch_version()
+        constraint.write_text(f"torch=={torch_version}\n" if torch_version else "")
         pip = [sys.executable, "-m", "pip", "install", "-q", "-c", str(constraint)]
         subprocess.run([*pip, *wanted], check=True)
         if no_deps:
             subprocess.run([*pip, "--no-deps", *no_deps], check=True)
 
 
-def main() -> int:
-    path, reason = comfyui_env.comfyui_path_or_reason()
-    if path is not None and (os.environ.get(comfyui_env.ENV_VAR) or comfyui_env.enclosing_comfyui()):
-        print(f"ComfyUI for the integration tests: {path}")
-        return 0
-    archive = comfyui_env.shared_archive()
-    if archive is None:
-        print(reason)
-        return 0
+def prepare_archive(archive: pathlib.Path) -> pathlib.Path:
+    """Unpack `archive` (once, shared) and install its requirements into this Python environment
+    (once per environment). Returns the unpacked ComfyUI."""
     target = comfyui_env.unpacked_archive_path(archive)
     if comfyui_env.missing_files(target):
         if target.exists():
             shutil.rmtree(target)
         print(f"unpacking {archive.name} into {target.parent}", flush=True)
         _unpack(archive, target)
-    marker = target.parent / comfyui_env.READY_MARKER
+    marker = comfyui_env.ready_marker(target)
     digest = _requirements_digest(target)
-    if not marker.is_file() or marker.read_text() != digest:
-        print("installing ComfyUI's requirements (torch stays as installed)", flush=True)
+    marked = marker.is_file() and marker.read_text() == digest
+    missing = missing_requirements(target)
+    if not marked or missing:
+        why = f"missing here: {', '.join(missing)}" if missing else "requirements or torch changed"
+        print(f"installing ComfyUI's requirements into {sys.prefix} ({why}; torch stays as installed)",
+              flush=True)
         _install_requirements(target)
-        marker.write_text(digest)
-    print(f"ComfyUI for the integration tests: {target}")
+        tmp = marker.with_name(f".{marker.name}.tmp-{os.getpid()}")
+        tmp.write_text(digest)
+        os.replace(tmp, marker)
+    return target
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--archive", type=pathlib.Path,
+                        help="prepare this ComfyUI source archive (instead of the one beside the project)")
+    args = parser.parse_args(argv)
+    if args.archive is None:
+        path, reason = comfyui_env.comfyui_path_or_reason()
+        if path is not None and (os.environ.get(comfyui_env.ENV_VAR) or comfyui_env.enclosing_comfyui()):
+            print(f"ComfyUI for the integration tests: {path}")
+            return 0
+        args.archive = comfyui_env.shared_archive()
+        if args.archive is None:
+            print(reason)
+            return 0
+    print(f"ComfyUI for the integration tests: {prepare_archive(args.archive)}")
     return 0
 
 
