@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from . import dispatch_decisions, source
+from . import dispatch_decisions
+from . import source
 from .registry import REGISTRY, KernelSpec
 
 log = logging.getLogger("comfy_metal")

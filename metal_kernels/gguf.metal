@@ -1,19 +1,20 @@
 // GGUF (ggml) block quantisations, read directly from the file's bytes: the dequantise kernel and the block
 // formats of the GEMV skeleton (include/gemv.h).
 //
-// A block type Q (BS values in TS bytes; sizes generated from gguf.GGML_QUANT_SIZES as GGUF_<TYPE>_BLOCK and
-// _BYTES) is read by Q::LANES lanes, each taking one chunk of BS / LANES values:
+// A block type Q (BS values in TS bytes: GGUF_<TYPE>_BLOCK and _BYTES, generated from gguf.GGML_QUANT_SIZES)
+// is read by Q::LANES lanes, each taking one chunk of GGUF_<TYPE>_CHUNK values (gguf.py's GGUF_TYPES):
 //   Q::load(block, j)  chunk j: its quant bits as little-endian words (the widest loads the alignment of the
 //                      fields allows, gguf_align) and, for each of its scale groups, S and B (fp32, with the
 //                      gguf package's operations in its order);
-//   Q::pos(j, g)       the first of the 4 consecutive values (in the block) of group g (Q::GROUPS a chunk,
-//                      Q::GPS a scale group);
-//   Q::q(chunk, g, t)  their quants, small integers (or IQ4 table values, from the threadgroup table t).
-// Value = S * (q + OFFSET) + B (+ B only where HAS_MIN): computed in exactly that order by the dequantise
-// kernel, so its fp32 result is bit-identical to the gguf package's numpy dequantiser. The GEMV instead sums
-// x * q per scale group and applies S once per group, with the constant part folded in through the sum of
-// x: acc += S * sum(x q) + (S * OFFSET + B) * sum(x), sum(x) shared by all rows of the simdgroup. Groups go
-// in pairs (g even, g + 1: 8 consecutive values in every layout, one 16-byte load of half or bfloat x).
+//   Q::pos(j, g)       the first of the 4 consecutive values (in the block) of group g: Q::GROUPS a chunk,
+//                      Q::GPS a scale group; with Q::PAIRS, groups 2i and 2i + 1 are 8 consecutive values;
+//   Q::q(chunk, g, t)  their quants as floats, the type's offset already taken off (Q4_0: q - 8), exact small
+//                      integers (or IQ4 table values, from the threadgroup table t).
+// Value = S * q + B (+ B only where HAS_MIN): computed in exactly that order by the dequantise kernel, so its
+// fp32 result is bit-identical to the gguf package's numpy dequantiser. The GEMV instead sums x * q per scale
+// group and applies S once per group, the mins folded in through the sum of x: acc += S * sum(x q) +
+// B * sum(x), sum(x) shared by all rows of the simdgroup. Groups go in pairs where they can (one 16-byte load
+// of 8 half or bfloat x values).
 //
 // gguf_dequant<Q, OUT>: one thread per chunk, striding by p.nthreads chunks; 4-value stores; 32-bit offsets
 // (the host launches at most 2^31 values at a time).
@@ -32,15 +33,22 @@ constexpr int gguf_align(int ts, int off, int stride) {
 
 inline uint gguf_lo(uint w) { return w & 0x0F0F0F0Fu; }                 // the low nibble of each byte
 inline uint gguf_hi(uint w) { return (w >> 4) & 0x0F0F0F0Fu; }          // the high nibble of each byte
-// The four bytes of w (byte 0 first) as floats through half bits: 0x6400 | b is the half 1024 + b, exact, and
-// the bias comes off in half arithmetic, exact too (integer -> float conversions cost four times as much).
-inline float4 gguf_bytes_minus(uint w, half bias) {
-    const half2 e = as_type<half2>((w & 0x00FF00FFu) | 0x64006400u) - bias;          // bytes 0, 2
-    const half2 o = as_type<half2>(((w >> 8) & 0x00FF00FFu) | 0x64006400u) - bias;   // bytes 1, 3
+// Quants to floats through half bits: `mask` keeps one field of bytes 0 and 2 (and, after w >> 8, of bytes 1
+// and 3) in the low 10 bits of each 16-bit half; 0x6400 | field is the half 1024 + field, exact, and the bias
+// comes off in half arithmetic, exact too: no integer -> float conversion (each costs four simple ops).
+// Returned in byte order. GGUF_HI keeps the high nibbles in place: 16 times their value (the low and the high
+// nibbles of a word can share its w >> 8).
+constant constexpr uint GGUF_BYTE = 0x00FF00FFu, GGUF_LO = 0x000F000Fu, GGUF_HI = 0x00F000F0u;
+inline float4 gguf_quants(uint w, uint w8, uint mask, half bias) {           // w8 = w >> 8
+    const half2 e = as_type<half2>((w & mask) | 0x64006400u) - bias;           // bytes 0, 2
+    const half2 o = as_type<half2>((w8 & mask) | 0x64006400u) - bias;          // bytes 1, 3
     return float4(float(e.x), float(o.x), float(e.y), float(o.y));
 }
-inline float4 gguf_bytes(uint w) { return gguf_bytes_minus(w, 1024.0h); }                  // 0 .. 255
-inline float4 gguf_sbytes(uint w) { return gguf_bytes_minus(w ^ 0x80808080u, 1152.0h); }   // int8
+inline float4 gguf_quants(uint w, uint mask, half bias) { return gguf_quants(w, w >> 8, mask, bias); }
+inline float4 gguf_bytes(uint w) { return gguf_quants(w, GGUF_BYTE, 1024.0h); }                   // 0 .. 255
+// Less an offset (Q4_0: 8, Q5_0: 16, Q6_K: 32, Q3_K: 4) in the same subtraction: q - offset, exact.
+inline float4 gguf_bytes_less(uint w, int offset) { return gguf_quants(w, GGUF_BYTE, half(1024 + offset)); }
+inline float4 gguf_sbytes(uint w) { return gguf_quants(w ^ 0x80808080u, GGUF_BYTE, 1152.0h); }    // int8
 inline float4 gguf_table(uint w, threadgroup const float* t) {
     const uchar4 i = as_type<uchar4>(w);
     return float4(t[i.x], t[i.y], t[i.z], t[i.w]);
@@ -55,7 +63,7 @@ inline uint gguf_bits4(uint h, uint v) { return (((h >> v) & 0xFu) * 0x00204081u
 // ------------------------------------------------------------------------------------------------------
 struct gguf_q8_0 {
     enum { BS = GGUF_Q8_0_BLOCK, TS = GGUF_Q8_0_BYTES, LANES = BS / GGUF_Q8_0_CHUNK,
-           GROUPS = 2, GPS = 2, OFFSET = 0, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
+           GROUPS = 2, GPS = 2, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
     struct chunk { uint2 q; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -75,41 +83,43 @@ inline uint gguf_nibbles32(uint2 q, int g) { return g < 2 ? gguf_lo(q[g]) : gguf
 
 struct gguf_q4_0 {
     enum { BS = GGUF_Q4_0_BLOCK, TS = GGUF_Q4_0_BYTES, LANES = BS / GGUF_Q4_0_CHUNK,
-           GROUPS = 4, GPS = 4, OFFSET = -8, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
-    struct chunk { uint2 q; float S[1]; float B[1]; };
+           GROUPS = 4, GPS = 2, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
+    struct chunk { uint2 q; float S[2]; float B[2]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
         c.q = io_u64<gguf_align(TS, 2, 8)>(b + 2 + 8 * j);
         c.S[0] = io_half(b);
-        c.B[0] = 0.0f;
+        c.S[1] = c.S[0] * 0.0625f;             // the high nibbles are read in place (16 q)
+        c.B[0] = c.B[1] = 0.0f;
         return c;
     }
     static uint pos(uint j, int g) { return gguf_pos32(j, g); }
     static float4 q(thread const chunk& c, int g, threadgroup const float*) {
-        return gguf_bytes(gguf_nibbles32(c.q, g));
+        return g < 2 ? gguf_quants(c.q[g], GGUF_LO, 1032.0h) : gguf_quants(c.q[g - 2], GGUF_HI, 1152.0h);
     }
 };
 
 struct gguf_q4_1 {
     enum { BS = GGUF_Q4_1_BLOCK, TS = GGUF_Q4_1_BYTES, LANES = BS / GGUF_Q4_1_CHUNK,
-           GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
-    struct chunk { uint2 q; float S[1]; float B[1]; };
+           GROUPS = 4, GPS = 2, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
+    struct chunk { uint2 q; float S[2]; float B[2]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
         c.q = io_u64<gguf_align(TS, 4, 8)>(b + 4 + 8 * j);
         c.S[0] = io_half(b);
-        c.B[0] = io_half(b + 2);
+        c.S[1] = c.S[0] * 0.0625f;             // the high nibbles are read in place (16 q)
+        c.B[0] = c.B[1] = io_half(b + 2);
         return c;
     }
     static uint pos(uint j, int g) { return gguf_pos32(j, g); }
     static float4 q(thread const chunk& c, int g, threadgroup const float*) {
-        return gguf_bytes(gguf_nibbles32(c.q, g));
+        return gguf_quants(c.q[g & 1], g < 2 ? GGUF_LO : GGUF_HI, 1024.0h);
     }
 };
 
 struct gguf_iq4_nl {
     enum { BS = GGUF_IQ4_NL_BLOCK, TS = GGUF_IQ4_NL_BYTES, LANES = BS / GGUF_IQ4_NL_CHUNK,
-           GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 0, TABLE = 1, PAIRS = 1 };
+           GROUPS = 4, GPS = 4, HAS_MIN = 0, TABLE = 1, PAIRS = 1 };
     struct chunk { uint2 q; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -128,7 +138,7 @@ struct gguf_iq4_nl {
 // word is value 8j + v, so group g's bits start at gguf_pos32(0, g)).
 struct gguf_q5_0 {
     enum { BS = GGUF_Q5_0_BLOCK, TS = GGUF_Q5_0_BYTES, LANES = BS / GGUF_Q5_0_CHUNK,
-           GROUPS = 4, GPS = 4, OFFSET = -16, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
+           GROUPS = 4, GPS = 4, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
     struct chunk { uint2 q; uint h; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -140,13 +150,13 @@ struct gguf_q5_0 {
     }
     static uint pos(uint j, int g) { return gguf_pos32(j, g); }
     static float4 q(thread const chunk& c, int g, threadgroup const float*) {
-        return gguf_bytes(gguf_nibbles32(c.q, g) | gguf_bits4(c.h, gguf_pos32(0, g)));
+        return gguf_bytes_less(gguf_nibbles32(c.q, g) | gguf_bits4(c.h, gguf_pos32(0, g)), 16);
     }
 };
 
 struct gguf_q5_1 {
     enum { BS = GGUF_Q5_1_BLOCK, TS = GGUF_Q5_1_BYTES, LANES = BS / GGUF_Q5_1_CHUNK,
-           GROUPS = 4, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
+           GROUPS = 4, GPS = 4, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
     struct chunk { uint2 q; uint h; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -185,11 +195,12 @@ inline uint gguf_pos_k4(uint j, int g) { return 64 * (j >> 1) + 16 * (j & 1) + (
 
 struct gguf_q4_k {
     enum { BS = GGUF_Q4_K_BLOCK, TS = GGUF_Q4_K_BYTES, LANES = BS / GGUF_Q4_K_CHUNK,
-           GROUPS = 8, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
-    struct chunk { uint4 q; float S[2]; float B[2]; };
+           GROUPS = 8, GPS = 4, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
+    struct chunk { uint4 q; uint4 q8; float S[2]; float B[2]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
         c.q = io_u128<gguf_align(TS, 16, 16)>(b + 16 + 16 * j);
+        c.q8 = c.q >> 8u;                      // shared by the low and the high nibbles
         const uint4 head = io_u128<gguf_align(TS, 0, 16)>(b);           // d, dmin, the 12 scale bytes
         const float2 d = float2(as_type<half2>(head.x));
         const float4 sm = gguf_k_scales_mins(head.y, head.z, head.w, 2 * (j >> 1));
@@ -203,14 +214,14 @@ struct gguf_q4_k {
     }
     static uint pos(uint j, int g) { return gguf_pos_k4(j, g); }
     static float4 q(thread const chunk& c, int g, threadgroup const float*) {
-        return gguf_bytes(g < 4 ? gguf_lo(c.q[g]) : c.q[g - 4] & 0xF0F0F0F0u);
+        return gguf_quants(c.q[g & 3], c.q8[g & 3], g < 4 ? GGUF_LO : GGUF_HI, 1024.0h);
     }
 };
 
 // Q5_K: the 5th bit of value 64c + 32a + l is bit 2c + a of byte l of the 32-byte mask.
 struct gguf_q5_k {
     enum { BS = GGUF_Q5_K_BLOCK, TS = GGUF_Q5_K_BYTES, LANES = BS / GGUF_Q5_K_CHUNK,
-           GROUPS = 8, GPS = 4, OFFSET = 0, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
+           GROUPS = 8, GPS = 4, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
     struct chunk { uint4 q; uint4 h; uint sub; float S[2]; float B[2]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -247,7 +258,7 @@ inline uint gguf_pos_k2(uint j, int g) { return 128 * (j >> 2) + 32 * uint(g >> 
 // ql (low and high nibbles) and of qh, two scale groups of 4 values.
 struct gguf_q6_k {
     enum { BS = GGUF_Q6_K_BLOCK, TS = GGUF_Q6_K_BYTES, LANES = BS / GGUF_Q6_K_CHUNK,
-           GROUPS = 2, GPS = 1, OFFSET = -32, HAS_MIN = 0, TABLE = 0, PAIRS = 0 };
+           GROUPS = 2, GPS = 1, HAS_MIN = 0, TABLE = 0, PAIRS = 0 };
     struct chunk { uint l; uint h; float S[2]; float B[2]; };
     static chunk load(device const uchar* b, uint j) {
         const uint hh = j >> 4, p = (j >> 3) & 1, l0 = 4 * (j & 7);
@@ -266,14 +277,14 @@ struct gguf_q6_k {
     static float4 q(thread const chunk& c, int g, threadgroup const float*) {
         const uint lo = g ? gguf_hi(c.l) : gguf_lo(c.l);
         const uint hi = ((c.h >> uint(4 * g)) & 0x03030303u) << 4;
-        return gguf_bytes(lo | hi);
+        return gguf_bytes_less(lo | hi, 32);
     }
 };
 
 // Q2_K: bits 2s of byte 32h + l of qs; scale byte (value >> 4): low nibble scale, high nibble min.
 struct gguf_q2_k {
     enum { BS = GGUF_Q2_K_BLOCK, TS = GGUF_Q2_K_BYTES, LANES = BS / GGUF_Q2_K_CHUNK,
-           GROUPS = 8, GPS = 2, OFFSET = 0, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
+           GROUPS = 8, GPS = 2, HAS_MIN = 1, TABLE = 0, PAIRS = 1 };
     struct chunk { uint2 q; float S[4]; float B[4]; };
     static chunk load(device const uchar* b, uint j) {
         const uint hh = j >> 2, l0 = 8 * (j & 3);
@@ -298,7 +309,7 @@ struct gguf_q2_k {
 // Q3_K: low 2 bits as Q2_K (qs at 32); the third is bit 4h + s of byte l of hmask (set: +4); q - 4.
 struct gguf_q3_k {
     enum { BS = GGUF_Q3_K_BLOCK, TS = GGUF_Q3_K_BYTES, LANES = BS / GGUF_Q3_K_CHUNK,
-           GROUPS = 8, GPS = 2, OFFSET = -4, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
+           GROUPS = 8, GPS = 2, HAS_MIN = 0, TABLE = 0, PAIRS = 1 };
     struct chunk { uint2 q; uint2 m; uint shift; float S[4]; float B[4]; };
     static chunk load(device const uchar* b, uint j) {
         const uint hh = j >> 2, l0 = 8 * (j & 3);
@@ -322,7 +333,7 @@ struct gguf_q3_k {
         const uint s = uint(g >> 1), t = uint(g & 1);
         const uint lo = (c.q[t] >> (2 * s)) & 0x03030303u;
         const uint hi = ((c.m[t] >> (c.shift + s)) & 0x01010101u) << 2;
-        return gguf_bytes(lo | hi);
+        return gguf_bytes_less(lo | hi, 4);
     }
 };
 
@@ -330,7 +341,7 @@ struct gguf_q3_k {
 // one lane each, one 6-bit scale (4 bits in scales_l, 2 in scales_h).
 struct gguf_iq4_xs {
     enum { BS = GGUF_IQ4_XS_BLOCK, TS = GGUF_IQ4_XS_BYTES, LANES = BS / GGUF_IQ4_XS_CHUNK,
-           GROUPS = 8, GPS = 8, OFFSET = 0, HAS_MIN = 0, TABLE = 1, PAIRS = 1 };
+           GROUPS = 8, GPS = 8, HAS_MIN = 0, TABLE = 1, PAIRS = 1 };
     struct chunk { uint4 q; float S[1]; float B[1]; };
     static chunk load(device const uchar* b, uint j) {
         chunk c;
@@ -354,7 +365,7 @@ struct gguf_iq4_xs {
 // ------------------------------------------------------------------------------------------------------
 template <typename Q>
 struct gguf_format : gemv_format {
-    enum { CHUNK = Q::BS / Q::LANES, TABLE = Q::TABLE, SUMS = Q::HAS_MIN || Q::OFFSET != 0 };
+    enum { CHUNK = Q::BS / Q::LANES, TABLE = Q::TABLE };
     static_assert(Q::GROUPS * 4 == CHUNK && Q::GROUPS % Q::GPS == 0 && (!Q::PAIRS || Q::GPS % 2 == 0),
                   "a chunk (GGUF_<TYPE>_CHUNK values) is GROUPS groups of 4 values, in scale groups of GPS");
     static float table_value(uint i) { return float(gguf_iq4_values[i]); }
@@ -379,8 +390,8 @@ struct gguf_format : gemv_format {
                 UNROLL for (int m = 0; m < MM; ++m) {
                     if (Q::PAIRS) x.load8(m, k0 + Q::pos(j, g), xa[m], xb[m]);   // 8 values, one load
                     else xa[m] = x.load4(m, k0 + Q::pos(j, g));
-                    if (SUMS) sx[m] += (xa[m].x + xa[m].y) + (xa[m].z + xa[m].w);
-                    if (SUMS && Q::PAIRS) sx[m] += (xb[m].x + xb[m].y) + (xb[m].z + xb[m].w);
+                    if (Q::HAS_MIN) sx[m] += (xa[m].x + xa[m].y) + (xa[m].z + xa[m].w);
+                    if (Q::HAS_MIN && Q::PAIRS) sx[m] += (xb[m].x + xb[m].y) + (xb[m].z + xb[m].w);
                 }
                 UNROLL for (int r = 0; r < R; ++r) {
                     const float4 qa = Q::q(ch[r], g, table);
@@ -393,10 +404,9 @@ struct gguf_format : gemv_format {
             }
             UNROLL for (int r = 0; r < R; ++r) {
                 const float S = ch[r].S[s];
-                const float C = fma(S, float(Q::OFFSET), Q::HAS_MIN ? ch[r].B[s] : 0.0f);
                 UNROLL for (int m = 0; m < MM; ++m) {
                     float a = fma(S, part[r][m], acc.v[r][m]);
-                    if (SUMS) a = fma(C, sx[m], a);
+                    if (Q::HAS_MIN) a = fma(ch[r].B[s], sx[m], a);
                     acc.v[r][m] = a;
                 }
             }
@@ -419,8 +429,7 @@ kernel void gguf_dequant(device const uchar* src [[buffer(0)]],
         device OUT* out = dst + blk * uint(Q::BS);
         UNROLL for (int g = 0; g < Q::GROUPS; ++g) {
             const int s = g / Q::GPS;
-            const float4 qv = Q::OFFSET != 0 ? Q::q(ch, g, table) + float(Q::OFFSET) : Q::q(ch, g, table);
-            const float4 t = ch.S[s] * qv;
+            const float4 t = ch.S[s] * Q::q(ch, g, table);
             io_store4(out + Q::pos(j, g), Q::HAS_MIN ? t + ch.B[s] : t);
         }
     }

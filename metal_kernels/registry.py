@@ -37,14 +37,14 @@ class KernelSpec:
         its reference (see dispatch.measured_backend).
     predict_cases: `predict_cases() -> list[perf.PredictCase]`, the kernel at real model shapes for
         `bench --predict` (None: its entry in metal_kernels/perf/cases.py's CASES, if any).
-    instantiate: host name -> the template-id of a kernel template of `source` (e.g.
-        "gemv<gemv_vec<gemv_e4m3fn>, half>"); source.library_source writes one
-        `template [[host_name(...)]]` line for each after the file. Entry points not listed here are
-        kernels the file defines itself.
     writes: the parameters (the reference's names) of the tensors the kernel writes into, e.g. ("acc",)
         for an accumulation, ("flags",) for a sampler step's NaN flags. The measured dispatch times a
         kernel on the call's own inputs and copies only these; the self-check fails a kernel that writes
         into any other argument.
+    instantiate: host name -> the template-id of a kernel template of `source` (e.g.
+        "gemv<gemv_vec<gemv_e4m3fn>, half>"); source.library_source writes one
+        `template [[host_name(...)]]` line for each after the file. Entry points not listed here are
+        kernels the file defines itself.
     """
 
     name: str
@@ -58,8 +58,8 @@ class KernelSpec:
     compare: Callable[[Any, Any], str | None] | None = None
     measured_by_caller: bool = False
     predict_cases: Callable[[], list] | None = None
-    instantiate: Mapping[str, str] = dataclasses.field(default_factory=dict)
     writes: tuple[str, ...] = ()
+    instantiate: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.writes:

@@ -249,7 +249,7 @@ def test_missing_saturation_is_caught():
 
 
 def test_decode_dropping_the_last_odd_element_is_caught():
-    src = mutate(FP8_SRC, "for (ulong k = i; k < end; ++k) io_store(", "for (ulong k = i; k + 1 < end; ++k) io_store(")
+    src = mutate(FP8_SRC, "for (uint k = i; k < end; ++k) io_store(", "for (uint k = i; k + 1 < end; ++k) io_store(")
     raw = torch.arange(7, dtype=torch.uint8) + 0x30
     lib = emulator.compile_library(src)
     got = fp8_module.fp8_decode_metal(lib, raw, "e4m3fn", out_dtype=torch.float32)
