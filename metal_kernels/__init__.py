@@ -13,10 +13,10 @@ from . import dispatch, probe
 from .registry import REGISTRY, KernelSpec, register
 
 # Domain modules register their kernels on import; their public functions are re-exported here.
-from . import attention, fp8, gguf, linear, moe, sampling, softmax, vae  # noqa: E402
+from . import attention, fp8, gguf, linear, moe, quant, sampling, softmax, vae  # noqa: E402
 
 __all__ = ["status", "capabilities", "REGISTRY", "KernelSpec", "register"]
-for _module in (softmax, fp8, linear, sampling, vae, moe, gguf, attention):
+for _module in (softmax, fp8, linear, sampling, vae, moe, gguf, attention, quant):
     for _name in _module.__all__:
         globals()[_name] = getattr(_module, _name)
         __all__.append(_name)

@@ -11,7 +11,8 @@ import time
 from ..common.report import Table
 
 # Modules (in nodes/cli/bench/) that contribute bench tables: each has `bench(quick: bool) -> list[Table]`.
-BENCH_MODULES = (".bench.kernels", ".bench.fp8", ".bench.gguf", ".bench.samplers", ".bench.vae", ".bench.moe", ".bench.attention")
+BENCH_MODULES = (".bench.kernels", ".bench.fp8", ".bench.quant", ".bench.gguf", ".bench.samplers", ".bench.vae",
+                 ".bench.moe", ".bench.attention")
 # Modules that contribute doctor stages: each has `doctor_stages() -> list[(name, callable)]`.
 DOCTOR_MODULES = (".doctor", "..attention.doctor")
 

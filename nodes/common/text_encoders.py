@@ -45,11 +45,12 @@ def default_device() -> str:
 
 def multi_text_encoder_loaders(prefix: str, *, files: Callable[[], list[str]], file_tooltip: Callable[[int, int], str],
                                type_options: dict, device_tooltip: str, descriptions: dict[int, str],
-                               load: Callable[[str, list[str], str, str], object]) -> dict[str, type]:
+                               load: Callable[[str, list[str], str, str], object],
+                               note: Callable[[object], str | None] | None = None) -> dict[str, type]:
     """The node classes `{prefix}{Dual,Triple,Quadruple}TextEncoderLoader`: n files (`files()`, the tooltip of
     file i of n `file_tooltip(i, n)`), a `type` from DualCLIPLoader's list for two files (three and four
     files: ComfyUI detects the family), and the device. `load(node class name, file names, type, device)`
-    returns the CLIP; the node records its backend for the badge."""
+    returns the CLIP; the node records its backend for the badge, with `note(clip)` where given."""
 
     def make(n: int) -> type:
         class Loader:
@@ -72,7 +73,7 @@ def multi_text_encoder_loaders(prefix: str, *, files: Callable[[], list[str]], f
 
                 node = Loader.__name__
                 clip = load(node, [clip_names[f"clip_name{i}"] for i in range(1, n + 1)], type, device)
-                record_node_backend(node, [])
+                record_node_backend(node, [], note=note(clip) if note else None)
                 return (clip,)
 
         Loader.__name__ = Loader.__qualname__ = f"{prefix}{SET_NAMES[n]}TextEncoderLoader"

@@ -7,8 +7,11 @@ Formats read (all memory-mapped through `safetensors.safe_open`, nothing is copi
   * ComfyUI's per-layer quantization metadata: `<layer>.comfy_quant` uint8 JSON tensors and/or the
     `_quantization_metadata` JSON in the file header, format float8_e4m3fn / float8_e5m2 with a
     tensorwise (scalar) or per-row ((N,) or (N, 1)) `<layer>.weight_scale`; the weight may be stored
-    as native float8 or as uint8 bytes.
-Formats this pack cannot compute (nvfp4, mxfp8, int8 and the other integer layouts) raise
+    as native float8 or as uint8 bytes;
+  * the block formats of ComfyUI's QUANT_ALGOS in the same metadata (nvfp4, mxfp8, int8_tensorwise,
+    asym_w4a8_int8, convrot_w4a4): each layer's tensors are described and checked by nodes/quant/formats.py
+    (`quant_layers`: weight key -> QuantLayer).
+Formats ComfyUI itself does not read (comfy_kitchen's svdquant_w4a4, awq_w4a16) and unknown ones raise
 `UnsupportedQuantFormat`, which names the format, the layer and what is supported.
 
 Every problem with the file is a `CheckpointError` (a ValueError) whose message names the file, the
@@ -25,28 +28,30 @@ import torch
 
 # FP8 format name <-> torch dtype; comfy_quant "format" strings -> our short format names.
 from ...metal_kernels.dtypes import FORMAT_OF_DTYPE, FP8_DTYPES, QUANT_FORMAT_NAME
+from ..quant.formats import BLOCK_FORMATS, QuantFileError, QuantLayer, describe_layer, formats_text
 
-__all__ = ["CheckpointError", "UnsupportedQuantFormat", "CheckpointMissing", "FP8Layer", "Checkpoint",
+__all__ = ["CheckpointError", "UnsupportedQuantFormat", "CheckpointMissing", "FP8Layer", "QuantLayer", "Checkpoint",
            "open_checkpoint", "read_header", "FP8_DTYPES", "FORMAT_OF_DTYPE", "SUPPORTED_FORMATS_TEXT",
            "is_fp8_dtype", "QUANT_FORMAT_NAME"]
 
 SUPPORTED_FORMATS_TEXT = (
     "plain float8_e4m3fn / float8_e5m2 weights, 'scaled fp8' files (scaled_fp8 marker + scale_weight), and "
     "ComfyUI comfy_quant / _quantization_metadata layers of format float8_e4m3fn or float8_e5m2 with a "
-    "tensorwise or per-row weight_scale")
+    f"tensorwise or per-row weight_scale, or {formats_text()}")
 
-KNOWN_UNSUPPORTED = {"nvfp4": "NVFP4 (4-bit floats with FP8 block scales)",
-                     "mxfp8": "MXFP8 (FP8 with e8m0 block scales)",
-                     "int8_tensorwise": "INT8 tensorwise", "convrot_w4a4": "ConvRot W4A4 (int4)",
-                     "asym_w4a8_int8": "W4A8 (int4 weights)", "svdquant_w4a4": "SVDQuant W4A4",
-                     "awq_w4a16": "AWQ W4A16"}
+# comfy_kitchen layouts that ComfyUI v0.33 does not read (not in its QUANT_ALGOS)
+KNOWN_UNSUPPORTED = {"svdquant_w4a4": "SVDQuant W4A4 (which ComfyUI v0.33 does not read either)",
+                     "awq_w4a16": "AWQ W4A16 (which ComfyUI v0.33 does not read either)"}
 
 # safetensors dtype strings -> torch dtypes (only those this torch build has).
 _ST_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
                    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
                    "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
-                   "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+                   "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
 ST_DTYPES = {k: getattr(torch, v) for k, v in _ST_DTYPE_NAMES.items() if hasattr(torch, v)}
+# One-byte codes this torch has no dtype for (MXFP8's e8m0 block scales before torch 2.7): read as bytes.
+BYTE_CODES = {k for k in ("F8_E8M0",) if k not in ST_DTYPES}
+ST_DTYPES.update({k: torch.uint8 for k in BYTE_CODES})
 _FLOAT_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -169,6 +174,7 @@ class Checkpoint:
         except Exception as e:  # safetensors' own checks (overlapping offsets, ...)
             raise CheckpointError(f"{self.name}: safetensors could not open the file: {e}") from None
         self.layers: dict[str, FP8Layer] = {}
+        self.quant_layers: dict[str, QuantLayer] = {}
         self.aux_keys: set[str] = set()
         self.quant_source = "none"
         self._detect()
@@ -196,6 +202,8 @@ class Checkpoint:
             raise CheckpointError(f"{self.name}: has no tensor {key}")
         if self._handle is None:
             raise CheckpointError(f"{self.name}: the file was closed")
+        if self.entries[key].dtype in BYTE_CODES:
+            return self.read_copy(key)
         try:
             return self._handle.get_tensor(key)
         except Exception as e:
@@ -257,6 +265,14 @@ class Checkpoint:
     def _add_quant_layer(self, layer_name: str, conf: dict, origin: str):
         fmt_name = conf.get("format")
         wkey = f"{layer_name}.weight"
+        if fmt_name in BLOCK_FORMATS:
+            try:
+                q = describe_layer(self.entries, layer_name, fmt_name, conf, origin)
+            except QuantFileError as e:
+                raise CheckpointError(f"{self.name}: {e}") from None
+            self.quant_layers[q.weight_key] = q
+            self.aux_keys.update(q.aux_keys())
+            return
         if fmt_name not in QUANT_FORMAT_NAME:
             what = KNOWN_UNSUPPORTED.get(fmt_name, f"unknown format {fmt_name!r}")
             raise UnsupportedQuantFormat(
@@ -345,7 +361,7 @@ class Checkpoint:
                     self.aux_keys.add(key)
         # Plain float8 tensors not described above: weights with scale 1.
         for key, entry in self.entries.items():
-            if key in self.layers or key in self.aux_keys:
+            if key in self.layers or key in self.aux_keys or key in self.quant_layers:
                 continue
             if entry.dtype in ("F8_E4M3", "F8_E5M2"):
                 if self.quant_source == "none":
@@ -359,13 +375,17 @@ class Checkpoint:
         n = len(self.layers)
         fmts = sorted({layer.fmt for layer in self.layers.values()})
         rows = sum(1 for layer in self.layers.values() if layer.rowwise)
+        counts: dict[str, int] = {}
+        for q in self.quant_layers.values():
+            counts[q.comfy_format] = counts.get(q.comfy_format, 0) + 1
+        block = "".join(f", {c} {name}" for name, c in sorted(counts.items()))
         return (f"{self.name}: {len(self.entries)} tensors, {n} FP8 ({'/'.join(fmts) or '-'}, source "
-                f"{self.quant_source}, {rows} per-row scaled), {self.file_size / 2**20:.1f} MiB")
+                f"{self.quant_source}, {rows} per-row scaled){block}, {self.file_size / 2**20:.1f} MiB")
 
     def high_precision_dtypes(self) -> dict[torch.dtype, int]:
         counts: dict[torch.dtype, int] = {}
         for key in self.model_keys():
-            if key in self.layers:
+            if key in self.layers or key in self.quant_layers:
                 continue
             d = ST_DTYPES[self.entries[key].dtype]
             if d.is_floating_point:

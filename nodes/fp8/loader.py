@@ -15,15 +15,22 @@ import time
 
 import torch
 
+from ..quant.formats import LOAD_MODES as QUANT_LOAD_MODES
+from ..quant.formats import QuantFileError, quantize_entries
+from ..quant.formats import state_entries as quant_state_entries
+from ..quant.ops import RUN_KERNELS as QUANT_KERNELS
+from ..quant.ops import QUANT_TAG, path_note, quant_formats, quant_modules
+from ..quant.ops import weight_bytes as quant_weight_bytes
 from .formats import ST_DTYPES, CheckpointError, open_checkpoint
 from .ops import (RUN_KERNELS, FP8LayerError, fp8_modules, make_fp8_ops, record_quantized, storage_dtype, weight_bytes,
                   wrap_patcher)
-from .quantize import (QuantSummary, atomic_save, carried_metadata, comfy_quant_entries, keep_reason,
+from .quantize import (LayerError, QuantSummary, atomic_save, carried_metadata, comfy_quant_entries, keep_reason,
                            quant_metadata, quantize, relative_error)
 
 log = logging.getLogger("comfy_metal")
 
-WEIGHT_MODES = ["auto", "e4m3fn tensorwise", "e4m3fn rowwise"]
+WEIGHT_MODES = ["auto", "e4m3fn tensorwise", "e4m3fn rowwise", *QUANT_LOAD_MODES]
+SAVE_MODES = ["e4m3fn tensorwise", "e4m3fn rowwise"]
 COMPUTE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -43,9 +50,13 @@ def build_state_dict(ck, weight_mode: str = "auto") -> tuple[dict, QuantSummary 
         raise ValueError(f"weight mode {weight_mode!r} is not one of {WEIGHT_MODES}")
     quant = weight_mode != "auto"
     rowwise = weight_mode.endswith("rowwise")
-    summary = QuantSummary("e4m3fn", rowwise) if quant else None
+    block = weight_mode in QUANT_LOAD_MODES
+    summary = QuantSummary(weight_mode if block else "e4m3fn", rowwise) if quant else None
     sd: dict[str, torch.Tensor] = {}
     for key in ck.model_keys():
+        if key in ck.quant_layers:          # packed weight, its scales and the marker, as stored
+            sd.update(quant_state_entries(ck, ck.quant_layers[key]))
+            continue
         if key in ck.layers:
             w, scale, fmt = ck.fp8_weight(key)
             sd[key] = w
@@ -59,6 +70,14 @@ def build_state_dict(ck, weight_mode: str = "auto") -> tuple[dict, QuantSummary 
             reason = keep_reason(key, tuple(entry.shape), ST_DTYPES[entry.dtype])
             if reason is None:
                 t = ck.read_copy(key)      # not the memory map: its pages would stay resident
+                if block:                  # NVFP4 / INT8 with ComfyUI's own quantizer
+                    try:
+                        entries, rel, mx = quantize_entries(key, t, weight_mode)
+                    except QuantFileError as e:
+                        raise FP8LoadError(f"{ck.name}: {e}") from None
+                    summary.add(key, LayerError("", tuple(t.shape), rel, mx))
+                    sd.update(entries)
+                    continue
                 q, scale = quantize(t, "e4m3fn", rowwise)
                 summary.add(key, relative_error(t, q, scale, "e4m3fn"))
                 sd[key] = q
@@ -140,10 +159,25 @@ def load_diffusion_model(path, weight_mode="auto", compute_dtype="auto", model_o
     remember_source(patcher.model, ck)
     stats = weight_bytes(patcher.model)
     log.info("comfy_metal: %s loaded in %.2fs: %d FP8 layers, %.3f bytes per FP8 weight, %.1f MiB total",
-             ck.name, time.perf_counter() - t0, sum(1 for _ in fp8_modules(patcher.model)),
-             stats["bytes_per_fp8_weight"], stats["total_bytes"] / 2**20)
+             ck.name, time.perf_counter() - t0, stats["fp8_layers"], stats["bytes_per_fp8_weight"],
+             stats["total_bytes"] / 2**20)
+    log_quant_layers(ck.name, patcher.model, load_device)
     record_quantized(patcher.model, ck.name)
     return patcher
+
+
+def quant_note(model, device) -> str | None:
+    """What the block-quantized (comfy_quant NVFP4, MXFP8, INT8, W4) layers of `model` run on `device`, or None."""
+    formats = {m.quant_fmt for _, m in quant_modules(model)}
+    return path_note(formats, device) if formats else None
+
+
+def log_quant_layers(name: str, model, device) -> None:
+    stats = quant_weight_bytes(model)
+    if stats["quant_weights"]:
+        counts = ", ".join(f"{n} {fmt}" for fmt, n in sorted(quant_formats(model).items()))
+        log.info("comfy_metal: %s: block-quantized layers %s at %.3f bits a weight (%.1f MiB); %s", name, counts,
+                 stats["bits_per_quant_weight"], stats["quant_bytes"] / 2**20, quant_note(model, device))
 
 
 def text_encoder_options(model_options, device: str, compute_dtype: str):
@@ -178,7 +212,9 @@ def load_text_encoder(path, clip_type="stable_diffusion", device="gpu", compute_
     opts, dtype = text_encoder_options(model_options, device, compute_dtype)
     storage = next((st for st in (_fp8_storage(opts["load_device"], ck) for ck in cks) if st is not None), None)
     opts["custom_operations"] = make_fp8_ops(", ".join(ck.name for ck in cks), dtype, storage)
-    return build_text_encoder(path, sds, clip_type, opts, RUN_KERNELS)
+    clip = build_text_encoder(path, sds, clip_type, opts, RUN_KERNELS + QUANT_KERNELS)
+    log_quant_layers(", ".join(ck.name for ck in cks), clip.cond_stage_model, opts["load_device"])
+    return clip
 
 
 def build_text_encoder(path, sds: list, clip_type: str, opts: dict, run_kernels):
@@ -274,6 +310,12 @@ def model_state_for_saving(diffusion_model: torch.nn.Module, quantize_mode: str 
         tensors[key] = t.to(dtype)
 
     for name, m in fp8.items():
+        if m.weight_format == QUANT_TAG:          # a block-quantized layer: as the file stored it
+            tensors.update(m.quant_file_tensors(name))
+            layers[name] = (m.quant_info or {}).get("conf") or {"format": m.quant_info["comfy_format"]}
+            if m.bias is not None:
+                plain(f"{name}.bias", m.bias.detach().to("cpu"))
+            continue
         w = m.weight.detach().to("cpu").view(FP8_DTYPES[m.weight_format])
         scale = m.weight_scale.detach().to("cpu") if m.weight_scale is not None else None
         tensors.update(comfy_quant_entries(name, w, scale, m.weight_format))

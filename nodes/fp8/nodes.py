@@ -10,7 +10,8 @@ import os
 
 from ..common.models import filename_list, model_choices, require_model
 from ..common.text_encoders import clip_types, default_device, multi_text_encoder_loaders
-from .loader import COMPUTE_DTYPES, WEIGHT_MODES, load_diffusion_model, load_text_encoder, save_model
+from .loader import (COMPUTE_DTYPES, SAVE_MODES, WEIGHT_MODES, load_diffusion_model, load_text_encoder, quant_note,
+                     save_model)
 
 log = logging.getLogger("comfy_metal")
 
@@ -29,10 +30,10 @@ def _safe_output_path(folder: str, filename: str) -> str:
 QUANTIZE_KERNELS = ["fp8_encode", "fp8_decode"]
 
 
-def _record(node_class: str, kernels: list[str]) -> None:
+def _record(node_class: str, kernels: list[str], note: str | None = None) -> None:
     from ..status import record_node_backend
 
-    record_node_backend(node_class, kernels)
+    record_node_backend(node_class, kernels, note=note)
 
 
 # The loader's attention option -> the Metal Attention mode (None: ComfyUI's own attention).
@@ -58,11 +59,13 @@ class MetalFP8ModelLoader:
         return {"required": {
             "unet_name": (model_choices("diffusion_models", filename_list("diffusion_models")), {"tooltip":
                           "The diffusion model file (from ComfyUI/models/diffusion_models/): FP8 files keep their "
-                          "weights at 1 byte each; bf16/fp16/fp32 files load as they are unless weight_mode "
-                          "quantizes them."}),
+                          "weights at 1 byte each, ComfyUI's NVFP4 / MXFP8 / INT8 / W4A8 / W4A4 (comfy_quant) files "
+                          "at their own size; bf16/fp16/fp32 files load as they are unless weight_mode quantizes "
+                          "them."}),
             "weight_mode": (WEIGHT_MODES, {"default": "auto", "tooltip":
-                            "auto: FP8 weights stay FP8, others as in the file. e4m3fn tensorwise/rowwise: also "
-                            "quantize bf16/fp16/fp32 Linear weights (norms, embeddings, first/last layers stay)."}),
+                            "auto: quantized weights stay as stored, others as in the file. e4m3fn tensorwise/"
+                            "rowwise, nvfp4, int8 tensorwise: also quantize bf16/fp16/fp32 Linear weights (norms, "
+                            "embeddings, first/last layers stay; nvfp4 and int8 with ComfyUI's own quantizers)."}),
             "compute_dtype": (list(COMPUTE_DTYPES), {"default": "auto", "tooltip":
                               "The dtype activations are computed in (FP8 weights are widened to it inside each "
                               "layer). auto: the dtype ComfyUI picks for this model on this device (bf16 on Apple "
@@ -78,7 +81,9 @@ class MetalFP8ModelLoader:
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "load"
     CATEGORY = "Comfy Metal/Loaders"
-    DESCRIPTION = "Loads a diffusion model keeping FP8 weights at 1 byte each (Metal FP8 kernels on Apple GPUs)."
+    DESCRIPTION = ("Loads a diffusion model keeping FP8 weights at 1 byte each and ComfyUI's NVFP4, MXFP8, INT8, "
+                   "W4A8 and W4A4 (comfy_quant) weights at their own size (Metal kernels on Apple GPUs; INT8 there "
+                   "runs weight-only, without _int_mm).")
 
     def load(self, unet_name, weight_mode="auto", compute_dtype="auto", attention="auto"):
         import folder_paths
@@ -90,7 +95,8 @@ class MetalFP8ModelLoader:
         model = load_diffusion_model(path, weight_mode, compute_dtype)
         model = with_attention(model, attention)
         # Quantizing on load encodes (and decodes, for the error summary); an FP8 file loads as is.
-        _record("MetalFP8ModelLoader", QUANTIZE_KERNELS if weight_mode != "auto" else [])
+        _record("MetalFP8ModelLoader", QUANTIZE_KERNELS if weight_mode != "auto" else [],
+                quant_note(model.model, model.load_device))
         return (model,)
 
 
@@ -100,7 +106,7 @@ class MetalFP8TextEncoderLoader:
         return {"required": {
             "clip_name": (model_choices("text_encoders", filename_list("text_encoders")), {"tooltip":
                           "The text encoder file (from ComfyUI/models/text_encoders/); FP8 weights stay 1 byte "
-                          "each."}),
+                          "each, NVFP4 / MXFP8 / INT8 / W4 (comfy_quant) weights at their own size."}),
             "type": (clip_types(), {"tooltip": "Which model family the text encoder is for (as in ComfyUI's "
                                                 "Load CLIP: flux, wan, sd3, ...); sets its tokenizer and layout."}),
             "device": (["gpu", "cpu"], {"default": default_device(), "tooltip":
@@ -111,7 +117,8 @@ class MetalFP8TextEncoderLoader:
     RETURN_TYPES = ("CLIP",)
     FUNCTION = "load"
     CATEGORY = "Comfy Metal/Loaders"
-    DESCRIPTION = "Loads a text encoder keeping FP8 weights at 1 byte each; on Macs it runs on the GPU by default."
+    DESCRIPTION = ("Loads a text encoder keeping FP8 (and comfy_quant NVFP4 / MXFP8 / INT8 / W4) weights at their "
+                   "stored size; on Macs it runs on the GPU by default.")
 
     def load(self, clip_name, type="stable_diffusion", device="gpu"):
         import folder_paths
@@ -119,7 +126,7 @@ class MetalFP8TextEncoderLoader:
         path = folder_paths.get_full_path_or_raise(
             "text_encoders", require_model("MetalFP8TextEncoderLoader", "clip_name", clip_name))
         clip = load_text_encoder(path, type, device)
-        _record("MetalFP8TextEncoderLoader", [])
+        _record("MetalFP8TextEncoderLoader", [], quant_note(clip.cond_stage_model, clip.patcher.load_device))
         return (clip,)
 
 
@@ -139,8 +146,9 @@ _CORE_SETS = {2: ("DualCLIPLoader", "CLIP-L + T5 for Flux, ..."),
 _MULTI = multi_text_encoder_loaders(
     "MetalFP8",
     files=lambda: model_choices("text_encoders", filename_list("text_encoders")),
-    file_tooltip=lambda i, n: (f"Text encoder file {i} of {n} (from ComfyUI/models/text_encoders/), FP8 or "
-                               "bf16/fp16; FP8 weights stay 1 byte each."),
+    file_tooltip=lambda i, n: (f"Text encoder file {i} of {n} (from ComfyUI/models/text_encoders/), FP8, "
+                               "comfy_quant (NVFP4 / MXFP8 / INT8 / W4) or bf16/fp16; quantized weights stay at "
+                               "their stored size."),
     type_options={"tooltip": "Which model family the pair is for (as in ComfyUI's DualCLIPLoader: flux, sdxl, sd3, "
                              "hunyuan_video, ...)."},
     device_tooltip=("gpu: run the text encoders on ComfyUI's GPU (the Apple GPU on a Mac; the default there). cpu: "
@@ -148,7 +156,8 @@ _MULTI = multi_text_encoder_loaders(
     descriptions={n: (f"Loads {n} text encoders as one CLIP, like ComfyUI's {core} ({sets}), keeping FP8 weights "
                       "at 1 byte each (FP8 and bf16 files can be mixed); on Macs it runs on the GPU by default.")
                   for n, (core, sets) in _CORE_SETS.items()},
-    load=_load_text_encoders)
+    load=_load_text_encoders,
+    note=lambda clip: quant_note(clip.cond_stage_model, clip.patcher.load_device))
 MetalFP8DualTextEncoderLoader = _MULTI["MetalFP8DualTextEncoderLoader"]
 MetalFP8TripleTextEncoderLoader = _MULTI["MetalFP8TripleTextEncoderLoader"]
 MetalFP8QuadrupleTextEncoderLoader = _MULTI["MetalFP8QuadrupleTextEncoderLoader"]
@@ -162,7 +171,7 @@ class MetalFP8SaveModel:
             "filename": ("STRING", {"default": "model_fp8_e4m3fn", "tooltip":
                          "File name inside ComfyUI/models/diffusion_models/ (.safetensors is added); no folders "
                          "outside it."}),
-            "quantize_mode": (WEIGHT_MODES[1:], {"default": "e4m3fn tensorwise", "tooltip":
+            "quantize_mode": (SAVE_MODES, {"default": "e4m3fn tensorwise", "tooltip":
                               "For models without FP8 layers: how to quantize their Linear weights (tensorwise: "
                               "one scale per weight; rowwise: one scale per output row, more accurate)."}),
             "overwrite": ("BOOLEAN", {"default": False, "tooltip":

@@ -14,6 +14,10 @@ LoRA: `MetalFP8ModelPatcher` (a `comfy.model_patcher.ModelPatcher`) does not rew
 for a patched FP8 weight it installs ComfyUI's own `LowVramPatch` on the layer, which the forward
 applies to the decoded weight (`comfy.lora.calculate_weight`) -- no re-quantization, no bf16 copy.
 Modules without an FP8 weight behave exactly like `comfy.ops.manual_cast`.
+
+ComfyUI's block formats (comfy_quant NVFP4, MXFP8, INT8, W4A8, W4A4) are taken by the mixins of
+nodes/quant/ops.py in front of Linear and Embedding (their state dict carries a marker,
+`_load_packed_weight`); the same patcher, forward hooks and accounting apply to them.
 """
 from __future__ import annotations
 
@@ -24,9 +28,12 @@ from typing import Any
 import torch
 
 from ...metal_kernels.linear import GEMV_MAX_M
+from ..quant.formats import QUANT_MARKER, read_marker
 from .formats import FORMAT_OF_DTYPE, CheckpointError, is_fp8_dtype
 
 log = logging.getLogger("comfy_metal")
+
+FP8_FORMATS = ("e4m3fn", "e5m2")
 _BYTE_DTYPES = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -95,6 +102,18 @@ class FP8WeightMixin:
         (already checked against the expected shape) and return True, or return False."""
         return False
 
+    def _load_packed_weight(self, w, scale, state_dict, prefix) -> bool:
+        """Hook for block-quantized weights whose stored shape is not the logical one (nodes/quant: their
+        state dict carries a marker); layers without that mixin refuse a marked weight."""
+        marker = state_dict.pop(prefix + QUANT_MARKER, None)
+        if marker is not None:
+            info = read_marker(marker)
+            raise FP8LayerError(f"{self._fp8_source or 'checkpoint'}: tensor {info.get('tensor')} is "
+                                f"{info.get('comfy_format')}, but it belongs to a {type(self).__name__} "
+                                f"({prefix.rstrip('.')}); ComfyUI stores these formats for Linear layers (and INT8 "
+                                "for embeddings) only")
+        return False
+
     def _fp8_hp_dtype(self, found: torch.dtype) -> torch.dtype:
         dtype = getattr(self, "_fp8_param_dtype", None)
         if dtype is None or dtype in _BYTE_DTYPES:
@@ -111,6 +130,8 @@ class FP8WeightMixin:
         expected = self._fp8_expected_shape()
         if w is None:
             missing_keys.append(prefix + "weight")
+        elif self._load_packed_weight(w, scale, state_dict, prefix):
+            pass                            # a block-quantized weight (nodes/quant), stored shape != logical
         else:
             if tuple(w.shape) != tuple(expected):
                 raise FP8LayerError(
@@ -346,9 +367,12 @@ def make_fp8_ops(source: str = "", compute_dtype: torch.dtype | None = None,
         if run_every_op is not None:
             run_every_op()
 
-    class Linear(FP8LinearMixin, base.Linear):
+    from ..quant.ops import QuantEmbeddingMixin, QuantLinearMixin
+
+    class Linear(QuantLinearMixin, FP8LinearMixin, base.Linear):
         _fp8_source = source
         _fp8_storage = storage
+        quant_comfy_path = not standalone
 
         def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
             self._fp8_init(in_features, out_features, bias, device, dtype)
@@ -379,7 +403,7 @@ def make_fp8_ops(source: str = "", compute_dtype: torch.dtype | None = None,
         Conv.__name__ = Conv.__qualname__ = conv_base.__name__
         return Conv
 
-    class Embedding(FP8EmbeddingMixin, base.Embedding):
+    class Embedding(QuantEmbeddingMixin, FP8EmbeddingMixin, base.Embedding):
         _fp8_source = source
         _fp8_storage = storage
 
@@ -444,24 +468,30 @@ def fp8_modules(model: torch.nn.Module):
 
 
 def weight_bytes(model: torch.nn.Module) -> dict:
-    """Bytes held by FP8 layers (weights + scales), their element count, and the rest."""
-    fp8_bytes = fp8_elems = 0
+    """Bytes held by FP8 layers (weights + scales), their element count, and the rest (block-quantized
+    layers: nodes/quant/ops.weight_bytes)."""
+    fp8_bytes = fp8_elems = layers = 0
     for _, m in fp8_modules(model):
+        if m.weight_format not in FP8_FORMATS:
+            continue
         fp8_bytes += m.weight.nbytes + (m.weight_scale.nbytes if m.weight_scale is not None else 0)
         fp8_elems += m.weight.numel()
+        layers += 1
     total = sum(t.nbytes for t in model.state_dict().values())
-    return {"fp8_bytes": fp8_bytes, "fp8_weights": fp8_elems, "total_bytes": total,
+    return {"fp8_bytes": fp8_bytes, "fp8_weights": fp8_elems, "fp8_layers": layers, "total_bytes": total,
             "bytes_per_fp8_weight": fp8_bytes / fp8_elems if fp8_elems else float("nan")}
 
 
 def quantized_memory(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes the model's weights take, bytes they would take with its quantized layers, FP8 or GGUF, in bf16):
-    what the pack's loaders save, for the status displays."""
+    """(bytes the model's weights take, bytes they would take with its quantized layers, FP8, GGUF or a
+    comfy_quant block format, in bf16): what the pack's loaders save, for the status displays."""
     held = sum(t.nbytes for t in model.state_dict().values())
     as_bf16 = held
     for _, m in fp8_modules(model):
-        own = m.weight.nbytes + (m.weight_scale.nbytes if m.weight_scale is not None else 0)
-        as_bf16 += 2 * math.prod(getattr(m, "gguf_shape", None) or m.weight.shape) - own
+        own = sum(t.nbytes for t in (m.weight, m.weight_scale, getattr(m, "weight_scale_2", None),
+                                     getattr(m, "weight_codebook", None)) if t is not None)
+        shape = getattr(m, "quant_shape", None) or getattr(m, "gguf_shape", None) or m.weight.shape
+        as_bf16 += 2 * math.prod(shape) - own
     return held, as_bf16
 
 
@@ -568,12 +598,19 @@ def record_fp8_run(model) -> None:
     try:
         formats = {m.weight_format for m in model.modules() if is_fp8_module(m)}
         if formats:
+            from ..quant.ops import QUANT_TAG, quant_paths
+            from ..quant.ops import RUN_KERNELS as QUANT_KERNELS
             from ..status import record_node_backend
 
-            kernels = list(RUN_KERNELS) if formats - {"gguf"} else []
+            kernels = list(RUN_KERNELS) if formats & set(FP8_FORMATS) else []
             if "gguf" in formats:            # GGUF layers (nodes/gguf) run their own kernels
                 kernels += ["gguf_dequantize", "gguf_gemv"]
-            record_node_backend(None, kernels)
+            note = None
+            if QUANT_TAG in formats:         # block-quantized layers (nodes/quant): their kernels, their path
+                kernels += QUANT_KERNELS
+                paths = quant_paths(model)
+                note = ", ".join(f"{n} layers {p}" for p, n in sorted(paths.items())) or None
+            record_node_backend(None, kernels, note=note)
     except Exception as e:  # a badge must never break sampling
         log.debug("comfy_metal: FP8 run record failed: %s", e)
 

@@ -103,18 +103,23 @@ class QuantSummary:
     errors: list = dataclasses.field(default_factory=list)
     kept: dict = dataclasses.field(default_factory=dict)     # key -> reason
 
+    def _what(self) -> str:
+        return "FP8" if self.fmt in ("e4m3fn", "e5m2") else "comfy_quant"
+
     def add(self, key, err: LayerError):
         err.key = key
         self.errors.append(err)
 
     def text(self, top: int = 5) -> str:
         if not self.errors:
-            return f"FP8 quantization ({self.fmt}): no layer quantized; {len(self.kept)} kept in high precision"
+            return (f"{self._what()} quantization ({self.fmt}): no layer quantized; {len(self.kept)} kept in high "
+                    "precision")
         rel = sorted(e.rel_error for e in self.errors)
         mean = sum(rel) / len(rel)
         med = rel[len(rel) // 2]
         worst = sorted(self.errors, key=lambda e: -e.rel_error)[:top]
-        lines = [f"FP8 quantization ({self.fmt}, {'per-row' if self.rowwise else 'per-tensor'} scale): "
+        scale = "block scales" if self.fmt == "nvfp4" else "per-row scale" if self.rowwise else "per-tensor scale"
+        lines = [f"{self._what()} quantization ({self.fmt}, {scale}): "
                  f"{len(self.errors)} layers quantized, {len(self.kept)} kept in high precision; relative error "
                  f"mean {mean:.3%}, median {med:.3%}, max {rel[-1]:.3%}"]
         for e in worst:
@@ -199,10 +204,12 @@ def carried_metadata(metadata: dict | None) -> dict:
     return {k: str(v) for k, v in (metadata or {}).items() if k not in STALE_METADATA_KEYS}
 
 
-def quant_metadata(layers: dict[str, str]) -> dict:
-    """Header metadata listing the quantized layers (ComfyUI's _quantization_metadata)."""
+def quant_metadata(layers: dict[str, str | dict]) -> dict:
+    """Header metadata listing the quantized layers (ComfyUI's _quantization_metadata): an FP8 format name,
+    or a block-quantized layer's comfy_quant JSON."""
     return {"_quantization_metadata": json.dumps(
-        {"format_version": "1.0", "layers": {k: {"format": f"float8_{fmt}"} for k, fmt in layers.items()}})}
+        {"format_version": "1.0", "layers": {k: fmt if isinstance(fmt, dict) else {"format": f"float8_{fmt}"}
+                                             for k, fmt in layers.items()}})}
 
 
 def quantize_file(src: str, dst: str, fmt: str = "e4m3fn", rowwise: bool = False, overwrite: bool = False,
@@ -217,8 +224,9 @@ def quantize_file(src: str, dst: str, fmt: str = "e4m3fn", rowwise: bool = False
     layers: dict[str, str] = {}
     with open_checkpoint(src) as ck:
         meta = carried_metadata(ck.metadata)
-        if ck.layers:
-            raise CheckpointError(f"{ck.name}: already has {len(ck.layers)} FP8 weights; quantize a bf16/fp16/fp32 file")
+        if ck.layers or ck.quant_layers:
+            raise CheckpointError(f"{ck.name}: already has {len(ck.layers) + len(ck.quant_layers)} quantized weights; "
+                                  "quantize a bf16/fp16/fp32 file")
         for key in ck.model_keys():
             t = ck.read_copy(key)
             reason = keep(key, tuple(t.shape), t.dtype)

@@ -13,7 +13,7 @@ from ..common.report import human_bytes
 # What each kernel source file does, as a user calls it; the order the verdict lists them in. The softmax
 # kernel is the Status node's probe, no feature.
 FEATURES = (("attention", "attention"), ("fp8", "FP8 models"), ("linear", "FP8 models"),
-            ("gguf", "GGUF models"), ("sampling", "sampling"), ("vae", "the low-memory VAE"),
+            ("gguf", "GGUF models"), ("quant", "NVFP4 / MXFP8 / INT8 models"), ("sampling", "sampling"), ("vae", "the low-memory VAE"),
             ("moe", "MoE text encoders"), ("softmax", "the Status node's self-test"))
 FEATURE_OF = dict(FEATURES)
 PROBE = "the Status node's self-test"

@@ -467,7 +467,7 @@ def test_unknown_dtype(tmp_path):
     assert "f4.safetensors" in msg and "blocks.0.weight" in msg and "F4" in msg and "F8_E4M3" in msg
 
 
-@pytest.mark.parametrize("fmt_name,label", [("nvfp4", "NVFP4"), ("mxfp8", "MXFP8"), ("int8_tensorwise", "INT8"),
+@pytest.mark.parametrize("fmt_name,label", [("svdquant_w4a4", "SVDQuant"), ("awq_w4a16", "AWQ"),
                                             ("fancy9", "unknown format")])
 def test_unsupported_quant_formats(tmp_path, fmt_name, label):
     p = tmp_path / "q.safetensors"

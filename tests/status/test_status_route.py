@@ -312,8 +312,8 @@ def test_metal_status_node_reports_and_records(fake_comfyui):
     # on the node: the Metal tab's verdict, then a short list (no wide tables); the output adds the tables
     assert shown.startswith("No Apple GPU here: Comfy Metal runs its plain PyTorch code")
     assert text.startswith(shown) and "---" not in shown and len(shown.splitlines()) <= 16
-    assert "- Attention, FP8 models, GGUF models, sampling, the low-memory VAE and MoE text encoders: plain PyTorch " \
-           "code (no Apple GPU here)" in shown
+    assert "- Attention, FP8 models, GGUF models, NVFP4 / MXFP8 / INT8 models, sampling, the low-memory VAE and MoE " \
+           "text encoders: plain PyTorch code (no Apple GPU here)" in shown
     assert "Kernels (COMFY_METAL_BACKEND=auto)" in text and "Capabilities" in text
     assert "This node's probe call: reference (Metal runs only on MPS tensors (this call is on cpu))" in text
     for name in metal_kernels.REGISTRY:

@@ -35,7 +35,8 @@ _PRELUDE = textwrap.dedent("""
         for mod in model.modules():
             if type(mod).__name__ != "Linear" or getattr(mod, "weight", None) is None:
                 continue
-            n += mod.weight.numel()
+            shape = getattr(mod, "quant_shape", None)      # block-quantized (nodes/quant): the logical shape
+            n += shape[0] * shape[1] if shape else mod.weight.numel()
             b += sum(t.nbytes for key, t in mod.state_dict().items() if not key.endswith(("bias", "comfy_quant")))
         return n, b
 
