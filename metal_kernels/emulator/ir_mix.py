@@ -37,16 +37,21 @@ CLASSES = {
 
 # Cycles per SIMT instruction on one scheduler (metal-benchmarks, M1 Max): FADD/FMUL/FFMA 16/32: 1;
 # FMAX/FMIN/FCMPSEL: 1; IADD32/BITWISE32/ICMPSEL32: 1; IMUL32/IMAD32: 4; LSHIFT32/BITEXTRACT32/POPCOUNT32/
-# CLZ32: 4; IADD64: ~4 (4.68); IMUL64: 16; IMULHI64: 22; CONVERT F<->I32, RINT32, TRUNC32: 4; CONVERT(F->I64):
-# ~8 (7.11); EXP2/LOG2 and e/10-based: 4; DIV32 (RECIP32 + FMUL32): 6; RSQRT32/SQRT32: 8; SIN32/COS32: ~14
-# (14.28). "Most pipelines can accept 16-bit operands or write 16-bit results, with zero additional cost":
-# half <-> float conversions are free.
+# CLZ32: 4; RSHIFT32 by a run-time amount: ~8 (7.89); IMULHI32: 8; IADD64: ~4 (4.68); IMUL64: 16; IMULHI64: 22;
+# CONVERT F<->I32, RINT32, TRUNC32: 4; CONVERT(F->I64): ~8 (7.11); EXP2/LOG2 and e/10-based: 4; DIV32
+# (RECIP32 + FMUL32): 6; RSQRT32/SQRT32: 8; SIN32/COS32: ~14 (14.28). "Most pipelines can accept 16-bit
+# operands or write 16-bit results, with zero additional cost": half <-> float conversions are free.
 CYCLES = {
     "f_simple": 1, "i_simple": 1, "i_mul": 4, "i_shift": 4, "i_bits": 4, "i64_simple": 4, "i64_mul": 16,
+    "i_rshift_var": 8,
     "i64_shift": 8,  # assumption: two 32-bit shifts plus a merge; not measured
     "i128_mul": 22,
     "idiv32": 24,    # assumption: reciprocal-based sequence (2 convert, recip, mul, convert, imul, fix-up)
     "idiv64": 80,    # assumption: software routine of 64-bit multiplies (IMUL64 = 16) and fix-ups
+    # division by a constant: the GPU compiler multiplies by the reciprocal instead (IMULHI + shift; a
+    # remainder adds IMUL + subtract), as every compiler does; LLVM leaves that to its back end, so the IR
+    # still shows udiv/urem. From the measured costs above: 32-bit 8 + 4 (+ 4 + 1), 64-bit 22 + 8 (+ 16 + 4)
+    "idiv32_const": 12, "irem32_const": 17, "idiv64_const": 30, "irem64_const": 50,
     "cvt32": 4, "cvt64": 8, "rint": 4, "exp": 4, "div": 6, "sqrt": 8, "sin": 14,
     "pow": 9,        # EXP2 + LOG2 + FMUL
     "tan": 34,       # sin + cos + divide
@@ -101,6 +106,9 @@ _LABEL = re.compile(r"^([\w.$-]+):")
 _DBG = re.compile(r"!dbg !(\d+)")
 _VEC = re.compile(r"<(\d+) x (\w+)>")
 _TSAN = re.compile(r"@__tsan_(?:unaligned_)?(read|write)(1|2|4|8|16)\(")
+# accesses of other sizes and struct copies (the profiling build instruments memcpy/memmove/memset): the
+# runtime splits them into accesses of at most 16 bytes
+_TSAN_RANGE = re.compile(r"@__tsan_(read_range|write_range|memcpy|memmove|memset)\(")
 _GUARD = "@__sanitizer_cov_trace_pc_guard("
 _ASSIGN = re.compile(r"^%[\w.$-]+ = (.*)$")
 
@@ -113,6 +121,7 @@ class Block:
     mix: dict                      # class -> [SIMT instructions, scheduler cycles] per execution
     flops: float                   # fp32/fp16 FLOPs per lane per execution (an FMA counts 2)
     lines: dict                    # source line -> scheduler cycles per execution (hot-line attribution)
+    flops16: float = 0.0           # the part of `flops` in fp16/bf16 arithmetic
 
 
 @dataclasses.dataclass
@@ -241,6 +250,20 @@ def _operand_type(rest: str) -> str:
     return toks[0].rstrip(",")
 
 
+def _constant_operand(rest: str) -> bool:
+    """Whether the second operand of a binary instruction ("i32 %a, 24", "<4 x i32> %a, splat (i32 3)") is a
+    constant."""
+    depth = 0
+    for i, c in enumerate(rest):
+        depth += (c in "<(") - (c in ">)")
+        if c == "," and depth == 0:
+            second = rest[i + 1:].split(", !", 1)[0].strip()
+            if second.startswith(("splat", "<")):
+                return "%" not in second
+            return second.lstrip("-").isdigit()
+    return False
+
+
 def classify(line: str) -> list[tuple[str, str, int, float]]:
     """[(class, cost key, element count, FLOPs per element)] for one IR instruction ([] = free)."""
     body = line.strip()
@@ -272,14 +295,20 @@ def classify(line: str) -> list[tuple[str, str, int, float]]:
     if op in _INT_BIN or op == "mul" or op in _SHIFTS or op in _DIVS:
         n, t = _elems_and_type(_operand_type(rest))
         bits = _int_bits(t)
+        const_rhs = _constant_operand(rest)
         if op in _DIVS:
-            return [("idiv64", "idiv64", n, 0.0)] if bits > 32 else [("idiv32", "idiv32", n, 0.0)]
+            cls = "idiv64" if bits > 32 else "idiv32"
+            if const_rhs:
+                return [(cls, cls.replace("div", "rem" if op in ("urem", "srem") else "div") + "_const", n, 0.0)]
+            return [(cls, cls, n, 0.0)]
         if bits > 64:
             return [("int64", "i128_mul" if op == "mul" else "i64_simple", 2 * n, 0.0)]
         if bits == 64:
             key = "i64_mul" if op == "mul" else "i64_shift" if op in _SHIFTS else "i64_simple"
             return [("int64", key, n, 0.0)]
-        key = "i_mul" if op == "mul" else "i_shift" if op in _SHIFTS else "i_simple"
+        key = "i_mul" if op == "mul" else "i_simple"
+        if op in _SHIFTS:
+            key = "i_rshift_var" if op != "shl" and not const_rhs else "i_shift"
         return [("int32", key, n, 0.0)]
     if op == "select":
         # select i1 %c, <type> %a, <type> %b
@@ -345,6 +374,60 @@ def classify(line: str) -> list[tuple[str, str, int, float]]:
     return []
 
 
+_SSA = re.compile(r"%[\w.$-]+")
+_EXT16 = re.compile(r"^fpext (?:<\d+ x )?(?:half|bfloat)>? ")
+_TRUNC16 = re.compile(r"^fptrunc .* to (?:<\d+ x )?(?:half|bfloat)>?\s*(?:,|$)")
+_NARROWABLE = re.compile(r"^(?:fadd|fsub|fmul|fneg|select|(?:tail )?call .*@llvm\.(?:fma|fmuladd|minnum|maxnum|minimum|"
+                         r"maximum|fabs|copysign)\.(?:v\d+)?f32\()")
+
+
+def _narrow_lines(lines: list[str]) -> set[int]:
+    """Indices of fp32 instructions that are fp16 arithmetic on the GPU: every value they read is a half
+    (or bfloat) widened to float, a constant or another such instruction, and every use of their result is
+    such an instruction or a narrowing back to 16 bits. The shim writes some MSL half functions (fma, mix,
+    clamp, ...) this way through float; Apple's compiler runs them as the 16-bit instructions they are."""
+    out: set[int] = set()
+    defs: dict[str, tuple[int, str]] = {}          # SSA name -> (line index, instruction text)
+    uses: dict[str, list[tuple[str, str]]] = {}    # SSA name -> [(user's SSA name or "", user's text)]
+
+    def operands(text: str) -> list[str]:
+        text = text.split(", !dbg", 1)[0]
+        if text.startswith("select "):              # the i1 condition is not a value read
+            text = text.split(",", 1)[1] if "," in text else ""
+        return [o for o in _SSA.findall(text) if not o.startswith("%struct.")]
+
+    for i, ln in enumerate(lines):
+        if ln.startswith("define "):
+            defs, uses = {}, {}
+            continue
+        if ln.startswith("}"):
+            cand = {n for n, (_, t) in defs.items() if _NARROWABLE.match(t) and " float" in t.split("(", 1)[0] + " "}
+            cand = {n for n in cand if "float" in defs[n][1]}
+            changed = True
+            while changed:
+                changed = False
+                for n in list(cand):
+                    reads = all(o in cand or _EXT16.match(defs.get(o, (0, ""))[1]) for o in operands(defs[n][1]))
+                    used = uses.get(n, [])
+                    if not (reads and used and all(u in cand or _TRUNC16.match(t) for u, t in used)):
+                        cand.discard(n)
+                        changed = True
+            out.update(defs[n][0] for n in cand)
+            defs, uses = {}, {}
+            continue
+        text = ln.strip()
+        m = _ASSIGN.match(text)
+        name = text.split(" =", 1)[0] if m else ""
+        body = m.group(1) if m else text
+        for pre in ("tail ", "musttail ", "notail "):
+            body = body[len(pre):] if body.startswith(pre) else body
+        if name:
+            defs[name] = (i, body)
+        for o in set(operands(body)):
+            uses.setdefault(o, []).append((name, body))
+    return out
+
+
 @dataclasses.dataclass
 class Rewritten:
     ir: str
@@ -363,6 +446,8 @@ def rewrite(ir: str) -> Rewritten:
     fn_machinery = False
     fn_line = 0
     body: list[str] = []             # the current basic block's lines
+    body_idx: list[int] = []         # their indices in `lines`
+    narrow = _narrow_lines(lines)
 
     def where(ln: str) -> tuple[bool, int]:
         """(emulator code?, source line) of one instruction: by the innermost function it was written in
@@ -375,34 +460,38 @@ def rewrite(ir: str) -> Rewritten:
     def flush():
         """Emit the buffered block: its coverage call numbered (or dropped: emulator code), its accesses
         numbered, its instruction mix recorded."""
-        nonlocal body
+        nonlocal body, body_idx
         guard = next((i for i, ln in enumerate(body) if _GUARD in ln), -1)
         mix: dict[str, list[float]] = {}
         by_line: dict[int, float] = {}
-        flops, first_line = 0.0, 0
+        flops, flops16, first_line = 0.0, 0.0, 0
         located = [where(ln) for ln in body if _DBG.search(ln)]
         # the block is the kernel's if one of its located instructions is (phis and the like carry no
         # location: an inlined emulation loop, e.g. simdgroup_multiply_accumulate's, stays uncounted)
         counted = any(not m for m, _ in located) if located else not fn_machinery
         for i, ln in enumerate(body):
-            if not counted or i == guard or _TSAN.search(ln) or not ln.startswith("  ") or ln.startswith("    "):
+            if not counted or i == guard or _TSAN.search(ln) or _TSAN_RANGE.search(ln) or not ln.startswith("  ") \
+                    or ln.startswith("    "):
                 continue
             machinery, line = where(ln)
             if machinery:
                 continue
             first_line = first_line or line
             for cls, key, n, fl in classify(ln.split(", !dbg", 1)[0]):
+                if cls == "fp32" and body_idx[i] in narrow:
+                    cls = "fp16"
                 ent = mix.setdefault(cls, [0.0, 0.0])
                 ent[0] += n
                 ent[1] += n * CYCLES[key]
                 flops += n * fl
+                flops16 += n * fl if cls == "fp16" else 0.0
                 by_line[line] = by_line.get(line, 0.0) + n * CYCLES[key]
         if 0 in by_line and (first_line or fn_line):          # compiler-made "line 0" locations: the block's line
             by_line[first_line or fn_line] = by_line.get(first_line or fn_line, 0.0) + by_line.pop(0)
         block_id = -1
         if guard >= 0 and counted:
             block_id = len(blocks)
-            blocks.append(Block(block_id, fn, first_line, mix, flops, by_line))
+            blocks.append(Block(block_id, fn, first_line, mix, flops, by_line, flops16))
         for i, ln in enumerate(body):
             if i == guard:
                 if block_id >= 0:
@@ -418,10 +507,18 @@ def rewrite(ir: str) -> Rewritten:
                 sites.append(Site(sid, tm.group(1) == "write", int(tm.group(2)), where(ln)[1], block_id))
                 ln = ln[:tm.start()] + f"@__emu_prof_{tm.group(1)}{tm.group(2)}({ln[start + 1:end - 1]}, i32 {sid})" \
                     + ln[end:]
+            rm = _TSAN_RANGE.search(ln)
+            if rm and not where(ln)[0]:
+                start = rm.end() - 1
+                end = _balanced(ln, start)
+                sid, kind = len(sites), rm.group(1)
+                for write in ((False, True) if kind in ("memcpy", "memmove") else (kind != "read_range",)):
+                    sites.append(Site(len(sites), write, 16, where(ln)[1], block_id))
+                ln = ln[:rm.start()] + f"@__emu_prof_{kind}({ln[start + 1:end - 1]}, i32 {sid})" + ln[end:]
             out.append(ln)
-        body = []
+        body, body_idx = [], []
 
-    for ln in lines:
+    for idx, ln in enumerate(lines):
         if fn is None:
             m = _DEFINE.match(ln)
             if m:
@@ -430,7 +527,7 @@ def rewrite(ir: str) -> Rewritten:
                 spname, spfile = meta.subprogram(sp) if sp else ("", "")
                 fn_machinery = _is_machinery(spname, spfile) if sp else True
                 fn_line = int(meta.node.get(sp, ("", {}))[1].get("line", 0)) if spfile.endswith(SOURCE_FILE) else 0
-                body = []
+                body, body_idx = [], []
             out.append(ln)
             continue
         if ln.startswith("}"):
@@ -441,4 +538,5 @@ def rewrite(ir: str) -> Rewritten:
         if _LABEL.match(ln):
             flush()
         body.append(ln)
+        body_idx.append(idx)
     return Rewritten("\n".join(out), blocks, sites)

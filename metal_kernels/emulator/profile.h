@@ -60,7 +60,7 @@ static constexpr uint32_t kDynSite = 0x80000000u;  // site ids of accesses found
 enum : int { PK_DEVICE = 0, PK_CONSTANT = 1, PK_THREADGROUP = 2 };
 enum : int {
   EV_SIMD_SHUFFLE, EV_SIMD_REDUCE, EV_QUAD_SHUFFLE, EV_QUAD_REDUCE, EV_SIMDGROUP_BARRIER, EV_TG_BARRIER,
-  EV_MMA, EV_GROUPS, EV_TG_BYTES, EV_COLLECTIVE_LANES, EV_COUNT
+  EV_MMA, EV_GROUPS, EV_TG_BYTES, EV_COLLECTIVE_LANES, EV_MMA16, EV_COUNT
 };
 enum : int {
   SF_INSTR, SF_LANES, SF_BYTES, SF_DISTINCT, SF_SECTORS, SF_LINES, SF_BANK_CYCLES, SF_BANK_IDEAL, SF_COUNT
@@ -100,7 +100,7 @@ struct Prof {  // allocated zeroed
   PVec<double> sacc;
   PVec<MemRec> recs;
   PVec<uint64_t> scratch;
-  uint32_t mma[kMaxThreads];
+  uint32_t mma[kMaxThreads], mma16[kMaxThreads];  // per lane: all, and those with 16-bit operands
   double ev[EV_COUNT];
 };
 static Prof* g_prof = nullptr;
@@ -264,6 +264,7 @@ static void prof_flush_memory() {
 static void prof_group_begin() {
   if (!g_prof) return;
   memset(g_prof->mma, 0, sizeof g_prof->mma);
+  memset(g_prof->mma16, 0, sizeof g_prof->mma16);
   g_prof->tg_lo = (uintptr_t)g_arena;
   g_prof->tg_hi = g_prof->tg_lo + kTgArenaBytes;
 }
@@ -291,9 +292,13 @@ static void prof_group_end() {
   }
   P.btouched_list.clear();
   for (uint32_t s = 0; s < nsg; s++) {
-    uint32_t mx = 0;
-    for (uint32_t i = s * kSimdWidth; i < n && i < (s + 1) * kSimdWidth; i++) mx = std::max(mx, P.mma[i]);
+    uint32_t mx = 0, mx16 = 0;
+    for (uint32_t i = s * kSimdWidth; i < n && i < (s + 1) * kSimdWidth; i++) {
+      mx = std::max(mx, P.mma[i]);
+      mx16 = std::max(mx16, P.mma16[i]);
+    }
     P.ev[EV_MMA] += w * mx;
+    P.ev[EV_MMA16] += w * mx16;
   }
   prof_flush_memory();
   memset(P.kcnt.begin(), 0, P.kcnt.size() * sizeof(uint32_t));
@@ -344,8 +349,10 @@ static inline void prof_collective(int category, uint32_t width, uint32_t mask) 
   P.ev[EV_COLLECTIVE_LANES] += P.weight * __builtin_popcount(mask);
 }
 
-static inline void prof_mma() {
-  if (g_prof && g_cur) g_prof->mma[g_cur->lin]++;
+static inline void prof_mma(bool sixteen_bit) {
+  if (!g_prof || !g_cur) return;
+  g_prof->mma[g_cur->lin]++;
+  if (sixteen_bit) g_prof->mma16[g_cur->lin]++;
 }
 
 // simdgroup_load / simdgroup_store of an 8x8 matrix: lane l moves its two elements (row r, columns c and
@@ -382,6 +389,48 @@ __EMU_PROF_HOOKS(4)
 __EMU_PROF_HOOKS(8)
 __EMU_PROF_HOOKS(16)
 #undef __EMU_PROF_HOOKS
+
+namespace __emu {
+// an access of n bytes that is not one load or store (an odd size, a struct copy): accesses of the widest
+// naturally aligned size up to 16 bytes, as a GPU compiler emits them; they count as one site's k-th,
+// (k+1)-th, ... executions, so the lanes of a simdgroup pair up chunk by chunk
+static void prof_range(uintptr_t a, uint64_t n, bool write, uint32_t site) {
+  if (n) race_access(a, (uint32_t)n, write);
+  while (n) {
+    uint32_t w = 16;
+    while (w > 1 && ((a & (w - 1)) || w > n)) w >>= 1;
+    prof_access(a, w, write, site, 0);
+    a += w, n -= w;
+  }
+}
+}  // namespace __emu
+#define __EMU_PROF_EXPORT extern "C" __attribute__((visibility("hidden"), used, no_sanitize("thread")))
+__EMU_PROF_EXPORT void __emu_prof_read_range(void* p, uint64_t n, uint32_t site) {
+  __emu::prof_range((uintptr_t)p, n, false, site);
+}
+__EMU_PROF_EXPORT void __emu_prof_write_range(void* p, uint64_t n, uint32_t site) {
+  __emu::prof_range((uintptr_t)p, n, true, site);
+}
+// struct copies: the read site, then the write site (site + 1)
+__EMU_PROF_EXPORT void* __emu_prof_memcpy(void* d, const void* s, uint64_t n, uint32_t site) {
+  __emu::prof_range((uintptr_t)s, n, false, site);
+  __emu::prof_range((uintptr_t)d, n, true, site + 1);
+  return memcpy(d, s, n);
+}
+__EMU_PROF_EXPORT void* __emu_prof_memmove(void* d, const void* s, uint64_t n, uint32_t site) {
+  __emu::prof_range((uintptr_t)s, n, false, site);
+  __emu::prof_range((uintptr_t)d, n, true, site + 1);
+  return memmove(d, s, n);
+}
+__EMU_PROF_EXPORT void* __emu_prof_memset(void* d, int c, uint64_t n, uint32_t site) {
+  __emu::prof_range((uintptr_t)d, n, true, site);
+  return memset(d, c, n);
+}
+// the same calls in emulator code (not rewritten: not counted)
+__EMU_PROF_EXPORT void* __tsan_memcpy(void* d, const void* s, uint64_t n) { return memcpy(d, s, n); }
+__EMU_PROF_EXPORT void* __tsan_memmove(void* d, const void* s, uint64_t n) { return memmove(d, s, n); }
+__EMU_PROF_EXPORT void* __tsan_memset(void* d, int c, uint64_t n) { return memset(d, c, n); }
+#undef __EMU_PROF_EXPORT
 extern "C" __attribute__((visibility("hidden"), used, no_sanitize("thread"))) void __emu_prof_block(uint32_t id) {
   __emu::prof_block(id);
 }

@@ -21,7 +21,8 @@ What the numbers mean (per launch, whole grid):
       cycles (threadgroup memory: the most-hit of 32 four-byte banks, distinct words only) and the
       conflict-free ideal, and instructions by bytes per lane.
   buffers: unique bytes read / written and 32-byte sectors per bound tensor (the DRAM floor).
-  mma: simdgroup_multiply_accumulate operations (8x8x8 = 512 MACs each); collectives; barriers.
+  mma: simdgroup_multiply_accumulate operations (8x8x8 = 512 MACs each; mma16 of them on 16-bit operands);
+      collectives; barriers. flops: FLOPs of the lanes' fp32/fp16 arithmetic (flops16 of them in fp16/bf16).
 """
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ PROFILE_FLAGS = ["-D__EMU_PROFILE=1", "-fsanitize-coverage=trace-pc-guard", "-ml
                  "-sanitizer-coverage-prune-blocks=0", "-gline-tables-only",
                  # keep 32-bit loop counters 32-bit (the CPU pipeline widens them to 64 bits for addressing)
                  "-mllvm", "-indvars-widen-indvars=false"]
+# the normal build's flags, but struct copies (memcpy/memmove/memset) instrumented too: they are loads and
+# stores on the GPU (profile.h counts them)
+_BASE_FLAGS = [f.replace("-tsan-instrument-memintrinsics=0", "-tsan-instrument-memintrinsics=1") for f in _FLAGS
+               if f != "-shared"]
 KINDS = ("device_load", "device_store", "threadgroup_load", "threadgroup_store", "constant_load")
 COLLECTIVES = ("simd_shuffle", "simd_reduce", "quad_shuffle", "quad_reduce", "simdgroup_barrier")
 MACS_PER_MMA = 512
@@ -145,6 +150,8 @@ class Profile:
     lines: dict                     # source line -> issue cycles
     blocks: list                    # BlockStats of every executed block
     repeat: int = 1                 # the launch stands for this many identical launches side by side
+    flops16: float = 0.0            # the part of `flops` in fp16/bf16 arithmetic
+    mma16: float = 0.0              # the part of `mma` on 16-bit operands (half, bfloat)
 
     @property
     def threads_per_group(self) -> int:
@@ -195,7 +202,8 @@ class Profile:
                                       lane_executions=b.lane_executions * k) for b in self.blocks]
         return dataclasses.replace(self, groups=self.groups * k, issue=mul(self.issue), blocks=blocks,
                                    lane_instructions=mul(self.lane_instructions), flops=self.flops * k,
-                                   mma=self.mma * k, collectives=mul(self.collectives), barriers=self.barriers * k,
+                                   flops16=self.flops16 * k, mma=self.mma * k, mma16=self.mma16 * k,
+                                   collectives=mul(self.collectives), barriers=self.barriers * k,
                                    memory={kind: stats(m) for kind, m in self.memory.items()},
                                    sites=[stats(s) for s in self.sites], buffers=bufs, lines=mul(self.lines),
                                    repeat=self.repeat * k)
@@ -268,7 +276,7 @@ def _build_profile(src: str, clang: str, out_so: Path) -> dict:
         cpp.write_text(cpp_text)
         ll, ll2, tmp_so = Path(tmp) / "translated.ll", Path(tmp) / "profiled.ll", Path(tmp) / "lib.so"
         what = "MSL compilation (emulator profiling build, clang-19)"
-        _run([clang, "-x", "c++", *[f for f in _FLAGS if f != "-shared"], *PROFILE_FLAGS, "-I", str(here),
+        _run([clang, "-x", "c++", *_BASE_FLAGS, *PROFILE_FLAGS, "-I", str(here),
               "-include", str(here / "shim.h"), str(cpp), "-S", "-emit-llvm", "-o", str(ll)], tmp, what)
         rw = ir_mix.rewrite(ll.read_text())
         ll2.write_text(rw.ir)
@@ -428,7 +436,7 @@ def _assemble(name, build, grid3, group3, total, run, regions, blocks, sites, rd
     issue = {c: [0.0, 0.0] for c in ir_mix.CLASSES}
     lane_instr = {c: 0.0 for c in ir_mix.CLASSES}
     lines: dict[int, float] = {}
-    flops = 0.0
+    flops = flops16 = 0.0
     executed = []
     for bid, slots, lanes in blocks:
         b = build.blocks[bid]
@@ -438,6 +446,7 @@ def _assemble(name, build, grid3, group3, total, run, regions, blocks, sites, rd
             issue[cls][1] += slots * cyc
             lane_instr[cls] += lanes * n
         flops += lanes * b.flops
+        flops16 += lanes * b.flops16
         for line, cyc in b.lines.items():
             lines[line] = lines.get(line, 0.0) + slots * cyc
     memory = {k: MemoryStats() for k in KINDS}
@@ -466,5 +475,6 @@ def _assemble(name, build, grid3, group3, total, run, regions, blocks, sites, rd
     collectives = dict(zip(COLLECTIVES, ev[:5]))
     return Profile(kernel=name, grid=tuple(grid3), group=tuple(group3), groups=total, groups_run=run,
                    threadgroup_bytes=int(ev[8]), issue=issue, lane_instructions=lane_instr, flops=flops, mma=ev[6],
+                   flops16=flops16, mma16=ev[10],
                    collectives=collectives, barriers=ev[5], memory=memory, sites=out_sites, buffers=buffers,
                    lines=lines, blocks=executed)

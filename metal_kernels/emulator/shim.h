@@ -567,6 +567,7 @@ inline T ldexp(T x, I k) {
     return (T)__builtin_ldexpf((float)x, (int)k);
   } else {
     T r;
+#pragma clang loop unroll(full)
     for (int i = 0; i < __emu::vlen<T>; i++) {
       if constexpr (__emu::vlen<I> == 1) r[i] = (__emu::elem_t<T>)__builtin_ldexpf((float)x[i], (int)k);
       else r[i] = (__emu::elem_t<T>)__builtin_ldexpf((float)x[i], (int)k[i]);
@@ -613,6 +614,7 @@ __EMU_P1(signbit, __builtin_signbit(v))
   inline auto NAME(T x) {                                                                    \
     typedef bool __emu_bv __attribute__((ext_vector_type(__emu::vlen<T>)));                  \
     __emu_bv r;                                                                              \
+    _Pragma("clang loop unroll(full)")                                                       \
     for (int i = 0; i < __emu::vlen<T>; i++) r[i] = NAME(x[i]);                              \
     return r;                                                                                \
   }
@@ -670,6 +672,7 @@ inline A select(A a, B b, C c) {
   } else {
     A bb = __emu::conv<A>(b);
     A r;
+#pragma clang loop unroll(full)
     for (int i = 0; i < __emu::vlen<A>; i++) {
       bool ci;
       if constexpr (__emu::vlen<C> == 1) ci = (bool)c;
@@ -714,6 +717,9 @@ inline T mulhi(T a, T b) {
 template <class T>
 inline __emu::elem_t<T> dot(T a, T b) {
   float s = 0;
+  // the loops over a vector's lanes are unrolled, as on the GPU: a profiled loop would count its counter and
+  // compare as kernel work
+#pragma clang loop unroll(full)
   for (int i = 0; i < __emu::vlen<T>; i++) s += (float)a[i] * (float)b[i];
   return (__emu::elem_t<T>)s;
 }
@@ -741,6 +747,7 @@ template <class T>
 inline bool all(T v) {
   if constexpr (__emu::vlen<T> == 1) return (bool)v;
   else {
+#pragma clang loop unroll(full)
     for (int i = 0; i < __emu::vlen<T>; i++)
       if (!v[i]) return false;
     return true;
@@ -750,6 +757,7 @@ template <class T>
 inline bool any(T v) {
   if constexpr (__emu::vlen<T> == 1) return (bool)v;
   else {
+#pragma clang loop unroll(full)
     for (int i = 0; i < __emu::vlen<T>; i++)
       if (v[i]) return true;
     return false;
@@ -1235,7 +1243,8 @@ template <class TD, class TA, class TB, class TC, int N>
 inline void simdgroup_multiply_accumulate(simdgroup_matrix<TD, N, N>& d, const simdgroup_matrix<TA, N, N>& a,
                                           const simdgroup_matrix<TB, N, N>& b, const simdgroup_matrix<TC, N, N>& c,
                                           __EMU_SITE) {
-  __EMU_PROF(__emu::prof_mma();)  // one 8x8x8 multiply-accumulate of the simdgroup: 512 MACs
+  // one 8x8x8 multiply-accumulate of the simdgroup: 512 MACs (on 16-bit operands: the FP16 pipeline)
+  __EMU_PROF(__emu::prof_mma(sizeof(TA) == 2 && sizeof(TB) == 2);)
   __emu::MmaSlot<TA, TB, TC> in{{a.__e[0], a.__e[1]}, {b.__e[0], b.__e[1]}, {c.__e[0], c.__e[1]}};
   auto out = __emu::simd_exchange(in, 0, __emu_site, &__emu::mma_resolve<TD, TA, TB, TC>);
   TD res[2];

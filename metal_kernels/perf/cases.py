@@ -25,6 +25,8 @@ class PredictCase:
     quick: bool = False                        # part of `bench --predict --quick`
     sample: int | None = 3                     # threadgroups profiled per shape class (None: all of them)
     repeat: int = 1                            # the profiled launches stand for this many side by side
+    flops: float | None = None                 # useful FLOPs of the call, where known (attention: 4 H L^2 D): the
+                                               # ideal then leaves out work the kernel wastes (else: FLOPs executed)
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -135,7 +137,7 @@ def _attention_cases():
             q, k, v = (torch.randn(1, h, tokens, d, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
             return flash_attention_metal(lib, q, k, v)
         return run
-    return [PredictCase(lbl, case(hp, n, d, dt), quick=lbl.startswith("SDXL"), repeat=h // hp)
+    return [PredictCase(lbl, case(hp, n, d, dt), quick=lbl.startswith("SDXL"), repeat=h // hp, flops=4.0 * h * n * n * d)
             for lbl, hp, h, n, d, dt in ATTENTION_SHAPES]
 
 

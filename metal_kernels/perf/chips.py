@@ -30,7 +30,19 @@ Sources, cited by key in the rows:
                  instruction a cycle, 64 B/cycle on-core data bandwidth, ~32 B/cycle L2 bandwidth, ~60 KB of
                  threadgroup memory, 3072 threads at most, 128-byte cache lines, simdgroup_matrix FP32 at
                  101.7 FFMA per core-cycle (A15 and M1 onward).
+  [mb-ilp]       the same, "ALU Bottlenecks": scalar instructions per core-cycle against simdgroups resident per
+                 core (M1 Max, FADD/FFMA at ILP 4): ~42 of 128 at 2 simdgroups, ~72 at 4, ~90-104 at 6, ~110 at
+                 8, ~118 at 12, ~122 at 16, ~124 at 24 ("ALU utilization maxes out at 24 simds/core"); MATMUL
+                 8x8 (simdgroup_multiply_accumulate) occupies a scheduler ~17-18 cycles ("Intra-simd
+                 communication"): it runs on the same pipelines as FFMA.
   [mtl-fst]      Apple, Metal Feature Set Tables: 32 KiB threadgroup memory per threadgroup at most.
+  [apple-m3-gpu] Apple tech talk "Explore GPU advancements in M3 and A17 Pro" (developer.apple.com/videos/play/
+                 tech-talks/111375, 2023): Dynamic Caching, flexible on-chip memory, and FP32, FP16 and integer
+                 instructions executing in parallel (summarised e.g. in azhirnov/cpu-gpu-arch, gpu/Apple-M3.md,
+                 and appleinsider.com, 2023-11-10).
+  [3p-issue]     MacRumors forums, "Apple silicon Mac chips" thread, page 2 (third-party measurements, not
+                 Apple): since M3 a scheduler co-issues two instructions a cycle (e.g. one FP32 and one FP16 or
+                 integer); M5/A19 issue two FP16 instructions a cycle (A19 measured at ~1.7x the FP32 rate).
   [3p-db]        hmc-tech.com GPU comparison pages (third-party database, not Apple): M3 Max 1.398 GHz; M4
                  family figures between 1.47 and 1.68 GHz on different pages.
 """
@@ -40,12 +52,24 @@ import dataclasses
 
 # Per-core constants of the Apple GPU architecture ([mb], measured on M1/M2; assumed for later generations)
 ALUS_PER_CORE = 128                # FP32 lanes: 4 schedulers x 32
-SCHEDULERS_PER_CORE = 4            # each issues one SIMT instruction a cycle
+SCHEDULERS_PER_CORE = 4            # each issues one SIMT instruction a cycle (M1/M2; M3 on: see dual_issue)
 L1_BYTES_PER_CYCLE = 64            # on-core data bandwidth
 L2_BYTES_PER_CYCLE = 32            # what one core can draw from the L2 / fabric
 LINE_BYTES = 128
-MMA_FMA_PER_CYCLE = 101.7          # simdgroup_matrix FP32, per core (A15/M1 onward)
+MMA_FMA_PER_CYCLE = 101.7          # simdgroup_matrix FP32, per core (A15/M1 onward); FP16: 102.5
+# scheduler cycles of one 8x8x8 simdgroup_multiply_accumulate: 512 FMAs at 101.7 a core-cycle over the 4
+# schedulers. It occupies the scheduler and the FMA pipelines like the FFMAs it is made of ([mb-ilp]), so
+# it adds to the issue cycles of the ALU instructions instead of overlapping them.
+MMA_CYCLES = SCHEDULERS_PER_CORE * 512 / MMA_FMA_PER_CYCLE
 MAX_THREADS_PER_CORE = 3072
+MAX_SIMDGROUPS_PER_CORE = MAX_THREADS_PER_CORE // 32
+# Fraction of the peak issue rate a core reaches with this many simdgroups resident ([mb-ilp], ILP 4,
+# normalised to 125 instructions a cycle): latency is hidden only with enough simdgroups per scheduler.
+# Interpolated linearly; 1 simdgroup: half the 2-simdgroup figure (ASSUMED, not measured). It assumes
+# the kernel's own instruction-level parallelism is ~4 (independent accumulators, unrolled loops): a
+# dependent chain runs slower still, which the model does not see.
+ISSUE_EFFICIENCY = ((1, 0.17), (2, 0.34), (3, 0.47), (4, 0.58), (6, 0.76), (8, 0.88), (12, 0.94), (16, 0.97),
+                    (24, 1.0))
 TG_BANK_CYCLES_PER_CYCLE = 1.0     # ASSUMED: one 32-bank (128 B) threadgroup access a cycle per core
                                    # (Apple publishes no threadgroup bandwidth; [mb] lists it as TBD)
 LAUNCH_OVERHEAD_US = 5.0           # ASSUMED: GPU time of one compute dispatch inside a command buffer
@@ -64,18 +88,48 @@ class Chip:
     notes: str = ""                 # third-party figures and assumptions in this row
 
     @property
+    def generation(self) -> int:
+        """1 for M1 ... 5 for M5."""
+        return int(self.name[1])
+
+    @property
+    def dual_issue(self) -> bool:
+        """M3 onward: a scheduler issues an FP32, an FP16 and an integer instruction of different simdgroups
+        in the same cycle, two at most ([apple-m3-gpu], [3p-issue]); M1/M2 issue one instruction a cycle."""
+        return self.generation >= 3
+
+    @property
+    def fp16_rate(self) -> float:
+        """FP16 ALU instructions a scheduler issues per cycle: 1 on M1-M4 ([mb]: F16 = F32 throughput), 2 on
+        M5 (REPORTED by third parties, [3p-issue]; not published by Apple)."""
+        return 2.0 if self.generation >= 5 else 1.0
+
+    @property
     def fp32_tflops(self) -> float:
-        """Peak FP32 FMA rate: cores x 128 lanes x 2 FLOPs x clock (Apple's GPUs run FP16 at the same rate)."""
+        """Peak FP32 FMA rate: cores x 128 lanes x 2 FLOPs x clock."""
         return self.gpu_cores * ALUS_PER_CORE * 2 * self.clock_ghz / 1e3
 
     @property
     def fp16_tflops(self) -> float:
-        return self.fp32_tflops     # [mb]: "F16 is neither faster nor slower than F32"
+        return self.fp32_tflops * self.fp16_rate
 
     @property
     def mma_tflops(self) -> float:
-        """simdgroup_matrix peak ([mb]: 101.7 FFMA per core-cycle)."""
+        """simdgroup_matrix peak ([mb]: 101.7 FFMA per core-cycle, about 79% of the ALU peak; assumed the
+        same on M3-M5: M5's per-core Neural Accelerators are reached through Metal 4's tensor APIs, not
+        simdgroup_matrix)."""
         return self.gpu_cores * MMA_FMA_PER_CYCLE * 2 * self.clock_ghz / 1e3
+
+
+def issue_efficiency(simdgroups_per_core: float) -> float:
+    """ISSUE_EFFICIENCY at this many resident simdgroups per core."""
+    pts = ISSUE_EFFICIENCY
+    if simdgroups_per_core <= pts[0][0]:
+        return pts[0][1] * max(simdgroups_per_core, 0.0) / pts[0][0]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if simdgroups_per_core <= x1:
+            return y0 + (y1 - y0) * (simdgroups_per_core - x0) / (x1 - x0)
+    return pts[-1][1]
 
 
 _M1_CLK, _M1X_CLK, _M2_CLK = 1.278, 1.296, 1.398
@@ -111,10 +165,10 @@ CHIPS: dict[str, Chip] = {c.name: c for c in [
     Chip("M4 Max", 40, _M4_CLK, 546, 48, 64, notes="clock assumed (1.47-1.68 GHz reported [3p-db]); SLC, tg memory assumed"),
     # [apple-m5] / [apple-m5pm] cores, bandwidth; clock unpublished (assumed = M4); no M5 Ultra in the sources.
     # The per-core Neural Accelerators are reached through Metal 4 tensor APIs; simdgroup_matrix is assumed to
-    # run at the M1-M4 rate.
-    Chip("M5", 10, _M5_CLK, 153, 8, 64, notes="clock assumed = M4; SLC, tg memory assumed; Neural Accelerators not modelled"),
-    Chip("M5 Pro", 20, _M5_CLK, 307, 24, 64, notes="clock assumed = M4; SLC, tg memory assumed; Neural Accelerators not modelled"),
-    Chip("M5 Max", 40, _M5_CLK, 614, 48, 64, notes="clock assumed = M4; SLC, tg memory assumed; Neural Accelerators not modelled"),
+    # run at the M1-M4 rate. FP16 ALU rate 2x FP32: third-party report [3p-issue].
+    Chip("M5", 10, _M5_CLK, 153, 8, 64, notes="clock assumed = M4; SLC, tg memory assumed; FP16 rate reported [3p-issue]; NA not modelled"),
+    Chip("M5 Pro", 20, _M5_CLK, 307, 24, 64, notes="clock assumed = M4; SLC, tg memory assumed; FP16 rate reported [3p-issue]; NA not modelled"),
+    Chip("M5 Max", 40, _M5_CLK, 614, 48, 64, notes="clock assumed = M4; SLC, tg memory assumed; FP16 rate reported [3p-issue]; NA not modelled"),
 ]}
 
 NOT_RELEASED = ("M4 Ultra", "M5 Ultra")     # no such chip in the cited sources

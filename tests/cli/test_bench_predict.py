@@ -2,6 +2,7 @@
 with a row per kernel that has a quick case, predicted on the four Max chips (the CI run of the command)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -53,3 +54,16 @@ def test_measured_times_print_beside_the_predictions(monkeypatch, capsys):
     (row,) = main_table.rows
     assert isinstance(row[-1], float) and row[-1] > 0
     assert "No MPS here" not in main_table.note
+
+
+def test_a_case_that_knows_its_useful_flops_sets_the_ideal_by_them(monkeypatch):
+    """`PredictCase.flops` (attention's 4 H L^2 D) reaches the predictor: the ideal is those FLOPs at the ALU peak."""
+    from comfy_metal.metal_kernels import perf
+    from comfy_metal.nodes.cli.bench import predict
+
+    ((spec, cases),) = [(s, c) for s, c in perf.all_cases(quick=True) if s.name == "sampler_euler_step"]
+    useful = 1e12
+    monkeypatch.setattr(perf, "all_cases", lambda quick: [(spec, [dataclasses.replace(cases[0], flops=useful)])])
+    _, detail = predict.predict_tables(quick=True, only=["sampler_euler_step"])
+    (row,) = detail.rows
+    assert row[detail.columns.index("ideal")] == pytest.approx(useful / (perf.chip("M4 Max").fp32_tflops * 1e12) * 1e6)

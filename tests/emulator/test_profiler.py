@@ -79,6 +79,30 @@ def test_loop_of_64_bit_divisions_counts_int64_divides(lib):
     assert p32.issue["idiv32"][0] == 2 * 6 and p32.issue["idiv64"][0] == 0
 
 
+def test_simdgroup_matrix_on_16_bit_operands_is_counted_apart(lib):
+    a = aligned(128, torch.float16, torch.randn(128))
+    p = lib.mma_half.profile(aligned(128, torch.float16), a, 10, threads=64, group_size=64)
+    assert p.mma == p.mma16 == 2 * 10
+    q = lib.mma_loop.profile(aligned(128), aligned(128, fill=torch.randn(128)), 7, threads=64, group_size=64)
+    assert q.mma == 2 * 7 and q.mma16 == 0
+
+
+def test_msl_half_functions_count_as_fp16_arithmetic(lib):
+    # the shim computes fma(half) and clamp(half) through float; on the GPU they are FP16 instructions
+    p = lib.half_fma.profile(aligned(64, torch.float16), 10, threads=64, group_size=64)
+    assert p.issue["fp32"][0] == 0 and p.issue["fp16"][0] > 0
+    assert p.flops16 == p.flops > 0
+
+
+def test_struct_copies_count_as_device_loads(lib):
+    # `block34 b = a[tid]` is a memcpy in the IR: its bytes are loads on the GPU (and the DRAM floor)
+    blocks = aligned(34 * 64, torch.uint8, torch.randint(0, 255, (34 * 64,), dtype=torch.uint8))
+    p = lib.block_copy.profile(aligned(64), blocks, threads=64, group_size=64)
+    assert p.buffers[1].read_bytes == 34 * 64
+    ld = p.memory["device_load"]
+    assert ld.distinct_bytes == 34 * 64 and max(ld.by_width) <= 16
+
+
 def test_simd_reductions_counted_per_simdgroup(lib):
     p = lib.reduce_loop.profile(torch.empty(96), 5, threads=96, group_size=96)
     assert p.collectives["simd_reduce"] == 3 * 5 and p.collectives["simd_shuffle"] == 0
@@ -141,6 +165,12 @@ def test_scaled_profile_multiplies_counts(lib):
      [("fp32", "f_simple", 2, 2.0)]),
     ("%5 = sdiv i64 %a, %b", [("idiv64", "idiv64", 1, 0.0)]),
     ("%5 = urem i32 %a, %b", [("idiv32", "idiv32", 1, 0.0)]),
+    # by a constant: a multiply-high sequence on the GPU (the back end, not the IR, makes it)
+    ("%5 = udiv i32 %a, 24", [("idiv32", "idiv32_const", 1, 0.0)]),
+    ("%5 = urem <2 x i32> %a, splat (i32 7)", [("idiv32", "irem32_const", 2, 0.0)]),
+    ("%5 = srem i64 %a, 10", [("idiv64", "irem64_const", 1, 0.0)]),
+    ("%5 = lshr i32 %a, %b", [("int32", "i_rshift_var", 1, 0.0)]),   # RSHIFT32 by a run-time amount: ~8
+    ("%5 = lshr i32 %a, 4", [("int32", "i_shift", 1, 0.0)]),
     ("%5 = mul nsw i64 %a, %b", [("int64", "i64_mul", 1, 0.0)]),
     ("%5 = shl nuw i32 %a, 3", [("int32", "i_shift", 1, 0.0)]),
     ("%5 = icmp slt i64 %a, %b", [("int64", "i64_simple", 1, 0.0)]),

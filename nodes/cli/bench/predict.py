@@ -68,7 +68,7 @@ def predict_tables(chip_name: str | None = None, quick: bool = False, only=None)
                           "top inefficiency"] + (["measured µs (MPS)"] if on_mps else []))
     detail = Table(f"Predicted limits on {ref.name} (µs; model predictions)",
                    ["kernel", "case", "dram", "l1", "issue", "threadgroup", "mma", "ideal", "groups/core",
-                    "hottest lines (issue cycles)", "inefficiencies"])
+                    "simdgroups/core", "hottest lines (issue cycles)", "inefficiencies"])
     for spec, cases in perf.all_cases(quick):
         if only and not any(o in spec.name for o in only):
             continue
@@ -87,7 +87,7 @@ def predict_tables(chip_name: str | None = None, quick: bool = False, only=None)
                          *([""] if on_mps else []))
                 continue
             log.info("bench --predict: %s / %s profiled in %.1f s", spec.name, case.label, time.perf_counter() - t_case)
-            preds = {c: perf.predict(profiles, c, locate) for c in columns}
+            preds = {c: perf.predict(profiles, c, locate, flops=case.flops) for c in columns}
             r = preds[ref.name]
             pct = 100 * r.roofline
             row = [spec.name, case.label, *[preds[c].time_us for c in columns], f"{pct:.0f}%" if pct >= 10 else
@@ -98,9 +98,10 @@ def predict_tables(chip_name: str | None = None, quick: bool = False, only=None)
             main.add(*row)
             lim = r.limits_us
             detail.add(spec.name, case.label, lim["dram"], lim["l1"], lim["issue"], lim["threadgroup"], lim["mma"],
-                       r.ideal_us, r.groups_per_core, _hot_lines(profiles, locate), "; ".join(t for _, t in r.inefficiencies)
-                       or "none above 2% of the time")
-    main.note = (f"predicted = max(DRAM, L1 lines, issue slots, threadgroup banks, simdgroup_matrix) + "
+                       r.ideal_us, r.groups_per_core, r.simdgroups_per_core, _hot_lines(profiles, locate),
+                       "; ".join(t for _, t in r.inefficiencies) or "none above 2% of the time")
+    main.note = (f"predicted = max(DRAM, L1 lines, issue slots (simdgroup_matrix included; at the issue rate the "
+                 f"resident simdgroups reach), threadgroup banks) + "
                  f"{C.LAUNCH_OVERHEAD_US:g} µs launch overhead (assumed), per chip from metal_kernels/perf/chips.py "
                  f"(M3-M5 clocks unpublished: assumed); % roofline = ideal time (unique bytes, FLOPs) / predicted "
                  f"time without the overhead. Assumptions and limits: metal_kernels/emulator/README.md, "
