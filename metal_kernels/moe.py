@@ -7,13 +7,13 @@ Kernels (moe.metal, each with a pure-torch reference of the same signature):
   moe_experts_gemm(x, row_expert, weight, scale=None, bias=None, x_div=1, fmt=None) -> fp32 [P, N]
       out[p] = scale[e] * weight[e] @ x[p // x_div] + bias[e] with e = row_expert[p]; weight is a
       [E, N, K] bank in fp32/fp16/bf16 or FP8 (uint8 bytes or float8 dtype, `fmt` e4m3fn/e5m2).
-      At decode time it runs all top-k experts of a token in one dispatch (one simdgroup per output
-      column, 4 weights per lane per step).
+      At decode time it runs all top-k experts of a token in one dispatch, each pair a GEMV through the
+      dense GEMV's skeleton (include/gemv.h).
   moe_grouped_gemm(xs, offsets, weight, scale=None, bias=None, fmt=None) -> fp32 [P, N]
-      prefill: rows sorted by expert (offsets = cumulative rows per expert) through a tiled grouped
-      GEMM (32x32 tiles, one expert per tile, K staged in threadgroup memory; the tile table is built
-      on the device with a fixed size). Used for FP8 banks on MPS, and for plain banks where
-      torch._grouped_mm is unavailable.
+      prefill: rows sorted by expert (offsets = cumulative rows per expert) through a grouped GEMM of
+      simdgroup_matrix tiles (32 rows of one expert x 64 columns, weights decoded while staging; each
+      threadgroup finds its tile from the offsets on the device). Used for FP8 banks on MPS, and for
+      plain banks where torch._grouped_mm is unavailable.
 
 Orchestration (pure torch, no host syncs: no .item(), nonzero, bincount or host loop over experts):
   moe_group(experts, num_experts) -> (order, sorted_experts, offsets)
@@ -23,22 +23,35 @@ Orchestration (pure torch, no host syncs: no .item(), nonzero, bincount or host 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
-from . import dispatch
-from .dtypes import DTYPE_OF_MSL, MSL_TYPE
+from . import dispatch, source
+from .dtypes import DTYPE_OF_MSL, MSL_KIND, MSL_TYPE
+from .fp8 import ones1
+from .linear import GEMV_GROUP, GEMV_PARAMS, GEMV_ROWS, VEC_BYTES
 from .registry import KernelSpec, register
 
 __all__ = ["moe_route", "moe_experts_gemm", "moe_grouped_gemm", "moe_group", "moe_grouped_linear",
            "moe_experts_forward"]
 
 FP8_FORMATS = {"e4m3fn": "e4m3", "e5m2": "e5m2"}
-MAX_EXPERTS = 1024          # moe.metal MOE_MAX_EXPERTS
-GEMM_ROWS = 8               # moe.metal MOE_ROWS
-GEMM_GROUP = 256            # threads per group of moe_experts_gemm: 8 simdgroups = 8 output columns
+# weight kind of an entry-point name -> its element type in include/gemv_formats.h / fp8.h
+WEIGHT_ELEMENTS = {"float": "gemv_float", "half": "gemv_half", "bfloat": "gemv_bfloat", "e4m3": "fp8_e4m3fn",
+                   "e5m2": "fp8_e5m2"}
+ROUTE_LANE_SLOTS = (1, 2, 4, 8, 16, 32)   # experts a lane of moe_route holds: instantiated for E <= 32 x these
+MAX_EXPERTS = 32 * ROUTE_LANE_SLOTS[-1]   # moe_route's limit (more: the reference); its picks are lanes: K <= 32
+MAX_ROUTE_TOP_K = 32
 DECODE_MAX_PAIRS = 64       # token-expert pairs up to which the unsorted per-pair kernel is used
-TILED_MIN_ROWS_PER_EXPERT = 8   # sorted rows per expert (on average) from which the tiled grouped kernel runs
+# The grouped GEMM's tile: rows of one expert x output columns, K step, threads (4 simdgroups)
+GEMM_BM = source.define("MOE_GEMM_BM", 32)
+GEMM_BN = source.define("MOE_GEMM_BN", 64)
+GEMM_BK = source.define("MOE_GEMM_BK", 32)
+GEMM_THREADS = source.define("MOE_GEMM_THREADS", 128)
+ROUTE_PARAMS = source.Params("moe_route_params", "rows experts top_k norm")
+PAIR_PARAMS = source.Params("moe_gemv_params", "expert_bytes scale_stride bias_stride y_stride")
+GROUPED_PARAMS = source.Params("moe_gemm_params", "rows N K row_bytes experts scale_stride_e scale_stride_n has_bias")
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -75,7 +88,7 @@ def _scale_table(scale, num_experts: int, ncols: int, device):
     """(fp32 scale tensor, stride per expert, stride per output row) from None, a number, a scalar,
     an [E] / [E, 1] tensor (per expert) or an [E, N] tensor (per expert output row)."""
     if scale is None:
-        return torch.ones(1, dtype=torch.float32, device=device), 0, 0
+        return ones1(device), 0, 0
     if not isinstance(scale, torch.Tensor):
         return torch.full((1,), float(scale), dtype=torch.float32, device=device), 0, 0
     s = scale.to(device=device, dtype=torch.float32)
@@ -120,30 +133,43 @@ def moe_route_reference(logits: torch.Tensor, top_k: int, norm: bool = True):
     return weights, experts
 
 
+ROUTE_GROUP = 128           # threads of a moe_route threadgroup: 4 rows
+
+
 def moe_route_metal(lib, logits: torch.Tensor, top_k: int, norm: bool = True):
     _check_route(logits, top_k)
     E = logits.shape[-1]
-    if E > MAX_EXPERTS:
+    if E > MAX_EXPERTS or top_k > MAX_ROUTE_TOP_K:
         return moe_route_reference(logits, top_k, norm)
     x = logits.contiguous().view(-1, E)
     rows = x.shape[0]
+    if rows * E >= 1 << 32:
+        raise ValueError(f"moe_route: {rows} rows of {E} logits exceed the kernel's 32-bit offsets")
     weights = torch.empty((rows, top_k), dtype=torch.float32, device=x.device)
     experts = torch.empty((rows, top_k), dtype=torch.int64, device=x.device)
     if rows:
-        getattr(lib, f"moe_route_{MSL_TYPE[x.dtype]}")(x, weights, experts, E, int(top_k), int(bool(norm)),
-                                                       threads=rows * 32, group_size=32)
+        slots = next(n for n in ROUTE_LANE_SLOTS if 32 * n >= E)
+        params = ROUTE_PARAMS.pack(rows=rows, experts=E, top_k=top_k, norm=int(bool(norm)))
+        getattr(lib, f"moe_route_{MSL_TYPE[x.dtype]}_{slots}")(x, weights, experts, params, threads=rows * 32,
+                                                               group_size=min(ROUTE_GROUP, rows * 32))
     shape = tuple(logits.shape[:-1]) + (top_k,)
     return weights.view(shape), experts.view(shape)
 
 
 def _route_cases(device):
+    """One case per entry point (logits type x experts a lane holds): E at both ends of each lane-slot count
+    (1, 32, 33, ... 1000), K from 1 to the 32 lanes, with and without renormalising."""
     gen = torch.Generator().manual_seed(1)
     out = []
-    for rows, E, k, dtype, norm in [(1, 5, 2, torch.float32, True), (7, 33, 3, torch.float16, False),
-                                    (3, 128, 8, torch.bfloat16, True), (5, 1, 1, torch.float32, True)]:
-        # distinct values so the top-k order is unambiguous in every dtype
-        x = torch.stack([torch.randperm(E, generator=gen).float() * 0.25 - E / 8 for _ in range(rows)])
-        out.append(((x.to(dtype).to(device), k), {"norm": norm}))
+    for i, (dtype, slots) in enumerate(itertools.product(MSL_TYPE, ROUTE_LANE_SLOTS)):
+        low = 1 if slots == 1 else 16 * slots + 1
+        E = (low, 32 * slots - 24 if slots > 1 else 5, min(1000, 32 * slots))[i % 3]
+        k = min(E, (1, 8, 32, 3)[i % 4])
+        rows = (1, 7, 3, 5)[i % 4]
+        # distinct values, exact in every dtype (7 mantissa bits): the top-k order is unambiguous
+        p = torch.stack([torch.randperm(E, generator=gen) for _ in range(rows)])
+        x = torch.ldexp(1 + (p % 128).float() / 128, p // 128 - 4)
+        out.append(((x.to(dtype).to(device), k), {"norm": i % 2 == 0}))
     return out
 
 
@@ -160,7 +186,9 @@ def _route_compare(got, want):
 moe_route = register(KernelSpec(
     name="moe_route",
     source="moe.metal",
-    entry_points={f"moe_route_{t}": ("tensor", "tensor", "tensor", "int", "int", "int") for t in MSL_TYPE.values()},
+    entry_points={f"moe_route_{t}_{n}": ("tensor", "tensor", "tensor", "int[]")
+                  for t in MSL_TYPE.values() for n in ROUTE_LANE_SLOTS},
+    instantiate={f"moe_route_{t}_{n}": f"moe_route<{t}, {n}>" for t in MSL_TYPE.values() for n in ROUTE_LANE_SLOTS},
     reference=moe_route_reference,
     metal=moe_route_metal,
     self_check_cases=_route_cases,
@@ -204,25 +232,73 @@ def moe_experts_gemm_reference(x, row_expert, weight, scale=None, bias=None, x_d
     return out
 
 
+def _kernel_weight(weight: torch.Tensor, fmt):
+    """(weight kind of the entry-point name, the bank as a contiguous tensor (FP8 as uint8 bytes), bytes a value)."""
+    f8 = _fp8_format(weight, fmt)
+    w = weight.contiguous()
+    if f8:
+        return FP8_FORMATS[f8], (w if w.dtype == torch.uint8 else w.view(torch.uint8)), 1
+    return MSL_TYPE[w.dtype], w, w.element_size()
+
+
+def _kernel_bias(bias, device) -> torch.Tensor:
+    """The [E, N] bias in a type the kernels read (fp32, fp16 or bf16), or ones1 (unread) without one."""
+    if bias is None:
+        return ones1(device)
+    b = bias.to(device=device)
+    return (b if b.dtype in MSL_KIND else b.float()).contiguous()
+
+
+def _aligned(*tensors) -> bool:
+    return all(t.data_ptr() % VEC_BYTES == 0 for t in tensors)
+
+
+def _lane_use(chunks: int) -> float:
+    """The share of lane steps doing work when 32 lanes take `chunks` chunks of a row."""
+    return chunks / (32 * -(-chunks // 32))
+
+
+# the expert GEMV's weight loads: entry-point suffix -> gemv_formats.h format of element type {e}
+PAIR_LAYOUTS = {"": "gemv_vec<{e}>", "_vec8": "gemv_vec<{e}, 8>", "_scalar": "gemv_elem<{e}>"}
+
+
+def pair_layout(K: int, size: int, x_size: int, aligned: bool) -> str:
+    """The expert GEMV's entry-point suffix for rows of K values of `size` bytes: 16-byte loads where the rows
+    are whole 16-byte chunks and the buffers aligned; for FP8 rows 8-byte loads where they keep more lanes busy
+    (768 bytes: 48 chunks of 16 fill 1.5 lane steps, 96 of 8 fill 3); else element by element."""
+    row = K * size
+    if not aligned or (K * x_size) % VEC_BYTES:
+        return "_scalar"
+    if size == 1 and row % 8 == 0 and (row % VEC_BYTES or _lane_use(row // 8) > _lane_use(row // VEC_BYTES)):
+        return "_vec8"
+    return "" if row % VEC_BYTES == 0 else "_scalar"
+
+
 def moe_experts_gemm_metal(lib, x, row_expert, weight, scale=None, bias=None, x_div: int = 1, fmt=None):
     _check_gemm(x, row_expert, weight, x_div)
     E, N, K = weight.shape
     P = row_expert.shape[0]
-    f8 = _fp8_format(weight, fmt)
-    wname = FP8_FORMATS[f8] if f8 else MSL_TYPE[weight.dtype]
-    w = weight.contiguous()
-    if f8 and w.dtype != torch.uint8:
-        w = w.view(torch.uint8)
+    if not (P and N and K):                 # nothing to launch (and no 0-byte buffers to bind)
+        return moe_experts_gemm_reference(x, row_expert, weight, scale, bias, x_div, fmt)
+    wname, w, size = _kernel_weight(weight, fmt)
     s, se, sn = _scale_table(scale, E, N, x.device)
-    b = bias.to(device=x.device, dtype=torch.float32).contiguous() if bias is not None else \
-        torch.zeros(1, dtype=torch.float32, device=x.device)
+    b = _kernel_bias(bias, x.device)
+    xc = x.contiguous()
+    # vector loads of weight rows and x rows (a bank memory-mapped at an odd offset takes the element-wise
+    # kernel; x is small: an aligned copy)
+    layout = pair_layout(K, size, xc.element_size(), _aligned(w))
+    if layout != "_scalar" and not _aligned(xc):
+        xc = xc.clone()
     out = torch.empty((P, N), dtype=torch.float32, device=x.device)
-    if P and N:
-        simds = GEMM_GROUP // 32
-        groups = ((N + simds - 1) // simds) * ((P + GEMM_ROWS - 1) // GEMM_ROWS)
-        kernel = getattr(lib, f"moe_experts_gemm_{wname}_{MSL_TYPE[x.dtype]}")
-        kernel(x.contiguous(), row_expert.to(torch.int64).contiguous(), w, s, b, out, P, N, K, int(x_div),
-               se, sn, int(bias is not None), threads=groups * GEMM_GROUP, group_size=GEMM_GROUP)
+    params = GEMV_PARAMS.pack(M=1, N=N, K=K, row_bytes=K * size, scale_mode=0 if scale is None else 2 if sn else 1,
+                              has_bias=int(bias is not None), bias_kind=MSL_KIND[b.dtype],
+                              out_kind=MSL_KIND[torch.float32])
+    pair = PAIR_PARAMS.pack(expert_bytes=N * K * size, scale_stride=se, bias_stride=N * b.element_size(),
+                            y_stride=N * out.element_size())
+    threads = -(-N // GEMV_ROWS[1]) * 32
+    kernel = getattr(lib, f"moe_experts_gemm_{wname}_{MSL_TYPE[x.dtype]}{layout}")
+    kernel(xc, row_expert.to(torch.int64).contiguous(), w, s, b, out, params, pair,
+           threads=(threads, x_div, P // x_div), group_size=(min(GEMV_GROUP, threads), 1, 1))
     return out
 
 
@@ -241,47 +317,51 @@ def _case_scale(kind, E, N, gen):
             "row": torch.rand(E, N, generator=gen) + 0.5}[kind]
 
 
-# One case per (weight kind, activation type): every entry point of moe_experts_gemm is self-checked.
-# Small odd shapes; K covers the scalar tail only, one 128-wide step + tail (129, 140, 150) and
-# several steps + tail (300); P > MOE_ROWS (9, 11) gives several row blocks; x_div shares rows.
-_GEMM_CASES = [  # E, N, K, P, x_div, weight, x, scale, bias
-    (5, 7, 33, 3, 3, "float", "float", None, True),
-    (2, 3, 17, 4, 2, "float", "half", "expert", False),
-    (3, 5, 129, 5, 1, "float", "bfloat", "row", True),
-    (4, 17, 20, 6, 1, "half", "float", "expert", True),
-    (3, 6, 45, 2, 1, "half", "half", "scalar", False),
-    (2, 9, 7, 7, 7, "half", "bfloat", "row", True),
-    (3, 5, 150, 4, 2, "bfloat", "float", "scalar", False),
-    (2, 4, 11, 3, 1, "bfloat", "half", None, True),
-    (3, 13, 40, 11, 1, "bfloat", "bfloat", "expert", False),
-    (7, 9, 65, 4, 2, "e4m3fn", "float", "row", True),
-    (2, 6, 33, 5, 1, "e4m3fn", "half", "expert", False),
-    (3, 6, 300, 5, 5, "e4m3fn", "bfloat", "expert", False),
-    (3, 7, 19, 3, 3, "e5m2", "float", None, True),
-    (2, 5, 31, 9, 1, "e5m2", "half", None, False),
-    (4, 3, 140, 6, 2, "e5m2", "bfloat", "row", True),
-]
+CASE_WEIGHTS = ("float", "half", "bfloat", "e4m3fn", "e5m2")
+CASE_SCALES = (None, "scalar", "expert", "row")
+
+
+def _entry_point_cases(fp8_layouts=("vec", "elem")):
+    """(i, weight kind, activation dtype, load layout) for every entry point of a GEMM kernel: layouts vec
+    (16-byte loads) and elem (element-wise), FP8 banks also those of fp8_layouts."""
+    return enumerate((w, x, layout) for w in CASE_WEIGHTS for x in MSL_TYPE
+                     for layout in (fp8_layouts if w in FP8_FORMATS else ("vec", "elem")))
 
 
 def _gemm_cases(device):
+    """One case per entry point (weight kind x activation type x 16-byte / 8-byte / element-wise loads). The
+    shapes rotate through the tail paths: N not a multiple of the 4 rows a simdgroup covers (5, 7, 9, 13) and a
+    single row; 16-byte K of 16, 48 and 144 (float: 36 chunks, a second lane step), FP8 512 (whole lane steps:
+    16-byte loads); FP8 8-byte K of 24 (three chunks), 48 and 776 (97 chunks: a 1-lane fourth step);
+    element-wise K of 7, 13 and 33; a token's row shared by its x_div pairs (1, 2 or 8); every scale kind,
+    with and without bias."""
     gen = torch.Generator().manual_seed(2)
     out = []
-    for E, N, K, P, x_div, wkind, xkind, sc, with_bias in _GEMM_CASES:
+    for i, (wkind, xdtype, layout) in _entry_point_cases(("vec", "vec8", "elem")):
+        E, N = (3, 5, 2, 4)[i % 4], (5, 7, 9, 1, 13)[i % 5]
+        K = {"vec": (512,) * 3 if wkind in FP8_FORMATS else (16, 48, 144), "vec8": (24, 48, 776),
+             "elem": (7, 13, 33)}[layout][i % 3]
+        rows, x_div = (2, 3, 1)[i % 3], (1, 2, 8)[i % 3]
         w, fmt = _case_bank(E, N, K, wkind, gen)
-        x = torch.randn(P // x_div, K, generator=gen).to(DTYPE_OF_MSL[xkind])
-        row_e = torch.randint(0, E, (P,), generator=gen)
-        scale = _case_scale(sc, E, N, gen)
-        bias = torch.randn(E, N, generator=gen) if with_bias else None
+        x = torch.randn(rows, K, generator=gen).to(xdtype)
+        row_e = torch.randint(0, E, (rows * x_div,), generator=gen)
+        scale = _case_scale(CASE_SCALES[i % 4], E, N, gen)
+        bias = torch.randn(E, N, generator=gen) if i % 3 else None
         args = [t.to(device) if isinstance(t, torch.Tensor) else t for t in (x, row_e, w, scale, bias)]
         out.append((tuple(args), {"x_div": x_div, "fmt": fmt}))
     return out
 
 
+# entry point -> template: every weight kind x activation type x load layout (8-byte loads: FP8 only)
+_PAIR_GEMV = {f"moe_experts_gemm_{w}_{x}{suffix}": f"moe_gemv<{layout.format(e=e)}, {x}>"
+              for w, e in WEIGHT_ELEMENTS.items() for x in MSL_TYPE.values()
+              for suffix, layout in PAIR_LAYOUTS.items() if suffix != "_vec8" or w in FP8_FORMATS.values()}
+
 moe_experts_gemm = register(KernelSpec(
     name="moe_experts_gemm",
     source="moe.metal",
-    entry_points={f"moe_experts_gemm_{w}_{x}": ("tensor",) * 6 + ("int",) * 7
-                  for w in ("float", "half", "bfloat", "e4m3", "e5m2") for x in MSL_TYPE.values()},
+    entry_points={name: ("tensor",) * 6 + ("int[]",) * 2 for name in _PAIR_GEMV},
+    instantiate=_PAIR_GEMV,
     reference=moe_experts_gemm_reference,
     metal=moe_experts_gemm_metal,
     self_check_cases=_gemm_cases,
@@ -291,9 +371,6 @@ moe_experts_gemm = register(KernelSpec(
 
 
 # ---------------------------------------------------------------------- tiled grouped GEMM (prefill)
-
-TILE = 32   # MOE_TM = MOE_TN in moe.metal
-
 
 def _check_grouped(xs, offsets, weight):
     if weight.dim() != 3:
@@ -319,91 +396,62 @@ def moe_grouped_gemm_reference(xs, offsets, weight, scale=None, bias=None, fmt=N
     return moe_experts_gemm_reference(xs, row_experts_from_offsets(offsets, xs.shape[0]), weight, scale, bias, fmt=fmt)
 
 
-def tile_table(offsets: torch.Tensor, rows: int):
-    """(tile_expert, tile_row0, tile_rows) int64 [ceil(rows/32) + E]: each expert's rows cut into tiles
-    of <= 32; unused tiles have 0 rows. Fixed size, built with device ops only."""
-    E = offsets.shape[0]
-    off = offsets.to(torch.int64)
-    counts = torch.diff(off, prepend=off.new_zeros(1))
-    starts = off - counts
-    tiles = (counts + TILE - 1) // TILE
-    tile_end = torch.cumsum(tiles, 0)
-    T = (rows + TILE - 1) // TILE + E
-    t = torch.arange(T, device=off.device)
-    e = torch.searchsorted(tile_end, t, right=True)
-    valid = e < E
-    ec = e.clamp(max=E - 1)
-    local = t - (tile_end[ec] - tiles[ec])
-    row0 = starts[ec] + local * TILE
-    nrows = (counts[ec] - local * TILE).clamp(0, TILE) * valid
-    return ec.contiguous(), row0.contiguous(), nrows.contiguous()
-
-
 def moe_grouped_gemm_metal(lib, xs, offsets, weight, scale=None, bias=None, fmt=None):
     _check_grouped(xs, offsets, weight)
     E, N, K = weight.shape
     P = xs.shape[0]
-    f8 = _fp8_format(weight, fmt)
-    wname = FP8_FORMATS[f8] if f8 else MSL_TYPE[weight.dtype]
-    w = weight.contiguous()
-    if f8 and w.dtype != torch.uint8:
-        w = w.view(torch.uint8)
+    if not (P and N and K):
+        return moe_grouped_gemm_reference(xs, offsets, weight, scale, bias, fmt)
+    wname, w, size = _kernel_weight(weight, fmt)
     s, se, sn = _scale_table(scale, E, N, xs.device)
-    b = bias.to(device=xs.device, dtype=torch.float32).contiguous() if bias is not None else \
-        torch.zeros(1, dtype=torch.float32, device=xs.device)
+    b = _kernel_bias(bias, xs.device).float()
+    x = xs.contiguous()
+    vec = (K * size) % VEC_BYTES == 0 and (K * x.element_size()) % VEC_BYTES == 0 and _aligned(w, x)
     out = torch.empty((P, N), dtype=torch.float32, device=xs.device)
-    if P and N:
-        te, tr0, tn = tile_table(offsets, P)
-        groups = te.shape[0] * ((N + TILE - 1) // TILE)
-        kernel = getattr(lib, f"moe_grouped_gemm_{wname}_{MSL_TYPE[xs.dtype]}")
-        kernel(xs.contiguous(), te, tr0, tn, w, s, b, out, N, K, se, sn, int(bias is not None),
-               threads=groups * 256, group_size=256)
+    tiles = min(P, -(-P // GEMM_BM) + E)      # row tiles at most: each expert's rows in tiles of GEMM_BM
+    params = GROUPED_PARAMS.pack(rows=P, N=N, K=K, row_bytes=K * size, experts=E, scale_stride_e=se,
+                                 scale_stride_n=sn, has_bias=int(bias is not None))
+    kernel = getattr(lib, f"moe_grouped_gemm_{wname}_{MSL_TYPE[x.dtype]}{'' if vec else '_scalar'}")
+    kernel(x, offsets.to(device=xs.device, dtype=torch.int32).contiguous(), w, s, b, out, params,
+           threads=(-(-N // GEMM_BN) * GEMM_THREADS, tiles), group_size=(GEMM_THREADS, 1))
     return out
 
 
-# One case per (weight kind, activation type): every entry point of moe_grouped_gemm is self-checked.
-# Small odd shapes: experts with no rows, experts with more than one 32-row tile (37, 70), N across
-# two column tiles (33, 40), K not a multiple of the 32-wide K step; and one case with no rows at all.
-_GROUPED_CASES = [  # E, N, K, rows per expert, weight, x, scale, bias
-    (3, 33, 40, [5, 0, 37], "float", "float", "expert", True),
-    (2, 5, 9, [3, 4], "float", "half", None, False),
-    (3, 11, 33, [0, 6, 1], "float", "bfloat", "row", True),
-    (2, 7, 20, [4, 3], "half", "float", "expert", True),
-    (3, 6, 17, [2, 0, 5], "half", "half", "scalar", False),
-    (1, 9, 35, [7], "half", "bfloat", "row", True),
-    (2, 3, 50, [1, 5], "bfloat", "float", None, True),
-    (2, 40, 31, [33, 31], "bfloat", "half", None, True),
-    (4, 5, 12, [2, 2, 2, 2], "bfloat", "bfloat", "expert", False),
-    (3, 8, 70, [3, 0, 4], "e4m3fn", "float", "row", True),
-    (2, 5, 23, [6, 1], "e4m3fn", "half", None, False),
-    (4, 7, 65, [1, 2, 3, 70], "e4m3fn", "bfloat", "row", False),
-    (2, 9, 41, [3, 3], "e5m2", "float", "expert", True),
-    (3, 4, 16, [1, 1, 1], "e5m2", "half", None, False),
-    (2, 6, 33, [5, 2], "e5m2", "bfloat", "row", True),
-    (5, 9, 16, [0, 0, 0, 0, 0], "float", "float", None, False),
-]
+# rows per expert: empty experts first, last and between; an expert of one row; tiles of exactly 32 rows;
+# experts of several tiles (37, 64, 70: a last tile of 5, 0 or 6 rows)
+_GROUPED_COUNTS = ([5, 0, 37], [1, 2, 3, 70], [32, 31], [0, 0, 5], [1], [0, 9, 0, 64, 2])
 
 
 def _grouped_cases(device):
+    """One case per entry point, as _gemm_cases: N of one or two 64-column tiles (33, 64, 65, 7, 1); 16-byte K
+    of 32 (one K step), 48 (a step and a 16-value tail, element-wise) and 96; element-wise K of 7, 33 and 70."""
     gen = torch.Generator().manual_seed(3)
     out = []
-    for E, N, K, counts, wkind, xkind, sc, with_bias in _GROUPED_CASES:
-        P = sum(counts)
+    for i, (wkind, xdtype, layout) in _entry_point_cases():
+        vec = layout == "vec"
+        counts = _GROUPED_COUNTS[i % len(_GROUPED_COUNTS)]
+        E, P, N = len(counts), sum(counts), (33, 64, 65, 7, 1)[i % 5]
+        K = (32, 48, 96)[i % 3] if vec else (7, 33, 70)[i % 3]
         w, fmt = _case_bank(E, N, K, wkind, gen)
-        xs = torch.randn(P, K, generator=gen).to(DTYPE_OF_MSL[xkind])
+        xs = torch.randn(P, K, generator=gen).to(xdtype)
         offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
-        scale = _case_scale(sc, E, N, gen)
-        bias = torch.randn(E, N, generator=gen) if with_bias else None
+        scale = _case_scale(CASE_SCALES[i % 4], E, N, gen)
+        bias = torch.randn(E, N, generator=gen) if i % 3 else None
         args = [t.to(device) if isinstance(t, torch.Tensor) else t for t in (xs, offsets, w, scale, bias)]
         out.append((tuple(args), {"fmt": fmt}))
     return out
 
 
+_GROUPED = {f"moe_grouped_gemm_{w}_{x}{suffix}": f"moe_grouped_gemm<{e}, {x}, {vec}>"
+            for w, e in WEIGHT_ELEMENTS.items() for x in MSL_TYPE.values()
+            for suffix, vec in (("", "true"), ("_scalar", "false"))}
+
 moe_grouped_gemm = register(KernelSpec(
     name="moe_grouped_gemm",
+    measured_by_caller=True,          # moe_grouped_linear times it against the platform path
     source="moe.metal",
-    entry_points={f"moe_grouped_gemm_{w}_{x}": ("tensor",) * 8 + ("int",) * 5
-                  for w in ("float", "half", "bfloat", "e4m3", "e5m2") for x in MSL_TYPE.values()},
+    entry_points={name: ("tensor",) * 6 + ("int[]",) for name in _GROUPED},
+    instantiate=_GROUPED,
     reference=moe_grouped_gemm_reference,
     metal=moe_grouped_gemm_metal,
     self_check_cases=_grouped_cases,
@@ -467,39 +515,50 @@ def _grouped_mm(xs, sorted_experts, offsets, weight, s, bias):
     return y
 
 
+def _platform_grouped_linear(xs, sorted_experts, offsets, weight, scale, bias, f8, compute_dtype):
+    """moe_grouped_linear without the pack's kernels: torch._grouped_mm on the bank where the device has it for
+    these dims (an FP8 bank decoded to compute_dtype first, when the rows use as many experts as there are),
+    else each row's own expert weights gathered (and decoded): the grouped kernel's reference."""
+    if f8 is None:
+        if _grouped_mm_ok(weight):
+            return _grouped_mm(xs, sorted_experts, offsets, weight, scale, bias)
+    elif xs.shape[0] >= weight.shape[0]:
+        cd = compute_dtype if compute_dtype in (torch.bfloat16, torch.float32, torch.float16) else torch.float32
+        wd = decode_weight(weight, f8, cd)
+        if _grouped_mm_ok(wd):
+            return _grouped_mm(xs, sorted_experts, offsets, wd, scale, bias)
+    return moe_experts_gemm_reference(xs, sorted_experts, weight, scale, bias, fmt=f8)
+
+
 def moe_grouped_linear(xs, sorted_experts, offsets, weight, scale=None, bias=None, fmt=None,
                        compute_dtype=None):
     """Rows `xs` [P, K] sorted by expert (sorted_experts, offsets from moe_group) times their expert's
     weight [E, N, K] (+ bias [E, N]). Returns [P, N] (float32 from the kernel, the bank's dtype from
     torch._grouped_mm).
 
-    Plain banks: torch._grouped_mm where the device has it (aligned dims), else the grouped kernel
-    (Metal on MPS, the emulator, or its reference). FP8 banks: the grouped Metal kernel on MPS (and in
-    the emulator); elsewhere decoded to compute_dtype once per call and run through
-    torch._grouped_mm when there are at least as many rows as experts, else only the rows' weights
-    are gathered and decoded (the kernel's reference).
+    Where the grouped kernel passed its self-check (Metal on MPS, the emulator) it runs, on MPS only where
+    `dispatch.measured_choice` timed it faster than the platform path for this shape class (once per
+    process); the platform path is torch._grouped_mm (FP8 banks decoded to compute_dtype first) or, where
+    the device lacks it, each row's weights gathered: `_platform_grouped_linear`, also what CPU and CUDA run.
     """
-    E = weight.shape[0]
     f8 = _fp8_format(weight, fmt)
     dev = xs.device
-    s = scale
-    backend = _gemm_backend(dev)
-    tiled = backend != "reference" and xs.shape[0] >= TILED_MIN_ROWS_PER_EXPERT * E
-    if f8 is None:
-        if backend != "emulator" and _grouped_mm_ok(weight):
-            return _grouped_mm(xs, sorted_experts, offsets, weight, s, bias)
-        if tiled:
-            return moe_grouped_gemm(xs, offsets, weight, s, bias, fmt=fmt)
-        return moe_experts_gemm(xs, sorted_experts, weight, s, bias, fmt=fmt)
-    if tiled:
-        return moe_grouped_gemm(xs, offsets, weight, s, bias, fmt=fmt)
-    if backend != "reference" or xs.shape[0] < E:
-        return moe_experts_gemm(xs, sorted_experts, weight, s, bias, fmt=fmt)
-    cd = compute_dtype if compute_dtype in (torch.bfloat16, torch.float32, torch.float16) else torch.float32
-    wd = decode_weight(weight, f8, cd)
-    if _grouped_mm_ok(wd):
-        return _grouped_mm(xs, sorted_experts, offsets, wd, s, bias)
-    return moe_experts_gemm(xs, sorted_experts, wd, s, bias)
+    backend = dispatch.choose(moe_grouped_gemm.spec, dev)[0]
+
+    def platform():
+        return _platform_grouped_linear(xs, sorted_experts, offsets, weight, scale, bias, f8, compute_dtype)
+
+    def kernel():
+        return moe_grouped_gemm(xs, offsets, weight, scale, bias, fmt=fmt)
+    if backend == "reference":
+        return platform()
+    if backend == "metal" and dispatch.measuring_enabled(dev):
+        shape_class = ("linear", f8 or str(weight.dtype), tuple(weight.shape), str(xs.dtype),
+                       1 << max(0, xs.shape[0] - 1).bit_length())
+        if dispatch.measured_choice("moe_grouped_gemm", shape_class, {"platform": platform, "metal": kernel},
+                                    dev) == "platform":
+            return platform()
+    return kernel()
 
 
 # -------------------------------------------------------------------------------- whole experts op

@@ -1,84 +1,65 @@
-// Kernels of the tiled low-memory VAE (nodes/vae_tiled.py, nodes/vae_tiling.py).
+// Kernels of the tiled low-memory VAE (nodes/vae/engine.py, nodes/vae/pad.py), on 3-D grids: x runs over the
+// columns, y over the rows, z over the planes (the N * C planes of [N, C, T, H, W], T looped in the thread).
+// No division anywhere; offsets are 32-bit (the host launches at most 2^32 elements' worth of planes at once,
+// on views starting at their first plane).
 //
-// vae_pad_<T>: constant / replicate padding of the last three dims of a [P, T, H, W] tensor
-//   (4-D inputs arrive as [P, 1, H, W] with no temporal pad). Grid-stride loop over output elements,
-//   64-bit indices (video activations pass 2^31 elements). Replaces MPSGraph's pad, which
-//   blows up memory and corrupts data at H*W >= 2^16 before torch 2.15.
-// vae_blend_accumulate_<T>: acc[p, t0 + t, y0 + y, x0 + x] += wy[y] * wx[x] * tile[p, t, y, x]
-//   into an fp32 accumulator, for a tile of [P, Tc, h, w] written at (t0, y0, x0) of a
-//   [P, T, H, W] accumulator. The feather weights are separable per-axis ramps; each tile
-//   element is handled by one thread, so no two threads touch the same accumulator element (no atomics needed).
-#include <metal_stdlib>
-using namespace metal;
+// vae_pad<T>: constant / replicate padding of the last three dims (4-D inputs arrive as T = 1 with no
+//   temporal pad). Each thread reads its clamped source element (the answer of replicate padding, always in
+//   bounds) and writes it, or the fill value outside the input in constant mode; it takes every grid.z-th
+//   plane (the host sizes grid z to a few planes a thread). Replaces MPSGraph's pad,
+//   which blows up memory and corrupts data at H*W >= 2^16 before torch 2.15.
+// vae_blend_accumulate<T>: acc[p, t0 + t, y0 + y, x0 + x] += wy[y] * wx[x] * tile[p, t, y, x] into an fp32
+//   accumulator, for a tile of [P, Tc, h, w] written at (t0, y0, x0) of a [P, T, H, W] accumulator. The
+//   feather weights are separable per-axis ramps; each accumulator element belongs to one thread (no atomics).
 
-#define VAE_PAD_KERNEL(NAME, T)                                                              \
-kernel void NAME(device const T* x [[buffer(0)]],                                            \
-                 device T* out [[buffer(1)]],                                                \
-                 constant long& total [[buffer(2)]],                                         \
-                 constant long& in_t [[buffer(3)]],                                          \
-                 constant long& in_h [[buffer(4)]],                                          \
-                 constant long& in_w [[buffer(5)]],                                          \
-                 constant long& out_t [[buffer(6)]],                                         \
-                 constant long& out_h [[buffer(7)]],                                         \
-                 constant long& out_w [[buffer(8)]],                                         \
-                 constant long& pad_t [[buffer(9)]],                                         \
-                 constant long& pad_h [[buffer(10)]],                                        \
-                 constant long& pad_w [[buffer(11)]],                                        \
-                 constant long& replicate [[buffer(12)]],                                    \
-                 constant float& value [[buffer(13)]],                                       \
-                 constant long& stride [[buffer(14)]],                                       \
-                 uint gid [[thread_position_in_grid]]) {                                     \
-    for (long i = long(gid); i < total; i += stride) {                                       \
-        long r = i;                                                                          \
-        const long ox = r % out_w; r /= out_w;                                               \
-        const long oy = r % out_h; r /= out_h;                                               \
-        const long ot = r % out_t; r /= out_t;                                               \
-        const long p = r;                                                                    \
-        long sx = ox - pad_w, sy = oy - pad_h, st = ot - pad_t;                              \
-        if (replicate != 0) {                                                                \
-            sx = clamp(sx, 0L, in_w - 1);                                                    \
-            sy = clamp(sy, 0L, in_h - 1);                                                    \
-            st = clamp(st, 0L, in_t - 1);                                                    \
-        } else if (sx < 0 || sx >= in_w || sy < 0 || sy >= in_h || st < 0 || st >= in_t) {  \
-            out[i] = T(value);                                                               \
-            continue;                                                                        \
-        }                                                                                    \
-        out[i] = x[((p * in_t + st) * in_h + sy) * in_w + sx];                               \
-    }                                                                                        \
+#include "io.h"
+
+template <typename T>
+inline T vae_value(float v) { return T(v); }
+template <>
+inline bfloat vae_value<bfloat>(float v) { return as_type<bfloat>(bf16_bits_from_float(v)); }
+
+template <typename T>
+kernel void vae_pad(device const T* x [[buffer(0)]],
+                    device T* out [[buffer(1)]],
+                    constant float& value [[buffer(2)]],
+                    constant vae_pad_params& p [[buffer(3)]],
+                    uint3 gid [[thread_position_in_grid]],
+                    uint3 grid [[threads_per_grid]]) {
+    const int in_t = int(p.in_t), in_h = int(p.in_h), in_w = int(p.in_w), pad_t = int(p.pad_t);
+    const uint out_t = uint(p.out_t), out_w = uint(p.out_w), planes = uint(p.planes);
+    const bool replicate = p.replicate != 0;
+    const int sx = int(gid.x) - int(p.pad_w), sy = int(gid.y) - int(p.pad_h);
+    const int cx = clamp(sx, 0, in_w - 1), cy = clamp(sy, 0, in_h - 1);
+    const bool keep_xy = replicate || (sx == cx && sy == cy);
+    const T fill = vae_value<T>(value);
+    const uint in_frame = uint(in_h * in_w), out_frame = uint(p.out_h) * out_w;
+    const uint in_plane = uint(in_t) * in_frame, out_plane = out_t * out_frame;
+    device const T* src = x + gid.z * in_plane + uint(cy * in_w + cx);
+    device T* dst = out + gid.z * out_plane + gid.y * out_w + gid.x;
+    // planes gid.z, gid.z + grid.z, ...: the set-up above is shared by them
+    for (uint z = gid.z; z < planes; z += grid.z, src += grid.z * in_plane, dst += grid.z * out_plane) {
+        for (uint t = 0; t < out_t; ++t) {
+            const int st = int(t) - pad_t, ct = clamp(st, 0, in_t - 1);
+            const T v = src[uint(ct) * in_frame];
+            dst[t * out_frame] = keep_xy && (replicate || st == ct) ? v : fill;
+        }
+    }
 }
 
-VAE_PAD_KERNEL(vae_pad_float, float)
-VAE_PAD_KERNEL(vae_pad_half, half)
-VAE_PAD_KERNEL(vae_pad_bfloat, bfloat)
-
-#define VAE_BLEND_KERNEL(NAME, T)                                                            \
-kernel void NAME(device float* acc [[buffer(0)]],                                            \
-                 device const T* tile [[buffer(1)]],                                         \
-                 device const float* wy [[buffer(2)]],                                       \
-                 device const float* wx [[buffer(3)]],                                       \
-                 constant long& total [[buffer(4)]],                                         \
-                 constant long& tile_t [[buffer(5)]],                                        \
-                 constant long& tile_h [[buffer(6)]],                                        \
-                 constant long& tile_w [[buffer(7)]],                                        \
-                 constant long& acc_t [[buffer(8)]],                                         \
-                 constant long& acc_h [[buffer(9)]],                                         \
-                 constant long& acc_w [[buffer(10)]],                                        \
-                 constant long& t0 [[buffer(11)]],                                           \
-                 constant long& y0 [[buffer(12)]],                                           \
-                 constant long& x0 [[buffer(13)]],                                           \
-                 constant long& stride [[buffer(14)]],                                       \
-                 uint gid [[thread_position_in_grid]]) {                                     \
-    for (long i = long(gid); i < total; i += stride) {                                       \
-        long r = i;                                                                          \
-        const long x = r % tile_w; r /= tile_w;                                              \
-        const long y = r % tile_h; r /= tile_h;                                              \
-        const long t = r % tile_t; r /= tile_t;                                              \
-        const long p = r;                                                                    \
-        const long j = ((p * acc_t + (t0 + t)) * acc_h + (y0 + y)) * acc_w + (x0 + x);       \
-        acc[j] += wy[y] * wx[x] * float(tile[i]);                                            \
-    }                                                                                        \
+template <typename T>
+kernel void vae_blend_accumulate(device float* acc [[buffer(0)]],
+                                 device const T* tile [[buffer(1)]],
+                                 device const float* wy [[buffer(2)]],
+                                 device const float* wx [[buffer(3)]],
+                                 constant vae_blend_params& p [[buffer(4)]],
+                                 uint3 gid [[thread_position_in_grid]]) {
+    const uint tile_t = uint(p.tile_t), tile_h = uint(p.tile_h), tile_w = uint(p.tile_w);
+    const uint acc_h = uint(p.acc_h), acc_w = uint(p.acc_w);
+    const uint tile_plane = tile_h * tile_w, acc_plane = acc_h * acc_w;
+    const float weight = wy[gid.y] * wx[gid.x];
+    device const T* src = tile + gid.z * (tile_t * tile_plane) + gid.y * tile_w + gid.x;
+    device float* dst = acc + gid.z * (uint(p.acc_t) * acc_plane) + (uint(p.t0) * acc_h + uint(p.y0) + gid.y) * acc_w
+                        + uint(p.x0) + gid.x;
+    for (uint t = 0; t < tile_t; ++t) dst[t * acc_plane] += weight * io_float(src + t * tile_plane);
 }
-
-VAE_BLEND_KERNEL(vae_blend_accumulate_float, float)
-VAE_BLEND_KERNEL(vae_blend_accumulate_half, half)
-VAE_BLEND_KERNEL(vae_blend_accumulate_bfloat, bfloat)

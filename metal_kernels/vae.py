@@ -5,13 +5,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import source
 from .dtypes import MSL_TYPE
 from .registry import KernelSpec, register
 
 __all__ = ["vae_pad", "vae_blend_accumulate"]
 
-GROUP = 256
-MAX_THREADS = 1 << 24   # grid-stride beyond this (the kernels loop with stride = threads)
+GROUP = 256             # threads of a threadgroup: 32 columns x 8 rows
+MAX_OFFSET = 1 << 32    # the kernels' offsets are 32-bit: a launch covers planes of fewer elements than this
+PAD_PARAMS = source.Params("vae_pad_params", "planes in_t in_h in_w out_t out_h out_w pad_t pad_h pad_w replicate")
+PAD_PLANES = 8          # planes a vae_pad thread takes (its index set-up shared by them)
+BLEND_PARAMS = source.Params("vae_blend_params", "tile_t tile_h tile_w acc_t acc_h acc_w t0 y0 x0")
+
+
+def _plane_launches(kernel, planes: int, plane_elems: int, w: int, h: int, args, per_thread: int = 1):
+    """Launch kernel over (w, h, planes / per_thread) in runs of planes whose elements fit the 32-bit offsets:
+    `args(p0, p1)` gives the arguments of planes p0..p1 (views starting at plane p0)."""
+    per = (MAX_OFFSET - 1) // max(1, plane_elems)
+    if per < 1:
+        raise ValueError(f"vae: a plane of {plane_elems} elements exceeds the kernels' 32-bit offsets")
+    gx = min(32, w)
+    group = (gx, max(1, min(h, GROUP // gx)), 1)
+    for p0 in range(0, planes, per):
+        p1 = min(planes, p0 + per)
+        kernel(*args(p0, p1), threads=(w, h, -(-(p1 - p0) // per_thread)), group_size=group)
 
 
 # ---------------------------------------------------------------- padding
@@ -47,7 +64,7 @@ def vae_pad_reference(x: torch.Tensor, pad, mode: str = "constant", value: float
 
 def vae_pad_metal(lib, x: torch.Tensor, pad, mode: str = "constant", value: float = 0.0) -> torch.Tensor:
     wl, wr, hl, hr, tl, tr = _pad_args(x, pad, mode)
-    if x.dtype not in MSL_TYPE or (mode == "replicate" and 0 in x.shape[2:]):
+    if x.dtype not in MSL_TYPE or 0 in x.shape[2:]:      # an empty plane: nothing to read, F.pad's answer
         return vae_pad_reference(x, pad, mode, value)
     xc = x.contiguous()
     if x.dim() == 4:
@@ -58,12 +75,15 @@ def vae_pad_metal(lib, x: torch.Tensor, pad, mode: str = "constant", value: floa
     ot, oh, ow = t + tl + tr, h + hl + hr, w + wl + wr
     out_shape = (n, c, oh, ow) if x.dim() == 4 else (n, c, ot, oh, ow)
     out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-    total = out.numel()
-    if total:
-        threads = min(total, MAX_THREADS)
+    if out.numel():
+        src, dst = xc.view(n * c, t * h * w), out.view(n * c, ot * oh * ow)
         kernel = getattr(lib, f"vae_pad_{MSL_TYPE[x.dtype]}")
-        kernel(xc, out, total, t, h, w, ot, oh, ow, tl, hl, wl, int(mode == "replicate"), float(value),
-               threads, threads=threads, group_size=GROUP)
+
+        def args(p0, p1):
+            return src[p0:p1], dst[p0:p1], float(value), PAD_PARAMS.pack(
+                planes=p1 - p0, in_t=t, in_h=h, in_w=w, out_t=ot, out_h=oh, out_w=ow, pad_t=tl, pad_h=hl, pad_w=wl,
+                replicate=int(mode == "replicate"))
+        _plane_launches(kernel, n * c, ot * oh * ow, ow, oh, args, PAD_PLANES)
     return out
 
 
@@ -85,8 +105,8 @@ def _pad_cases(device):
 vae_pad = register(KernelSpec(
     name="vae_pad",
     source="vae.metal",
-    entry_points={f"vae_pad_{t}": ("tensor", "tensor") + ("int",) * 11 + ("float", "int")
-                  for t in MSL_TYPE.values()},
+    entry_points={f"vae_pad_{t}": ("tensor", "tensor", "float", "int[]") for t in MSL_TYPE.values()},
+    instantiate={f"vae_pad_{t}": f"vae_pad<{t}>" for t in MSL_TYPE.values()},
     reference=vae_pad_reference,
     metal=vae_pad_metal,
     self_check_cases=_pad_cases,
@@ -144,14 +164,15 @@ def vae_blend_accumulate_metal(lib, acc, tile, wy, wx, offset=(0, 0)):
     tc = tile.contiguous()
     wyc = wy.to(device=acc.device, dtype=torch.float32).contiguous()
     wxc = wx.to(device=acc.device, dtype=torch.float32).contiguous()
-    total = tc.numel()
-    if total:
+    if tc.numel():
         tt = tc.shape[2] if tc.dim() == 5 else 1
         at = target.shape[2] if target.dim() == 5 else 1
-        threads = min(total, MAX_THREADS)
-        kernel = getattr(lib, f"vae_blend_accumulate_{MSL_TYPE[tile.dtype]}")
-        kernel(target, tc, wyc, wxc, total, tt, tc.shape[-2], tc.shape[-1], at, target.shape[-2], target.shape[-1],
-               t0, y0, x0, threads, threads=threads, group_size=GROUP)
+        (h, w), (ah, aw) = tc.shape[-2:], target.shape[-2:]
+        planes = tc.shape[0] * tc.shape[1]
+        src, dst = tc.view(planes, tt * h * w), target.view(planes, at * ah * aw)
+        params = BLEND_PARAMS.pack(tile_t=tt, tile_h=h, tile_w=w, acc_t=at, acc_h=ah, acc_w=aw, t0=t0, y0=y0, x0=x0)
+        _plane_launches(getattr(lib, f"vae_blend_accumulate_{MSL_TYPE[tile.dtype]}"), planes, at * ah * aw, w, h,
+                        lambda p0, p1: (dst[p0:p1], src[p0:p1], wyc, wxc, params))
     if target is not acc:
         acc.copy_(target)
     return acc
@@ -176,7 +197,8 @@ def _blend_cases(device):
 vae_blend_accumulate = register(KernelSpec(
     name="vae_blend_accumulate",
     source="vae.metal",
-    entry_points={f"vae_blend_accumulate_{t}": ("tensor",) * 4 + ("int",) * 11 for t in MSL_TYPE.values()},
+    entry_points={f"vae_blend_accumulate_{t}": ("tensor",) * 4 + ("int[]",) for t in MSL_TYPE.values()},
+    instantiate={f"vae_blend_accumulate_{t}": f"vae_blend_accumulate<{t}>" for t in MSL_TYPE.values()},
     reference=vae_blend_accumulate_reference,
     metal=vae_blend_accumulate_metal,
     self_check_cases=_blend_cases,

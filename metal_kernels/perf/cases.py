@@ -171,21 +171,25 @@ def _moe_route_cases():
 def _moe_experts_gemm_cases():
     from ..moe import moe_experts_gemm_metal
 
-    def case(n, k, x_div):
+    def case(n, k, x_div, fp8=True):
         def run(lib, device):
             gen = _gen(9)
             experts = torch.randperm(MOE_EXPERTS, generator=gen)[:MOE_TOP_K]
-            bank = torch.empty(MOE_EXPERTS, n, k, dtype=torch.uint8)     # pages untouched but for the routed
-            bank[experts] = _fp8_bytes((MOE_TOP_K, n, k), gen)           # experts, the only ones read
+            bank = torch.empty(MOE_EXPERTS, n, k, dtype=torch.uint8 if fp8 else torch.bfloat16)  # pages untouched
+            bank[experts] = _fp8_bytes((MOE_TOP_K, n, k), gen) if fp8 else \
+                torch.randn(MOE_TOP_K, n, k, generator=gen).to(torch.bfloat16)   # but for the routed experts
             rows = MOE_TOP_K // x_div
             x = torch.randn(rows, k, generator=gen).to(device=device, dtype=torch.bfloat16)
-            scale = (torch.rand(MOE_EXPERTS, n, generator=gen) + 0.5).to(device)
+            scale = (torch.rand(MOE_EXPERTS, n, generator=gen) + 0.5).to(device) if fp8 else None
             return moe_experts_gemm_metal(lib, x, experts.to(device), bank.to(device), scale, x_div=x_div,
-                                              fmt="e4m3fn")
+                                          fmt="e4m3fn" if fp8 else None)
         return run
     return [PredictCase("Qwen3-30B-A3B decode gate+up: 8 experts x 1536x2048 FP8", case(2 * MOE_INTER, MOE_HIDDEN, 8),
                         quick=True),
-            PredictCase("Qwen3-30B-A3B decode down: 8 experts x 2048x768 FP8", case(MOE_HIDDEN, MOE_INTER, 1))]
+            PredictCase("Qwen3-30B-A3B decode down: 8 experts x 2048x768 FP8", case(MOE_HIDDEN, MOE_INTER, 1)),
+            PredictCase("Qwen3-30B-A3B decode gate+up: 8 experts x 1536x2048 bf16",
+                        case(2 * MOE_INTER, MOE_HIDDEN, 8, fp8=False)),
+            PredictCase("Qwen3-30B-A3B decode down: 8 experts x 2048x768 bf16", case(MOE_HIDDEN, MOE_INTER, 1, fp8=False))]
 
 
 def _moe_grouped_gemm_cases():
@@ -194,21 +198,25 @@ def _moe_grouped_gemm_cases():
     experts = 16                        # profiled: 16 of the 128 experts with their share of the rows, x 8
     rows = PREFILL_TOKENS * MOE_TOP_K * experts // MOE_EXPERTS
 
-    def case(n, k):
+    def case(n, k, fp8=True):
         def run(lib, device):
             gen = _gen(10)
             counts = torch.bincount(torch.randint(0, experts, (rows,), generator=gen), minlength=experts)
             offsets = torch.cumsum(counts, 0).to(device)
-            bank = _fp8_bytes((experts, n, k), gen).to(device)
+            bank = (_fp8_bytes((experts, n, k), gen) if fp8 else
+                    torch.randn(experts, n, k, generator=gen).to(torch.bfloat16)).to(device)
             xs = torch.randn(rows, k, generator=gen).to(device=device, dtype=torch.bfloat16)
-            scale = (torch.rand(experts, n, generator=gen) + 0.5).to(device)
-            return moe_grouped_gemm_metal(lib, xs, offsets, bank, scale, fmt="e4m3fn")
+            scale = (torch.rand(experts, n, generator=gen) + 0.5).to(device) if fp8 else None
+            return moe_grouped_gemm_metal(lib, xs, offsets, bank, scale, fmt="e4m3fn" if fp8 else None)
         return run
-    # the tile table leaves some tiles empty: profile an evenly spaced sample of 16 groups, not 3
+    # the row tiles differ (experts of different row counts, tiles past the last one): profile an evenly
+    # spaced sample of 16 groups, not 3
     return [PredictCase(f"Qwen3-30B-A3B prefill gate+up: {PREFILL_TOKENS} tokens, FP8", case(2 * MOE_INTER, MOE_HIDDEN),
                         sample=16, repeat=MOE_EXPERTS // experts),
             PredictCase(f"Qwen3-30B-A3B prefill down: {PREFILL_TOKENS} tokens, FP8", case(MOE_HIDDEN, MOE_INTER),
-                        sample=16, repeat=MOE_EXPERTS // experts)]
+                        sample=16, repeat=MOE_EXPERTS // experts),
+            PredictCase(f"Qwen3-30B-A3B prefill gate+up: {PREFILL_TOKENS} tokens, bf16",
+                        case(2 * MOE_INTER, MOE_HIDDEN, fp8=False), sample=16, repeat=MOE_EXPERTS // experts)]
 
 
 # ------------------------------------------------------------------------------------------ sampling, VAE

@@ -168,7 +168,7 @@ class Pipeline:
             full = decoder(latent.float())
         budget = 8 * 2**20
         tiled = TiledVAE(codec_from_fn(decoder, VAE_SCALE, module=decoder, device=self.device),
-                         TilingOptions(budget_bytes=budget, tile=8, overlap=4, shared_stats=True))
+                         TilingOptions(budget_bytes=budget, tile=8, overlap=4, seam="exact"))
         with torch.no_grad():
             image = tiled.decode(latent.float())
         psnr = psnr_db(image, full, peak=float(full.abs().max()) * 2)

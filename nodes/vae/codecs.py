@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from . import causal
 from .stagewise import comfy_tail_stages, diffusers_tail_stages
 from .stagewise_encode import comfy_body_stages, diffusers_body_stages
 
@@ -51,7 +52,7 @@ class Codec:
     # The tail as a chain of one-row-reach stages (stagewise.py): exact shared statistics in one pass.
     decode_stages: list | None = None
     # Image KL encoders as a chain of stages: encode(x) == stages[-1](...stages[0](x)), one stage per
-    # resolution level (conv_in with the first), then the tail (mid block with its global attention, norm_out,
+    # resolution level (conv_in with the first), then the rest (mid block with its global attention, norm_out,
     # conv_out, quant_conv, the posterior's mode); encode_scales[i] = input pixels per pixel of stage i's
     # output. The engine tiles only the first stages (the full-resolution ones, whose activations are what
     # needs tiling), blends their tiles at their output resolution, and runs the rest once over the whole
@@ -63,6 +64,11 @@ class Codec:
     # encode_input: the VAE's input transform for the pixels those stages read (the node sets process_input).
     encode_body_stages: list | None = None
     encode_input: Callable | None = None
+    # Causal 3-D video VAEs (Wan 2.1 / Qwen-Image, Wan 2.2): the decoder and the encoder as causal.Program
+    # stages (exact stage by stage over the whole frame), or why not (`programs_note`).
+    decode_program: object = None
+    encode_program: object = None
+    programs_note: str = ""
 
     def frames_out(self, t_latent: int) -> int:
         return t_latent if not self.video else 1 + 4 * (t_latent - 1)
@@ -124,7 +130,7 @@ def codec_from_diffusers(vae) -> Codec:
                 return enc.down_blocks[i](enc.conv_in(h) if i == 0 else h)
             return run
 
-        def enc_tail(h):
+        def enc_rest(h):
             h = enc.conv_out(enc.conv_act(enc.conv_norm_out(enc.mid_block(h))))
             if vae.quant_conv is not None:
                 h = vae.quant_conv(h)
@@ -133,7 +139,7 @@ def codec_from_diffusers(vae) -> Codec:
         stages, scales = (), ()
         if type(enc).__name__ == "Encoder" and getattr(enc, "mid_block", None) is not None \
                 and hasattr(enc, "conv_norm_out") and not getattr(vae, "use_tiling", False):
-            stages = (*(level(i) for i in range(len(enc.down_blocks))), enc_tail)
+            stages = (*(level(i) for i in range(len(enc.down_blocks))), enc_rest)
             downs = [bool(getattr(b, "downsamplers", None)) for b in enc.down_blocks]
             scales = _cumulative([2 if d else 1 for d in downs])
             reach = _reach([len(getattr(b, "resnets", ())) for b in enc.down_blocks], downs)
@@ -181,7 +187,9 @@ def codec_from_comfy(vae) -> Codec | None:
         def stream(z):
             import comfy.ldm.wan.vae as wan
 
-            cache = [None] * wan.count_cache_layers(fsm.decoder)
+            # one latent frame is one chunk: no cache, as in ComfyUI's decode (a cache would keep every
+            # convolution's input alive until the end)
+            cache = [None] * wan.count_cache_layers(fsm.decoder) if z.shape[2] > 1 else None
             x = fsm.conv2(z)
             chunks = [(0, 1)] + [(1 + 2 * (i - 1), min(1 + 2 * i, x.shape[2])) for i in range(1, 1 + x.shape[2] // 2)]
             for a, b in chunks:
@@ -191,7 +199,8 @@ def codec_from_comfy(vae) -> Codec | None:
                 yield torch.cat(out, 2) if isinstance(out, (list, tuple)) else out
         return Codec("comfy-wan21", int(scale), decode=lambda z: fsm.decode(z), encode=lambda x: fsm.encode(x),
                      decode_stream=stream, module=fsm, device=device, dtype=dtype, video=True,
-                     out_channels=getattr(vae, "conv_out_channels", 3), latent_channels=vae.latent_channels)
+                     out_channels=getattr(vae, "conv_out_channels", 3), latent_channels=vae.latent_channels,
+                     **_wan_programs(fsm))
     if latent_dim == 3 and cls == "WanVAE" and mod.endswith("wan.vae2_2"):
         def stream(z):
             import comfy.ldm.wan.vae2_2 as wan
@@ -206,11 +215,19 @@ def codec_from_comfy(vae) -> Codec | None:
                 yield wan.unpatchify(out, patch_size=2)
         return Codec("comfy-wan22", int(scale), decode=lambda z: fsm.decode(z), encode=lambda x: fsm.encode(x),
                      decode_stream=stream, module=fsm, device=device, dtype=dtype, video=True,
-                     out_channels=3, latent_channels=vae.latent_channels)
+                     out_channels=3, latent_channels=vae.latent_channels, **_wan_programs(fsm))
     hunyuan = _comfy_hunyuan_video_codec(vae, fsm, latent_dim, scale, device, dtype)
     if hunyuan is not None:
         return hunyuan
     return None
+
+
+def _wan_programs(fsm) -> dict:
+    """The Codec fields of a WanVAE's stage programs (causal.py): each a Program, or None with the reason."""
+    dec, enc = causal.program(fsm, encode=False), causal.program(fsm, encode=True)
+    notes = [f"{what}: {p}" for what, p in (("decoder", dec), ("encoder", enc)) if isinstance(p, str)]
+    return {"decode_program": None if isinstance(dec, str) else dec,
+            "encode_program": None if isinstance(enc, str) else enc, "programs_note": "; ".join(notes)}
 
 
 def _comfy_kl_split(fsm):
@@ -247,7 +264,7 @@ def _comfy_kl_split(fsm):
 def _reach(res_blocks, downsamples) -> tuple:
     """Receptive radius in input pixels after each down level of an SD encoder (conv_in, then per level
     `res_blocks[i]` ResNet blocks of two 3x3 convolutions at stride 2^i and a 3x3 stride-2 downsample),
-    the tail keeping the last (it runs untiled)."""
+    the rest keeping the last (it runs untiled)."""
     out, r, s = [], 1, 1
     for n, down in zip(res_blocks, downsamples):
         r += 2 * n * s + (2 * s if down else 0)
@@ -257,7 +274,7 @@ def _reach(res_blocks, downsamples) -> tuple:
 
 
 def _cumulative(factors) -> tuple:
-    """Input pixels per output pixel after each stage, from each stage's own downscale factor; the tail
+    """Input pixels per output pixel after each stage, from each stage's own downscale factor; the rest
     (the last stage) keeps the last."""
     out, s = [], 1
     for k in factors:
@@ -269,7 +286,7 @@ def _cumulative(factors) -> tuple:
 def _comfy_kl_encoder_stages(fsm, scale):
     """(stages, scales, reach) of ComfyUI's 2-D SD Encoder (SD 1.x/2.x, SDXL, SD3, Flux) and the rest of
     `fsm.encode`, the same modules in the same order as `Encoder.forward` + `encode`: one stage per down
-    level (conv_in with the first, each level's downsample with it), then the tail: the mid block,
+    level (conv_in with the first, each level's downsample with it), then the rest: the mid block,
     norm_out, conv_out, quant_conv (the legacy engines have one) and the regulariser (the posterior's
     mode). ((), (), ()) when the encoder is not that plain chain (carried causal convolutions, batch splitting)."""
     enc = getattr(fsm, "encoder", None)
@@ -293,7 +310,7 @@ def _comfy_kl_encoder_stages(fsm, scale):
             return enc.down[i].downsample(h) if i != last else h
         return run
 
-    def tail(h):
+    def rest(h):
         h = enc.mid.block_1(h, None)
         h = enc.mid.attn_1(h)
         h = enc.mid.block_2(h, None)
@@ -306,7 +323,7 @@ def _comfy_kl_encoder_stages(fsm, scale):
     if scales[-1] != scale:
         return (), (), ()
     reach = _reach([len(enc.down[i].block) for i in range(last + 1)], [i != last for i in range(last + 1)])
-    return (*(level(i) for i in range(last + 1)), tail), scales, reach
+    return (*(level(i) for i in range(last + 1)), rest), scales, reach
 
 
 def _comfy_hunyuan_video_codec(vae, fsm, latent_dim, scale, device, dtype) -> Codec | None:

@@ -1,7 +1,7 @@
 """ComfyUI nodes: "VAE Decode (Low Memory, Metal)" and "VAE Encode (Low Memory, Metal)".
 
-Single-pass feathered tiling within a memory budget (engine.py), on the VAE object ComfyUI
-hands the node: SD/SDXL (4 ch) and Flux/SD3 (16 ch) KL VAEs, Wan 2.1 / Qwen-Image, Wan 2.2 and
+Decode and encode within a memory budget (planner.py chooses how, engine.py runs it), on the VAE object
+ComfyUI hands the node: SD/SDXL (4 ch) and Flux/SD3 (16 ch) KL VAEs, Wan 2.1 / Qwen-Image, Wan 2.2 and
 HunyuanVideo 1.0 causal video VAEs. Any other VAE falls back to ComfyUI's own tiled decode/encode with
 a log line.
 """
@@ -13,15 +13,24 @@ import torch
 
 from . import codecs, memory
 from .engine import TiledVAE, TilingOptions
+from .planner import AUTO, EXACT, FEATHER
 from ..status import recording_kernels
 from ...metal_kernels.registry import REGISTRY
 
 log = logging.getLogger("comfy_metal")
 
-# "auto" first (the default); the other two strings stay as they were, so saved workflows keep validating.
-SEAM_MODES = ["auto", "feather", "feather + shared statistics"]
-AUTO, FEATHER, EXACT = SEAM_MODES
+SEAM_MODES = [AUTO, FEATHER, EXACT]     # "auto" first: the default
+# Names saved workflows may hold, mapped to the mode they meant (validated and run as that mode).
+LEGACY_SEAM_MODES = {"feather + shared statistics": EXACT}
 GIB = 1 << 30
+
+
+def seam_mode(name: str) -> str:
+    """The seam mode a widget value names (a current name, or one that saved workflows may hold)."""
+    name = LEGACY_SEAM_MODES.get(name, name)
+    if name not in SEAM_MODES:
+        raise ValueError(f"seam_mode must be one of {SEAM_MODES}, got {name!r}")
+    return name
 
 
 def _common_inputs():
@@ -39,18 +48,16 @@ def _common_inputs():
                                      "tooltip": "Video VAEs: latent frames of overlap for ComfyUI's fallback tiled "
                                                 "decode. 0 = auto. The causal path needs none."}),
         "seam_mode": (SEAM_MODES, {"default": AUTO,
-                                   "tooltip": "auto: exact when the budget holds it at no more than 1.3x feather's "
-                                              "predicted time, else feather; the log line and the node badge say "
-                                              "which ran (encode: exact whenever its stages fit). feather: one pass of "
-                                              "overlapping tiles, each normalising itself, seams hidden by feathered "
-                                              "overlaps. feather + shared statistics (exact): the whole image's "
-                                              "GroupNorm statistics (SD/SDXL/Flux/SD3 VAEs); their decoders (and "
-                                              "encoders) run stage by stage over the whole image in bands of rows "
-                                              "-- one pass, the same result as the untiled one up to rounding -- "
-                                              "when the budget holds "
-                                              "two whole-image activations, else tiles in lock-step from one "
-                                              "GroupNorm to the next (several times feather's time). Video VAEs "
-                                              "ignore it."}),
+                                   "tooltip": "auto: exact whenever the budget holds it, unless it is predicted "
+                                              "slower than ComfyUI's own tiled decode; else feather. The log line and "
+                                              "the node badge say which ran and why. exact: the untiled result up to "
+                                              "rounding -- the untiled decode when it fits, else stage by stage over "
+                                              "the whole image in bands of rows (one pass; KL VAEs with whole-image "
+                                              "GroupNorm statistics, Wan 2.1 / Qwen-Image and Wan 2.2 frame by frame "
+                                              "with their causal time cache), else tiles in lock-step from one "
+                                              "GroupNorm to the next (KL VAEs, several times feather's time). "
+                                              "feather: one pass of overlapping tiles, each normalising itself, seams "
+                                              "hidden by feathered overlaps."}),
     }
 
 
@@ -71,13 +78,15 @@ class _Progress:
             pass
 
 
-def _options(memory_budget_gb, overlap, seam_mode):
-    return TilingOptions(
-        budget_bytes=int(memory_budget_gb * GIB),
-        overlap=overlap or None,
-        shared_stats={AUTO: None, EXACT: True}.get(seam_mode, False),
-        progress=_Progress(),
-    )
+def _options(memory_budget_gb, overlap, seam):
+    return TilingOptions(budget_bytes=int(memory_budget_gb * GIB), overlap=overlap or None, seam=seam_mode(seam),
+                         progress=_Progress())
+
+
+def _validate_seam_mode(cls, seam_mode=AUTO):
+    """ComfyUI's input check for seam_mode: the current names and the ones saved workflows hold."""
+    return True if seam_mode in SEAM_MODES or seam_mode in LEGACY_SEAM_MODES else \
+        f"seam_mode must be one of {SEAM_MODES}, got {seam_mode!r}"
 
 
 def _load(vae, budget_bytes):
@@ -111,9 +120,9 @@ def quality_note(info) -> str:
 
 
 def _run_tiled(vae, codec, x, encode: bool, options):
-    """The tiled engine over `x` within the node's budget (auto: from the device's free memory), recorded
-    for the node's badge with its quality note, and the node's one log line: how it ran, its quality class
-    against the untiled run, auto's reason."""
+    """The engine over `x` within the node's budget (auto: from the device's free memory, resolved here once),
+    recorded for the node's badge with its quality note, and the node's one log line: how it ran, its quality
+    class against the untiled run, auto's reason."""
     options.budget_bytes = options.budget_bytes or memory.auto_budget(codec.device)
     _load(vae, options.budget_bytes)
     engine = TiledVAE(codec, options)
@@ -123,12 +132,12 @@ def _run_tiled(vae, codec, x, encode: bool, options):
     info = engine.info
     path = "the down path stage by stage" if encode else "stage by stage"
     how = (f"{path} over the whole image in row bands ({info.bands} band forwards), 1 pass"
-           if info.scheme == "stages" else
+           if info.scheme == "stages" else "untiled, 1 pass" if info.scheme == "untiled" else
            f"{info.tiles} tiles of {info.tile} latent px (overlap {info.overlap}), {info.passes} pass(es)")
     log.info(f"comfy_metal: VAE {'encode' if encode else 'decode'} {tuple(x.shape)} -> {tuple(out.shape)} in "
              f"{info.seconds:.1f}s: " + how
              + (", shared GroupNorm statistics" if info.shared_stats else "")
-             + (", mid block untiled" if (info.untiled_tail if encode else info.untiled_head) else "")
+             + (", mid block untiled" if (info.untiled_rest if encode else info.untiled_head) else "")
              + f"; quality vs untiled: {info.mode}"
              + (f"; {info.auto}" if info.auto else "")
              + (f"; OVER BUDGET, expected peak {info.expected_peak / GIB:.3f} GiB" if info.over_budget else "")
@@ -147,11 +156,14 @@ class MetalVAEDecodeTiled:
 
     RETURN_TYPES = ("IMAGE",)
     FUNCTION = "decode"
+    VALIDATE_INPUTS = classmethod(_validate_seam_mode)
     CATEGORY = "Comfy Metal/VAE"
     DESCRIPTION = ("Decodes within a memory budget: image KL VAEs run their mid block over the whole latent, then "
                    "(seam mode auto) the up path stage by stage over the whole image where the budget holds it -- "
-                   "the untiled decode's image -- else in overlapping feathered tiles; video VAEs decode causally "
-                   "chunk by chunk with a temporal cache per tile (memory flat in frames).")
+                   "the untiled decode's image -- else in overlapping feathered tiles; Wan 2.1 / Qwen-Image and "
+                   "Wan 2.2 run every stage over the whole frame in bands of rows with the VAE's own causal "
+                   "chunking (the untiled decode's frames); other video VAEs decode causally chunk by chunk with a "
+                   "temporal cache per tile (memory flat in frames).")
 
     def decode(self, samples, vae, memory_budget_gb=0.0, overlap=0, temporal_chunk=0, temporal_overlap=0,
                seam_mode=AUTO):
@@ -202,10 +214,13 @@ class MetalVAEEncodeTiled:
 
     RETURN_TYPES = ("LATENT",)
     FUNCTION = "encode"
+    VALIDATE_INPUTS = classmethod(_validate_seam_mode)
     CATEGORY = "Comfy Metal/VAE"
-    DESCRIPTION = ("Encodes within a memory budget: overlapping feathered tiles run the encoder's full-resolution "
-                   "levels; the rest of the encoder (its mid block's attention included) runs once over the whole "
-                   "image (SD/SDXL/Flux/SD3 KL VAEs; others tile the whole encoder).")
+    DESCRIPTION = ("Encodes within a memory budget: KL VAEs run the down path stage by stage over the whole image "
+                   "where the budget holds it, else overlapping feathered tiles run the encoder's full-resolution "
+                   "levels and the rest of the encoder once over the whole image; Wan 2.1 / Qwen-Image and Wan 2.2 "
+                   "encode stage by stage over the whole frame with the VAE's own causal chunking; other VAEs tile "
+                   "the whole encoder.")
 
     def encode(self, pixels, vae, memory_budget_gb=0.0, overlap=0, temporal_chunk=0, temporal_overlap=0,
                seam_mode=AUTO):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import Tile
+from .tiles import Tile
 
 # ---------------------------------------------------------------- shared GroupNorm statistics
 

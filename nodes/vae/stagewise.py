@@ -168,7 +168,7 @@ class _Buffer:
     readonly = False
 
     def write(self, r0, r1, band):
-        if self.t.dtype == torch.float16 and band.numel() and float(band.abs().max()) >= 60000.0:
+        if self.t.dtype == torch.float16 and band.numel() and max(abs(float(v)) for v in torch.aminmax(band)) >= 60000.0:
             # Every row, not only those written so far: an in-place ResNet stage writes into its own input
             # buffer, whose rows below this band still hold the fp16 input that later bands read.
             bf = self.t.view(torch.bfloat16)

@@ -243,21 +243,21 @@ def test_grouped_gemm_kernel_in_emulator(emu_lib, E, N, K, counts, wkind, xdt, s
     assert got.shape == want.shape == (P, N)
     if P:
         assert (got - want).abs().max().item() <= 1e-4 * (1 + want.abs().max().item())
-    te, tr0, tn = moe.tile_table(offsets, P)
-    assert int(tn.sum()) == P and te.shape[0] == -(-P // moe.TILE) + E
 
 
 @needs_clang
+@pytest.mark.parametrize("K", [3, 16, 512])
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
-def test_fp8_banks_decode_every_code_exactly_in_emulator(emu_lib, fmt):
-    """All 256 byte codes as weights, x one-hot: both kernels output each code's value exactly (the
-    shared integer decoders of common.metal): subnormals, max finite, e5m2 infinities and NaNs."""
+def test_fp8_banks_decode_every_code_exactly_in_emulator(emu_lib, fmt, K):
+    """All 256 byte codes as weights, x one-hot: both kernels output each code's value exactly (fp8.h's
+    decode through half bits): subnormals, max finite, e5m2 infinities and NaNs. K = 3 takes the
+    element-wise kernels, K = 16 the grouped GEMM's 16-byte staging and the expert GEMV's 8-byte loads, K = 512
+    the expert GEMV's 16-byte loads (the code inside a chunk, not at its start)."""
     codes = torch.arange(256, dtype=torch.uint8)
-    K = 3
     w = torch.zeros(1, 256, K, dtype=torch.uint8)
-    w[0, :, 1] = codes
+    w[0, :, K // 3] = codes
     x = torch.zeros(2, K)
-    x[:, 1] = 1.0
+    x[:, K // 3] = 1.0
     want = codes.view(torch.float8_e4m3fn if fmt == "e4m3fn" else torch.float8_e5m2).float()
     one = torch.tensor([2], dtype=torch.int32)
     for got in (moe.moe_experts_gemm_metal(emu_lib, x, torch.zeros(2, dtype=torch.int64), w, fmt=fmt),
@@ -295,3 +295,103 @@ def test_self_checks_pass_in_emulator(emulator_backend):
     for name in ("moe_route", "moe_experts_gemm", "moe_grouped_gemm"):
         backend, reason = dispatch.choose(REGISTRY[name], torch.device("cpu"))
         assert backend == "emulator", reason
+
+
+# ------------------------------------------------------------------------- tail paths of the kernels
+
+def _fp8_bank(E, N, K, fmt, gen):
+    f8 = torch.float8_e4m3fn if fmt == "e4m3fn" else torch.float8_e5m2
+    return torch.randn(E, N, K, generator=gen).to(f8).view(torch.uint8)
+
+
+def _close(got, want):
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-4 * (1 + want.abs().max().item())
+
+
+@needs_clang
+def test_grouped_gemm_finds_tiles_over_several_passes_of_experts(emu_lib):
+    """More experts than the 128 threads that search the tile table in one pass (300: three passes), most
+    of them empty, the used ones of 1 to 40 rows; the 16-byte path with a K tail (K = 48) and N over two
+    column tiles."""
+    gen = torch.Generator().manual_seed(21)
+    E, N, K = 300, 70, 48
+    counts = torch.zeros(E, dtype=torch.int64)
+    used = torch.tensor([0, 1, 127, 128, 129, 200, 255, 256, 299])
+    counts[used] = torch.tensor([3, 1, 40, 2, 33, 1, 7, 32, 5])
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    w = _fp8_bank(E, N, K, "e4m3fn", gen)
+    xs = torch.randn(int(counts.sum()), K, generator=gen).to(torch.bfloat16)
+    scale = torch.rand(E, N, generator=gen) + 0.5
+    got = moe.moe_grouped_gemm_metal(emu_lib, xs, offsets, w, scale, fmt="e4m3fn")
+    _close(got, moe.moe_grouped_gemm_reference(xs, offsets, w, scale, fmt="e4m3fn"))
+
+
+@needs_clang
+@pytest.mark.parametrize("kernel", ["pairs", "grouped"])
+def test_unaligned_banks_and_rows_take_the_elementwise_kernels(emu_lib, kernel):
+    """A bank memory-mapped at an odd byte offset and activation rows at an odd element offset (K a
+    multiple of 16, so only the alignment rules the 16-byte kernels out): same results as aligned data."""
+    gen = torch.Generator().manual_seed(22)
+    E, N, K, P = 3, 9, 64, 6
+    store = torch.randint(0, 256, (E * N * K + 1,), generator=gen, dtype=torch.uint8) & 0xBF
+    w = store[1:].view(E, N, K)
+    assert w.data_ptr() % 16
+    xstore = torch.randn(P * K + 1, generator=gen).half()
+    x = xstore[1:].view(P, K)
+    experts = torch.tensor([2, 0, 0, 1, 1, 1])
+    if kernel == "pairs":
+        got = moe.moe_experts_gemm_metal(emu_lib, x, experts, w, fmt="e5m2")
+        want = moe.moe_experts_gemm_reference(x, experts, w, fmt="e5m2")
+        aligned = moe.moe_experts_gemm_metal(emu_lib, x.clone(), experts, w.clone(), fmt="e5m2")
+    else:
+        offsets = torch.tensor([2, 5, 6], dtype=torch.int32)
+        got = moe.moe_grouped_gemm_metal(emu_lib, x, offsets, w, fmt="e5m2")
+        want = moe.moe_grouped_gemm_reference(x, offsets, w, fmt="e5m2")
+        aligned = moe.moe_grouped_gemm_metal(emu_lib, x.clone(), offsets, w.clone(), fmt="e5m2")
+    _close(got, want)
+    torch.testing.assert_close(got, aligned, atol=1e-5, rtol=1e-5)
+
+
+@needs_clang
+@pytest.mark.parametrize("rows,E,K", [(3, 1000, 32), (2, 64, 1), (5, 33, 32), (4, 31, 31)])
+def test_route_kernel_lane_slots_and_top_k_limits(emu_lib, rows, E, K):
+    """Every expert a lane holds up to 32 (E = 1000), a pick per lane up to 32, E one past a lane slot."""
+    gen = torch.Generator().manual_seed(rows + E + K)
+    x = torch.stack([torch.randperm(E, generator=gen).float() * 0.01 - 2 for _ in range(rows)])
+    assert moe._route_compare(moe.moe_route_metal(emu_lib, x, K), moe.moe_route_reference(x, K)) is None
+
+
+def test_grouped_linear_times_the_kernel_against_the_platform_path(monkeypatch):
+    """On MPS moe_grouped_linear asks measured_choice between the platform path (listed first: it wins ties)
+    and the grouped kernel, and runs the platform path when that was faster."""
+    gen = torch.Generator().manual_seed(23)
+    E, N, K = 4, 16, 32
+    w = _bank(E, N, K, gen)
+    e = torch.randint(0, E, (10, 2), generator=gen)
+    order, sorted_e, offsets = moe.moe_group(e, E)
+    xs = torch.randn(20, K, generator=gen)[order // 2]
+    asked = []
+
+    def fake_choice(kernel, shape_class, candidates, device, **kw):
+        asked.append((kernel, shape_class, list(candidates)))
+        return "platform"
+    monkeypatch.setattr(dispatch, "choose", lambda spec, device: ("metal", "test"))
+    monkeypatch.setattr(dispatch, "measuring_enabled", lambda device: True)
+    monkeypatch.setattr(dispatch, "measured_choice", fake_choice)
+    got = moe.moe_grouped_linear(xs, sorted_e, offsets, w)
+    assert asked == [("moe_grouped_gemm", ("linear", "torch.float32", (E, N, K), "torch.float32", 32),
+                      ["platform", "metal"])]
+    _close(got.float(), moe.moe_grouped_gemm_reference(xs, offsets, w))
+
+
+def test_expert_gemv_load_layout_keeps_the_lanes_busy():
+    """FP8 rows of 768 bytes (Qwen3-30B-A3B's down projection) take 8-byte loads (96 chunks: three whole lane
+    steps, not 1.5 of 16-byte chunks); 2048-byte rows and 16-bit rows keep 16-byte loads; unaligned banks and
+    x rows not of whole 16-byte pieces go element by element."""
+    assert moe.pair_layout(768, 1, 2, True) == "_vec8"
+    assert moe.pair_layout(24, 1, 2, True) == "_vec8"
+    assert moe.pair_layout(2048, 1, 2, True) == ""
+    assert moe.pair_layout(768, 2, 2, True) == ""
+    assert moe.pair_layout(768, 1, 2, False) == "_scalar"
+    assert moe.pair_layout(20, 1, 2, True) == "_scalar"

@@ -158,7 +158,7 @@ def test_shared_statistics_progress_total_is_fixed_from_the_first_report(decoder
     module = doctor_pipeline.tiny_decoder(0) if decoder == "doctor" else _TwiceNormed().eval()
     seen = []
     eng = vt.TiledVAE(vt.codec_from_fn(module, 8, module=module),
-                      vt.TilingOptions(budget_bytes=8 * 2**20, tile=8, overlap=4, shared_stats=True,
+                      vt.TilingOptions(budget_bytes=8 * 2**20, tile=8, overlap=4, seam="exact",
                                        progress=lambda done, total: seen.append((done, total))))
     eng.decode(torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0)))
     assert eng.info.tiles > 1 and eng.info.passes == eng.info.groupnorm_calls + 1
@@ -177,7 +177,7 @@ def test_kl_shared_statistics(kl_vae, kl_case):
     n_gn = sum(isinstance(m, torch.nn.GroupNorm) for m in kl_vae.decoder.modules())
     n_mid = sum(isinstance(m, torch.nn.GroupNorm) for m in kl_vae.decoder.mid_block.modules())
     # one tile: its statistics are the whole image's, so it decodes in one plain pass, untiled
-    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=48, shared_stats=True))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=48, seam="exact"))
     out = eng.decode(z)
     assert not eng.info.shared_stats and eng.info.passes == 1
     assert img_psnr(out, ref) >= 90
@@ -185,7 +185,7 @@ def test_kl_shared_statistics(kl_vae, kl_case):
     assert all("forward" not in m.__dict__ for m in kl_vae.modules())
     # several tiles
     feather = img_psnr(vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=12)).decode(z), ref)
-    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=12, shared_stats=True))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=12, seam="exact"))
     out = eng.decode(z)
     assert eng.info.tiles == 4 and eng.info.untiled_head
     assert eng.info.groupnorm_calls == n_gn - n_mid and eng.info.passes == n_gn - n_mid + 1
@@ -194,7 +194,7 @@ def test_kl_shared_statistics(kl_vae, kl_case):
     assert p >= 40.0 and p > feather + 3
     # without the block cache (every pass restarts from the latent): the same result up to the cache's
     # fp16 rounding
-    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=12, shared_stats=True, stats_cache=False))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=12, seam="exact", stats_cache=False))
     assert img_psnr(eng.decode(z), out) >= 60
     assert all("forward" not in m.__dict__ for m in kl_vae.modules())
 
@@ -214,19 +214,19 @@ def test_kl_shared_statistics_exact_without_attention():
     with torch.inference_mode():
         ref = vae.decode(z).sample
     codec = vt.codec_from_diffusers(vae)
-    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=24, shared_stats=True, stats_cache_half=False))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=24, seam="exact", stats_cache_half=False))
     out = eng.decode(z)
     assert eng.info.tiles == 4 and eng.info.untiled_head
     p = img_psnr(out, ref)
     # the default fp16 block cache: its rounding only
-    half = img_psnr(vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=24, shared_stats=True)).decode(z), ref)
+    half = img_psnr(vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=24, seam="exact")).decode(z), ref)
     print("fp16 cache PSNR", half)
     assert half >= 60.0
     feather = img_psnr(vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=24)).decode(z), ref)
     print("exact shared-statistics PSNR", p, "feather", feather)
     assert p >= 80.0 and feather < p - 20
     # a smaller overlap (halo 8 latent px, under the receptive field): still >= 40 dB
-    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=16, shared_stats=True))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=28, overlap=16, seam="exact"))
     assert img_psnr(eng.decode(z), ref) >= 40.0
 
 
@@ -239,7 +239,7 @@ def test_shared_statistics_groupnorm_gather_is_core_weighted():
     with torch.no_grad():
         ref = model(z)
     codec = vt.codec_from_fn(model, 1, module=model)
-    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=8, overlap=4, shared_stats=True, stats_cache_half=False))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=8, overlap=4, seam="exact", stats_cache_half=False))
     out = eng.decode(z)
     assert eng.info.tiles > 4 and eng.info.groupnorm_calls == 1
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
@@ -258,16 +258,16 @@ def test_kl_encode_matches_untiled(kl_vae):
     assert p >= 32.0
     # shared statistics through the encoder's GroupNorms (lock-step, cores at the pixel resolution); the
     # tiles run only the first down level(s), the rest of the encoder once over the whole image
-    eng = vt.TiledVAE(vt.codec_from_diffusers(kl_vae), vt.TilingOptions(tile=24, overlap=8, shared_stats=True))
+    eng = vt.TiledVAE(vt.codec_from_diffusers(kl_vae), vt.TilingOptions(tile=24, overlap=8, seam="exact"))
     p_shared = psnr(eng.encode(x), ref)
     print("encode shared-statistics PSNR", p_shared, "tiled stages", eng.info.tiled_stages)
-    assert eng.info.untiled_tail and eng.info.tiled_stages >= 1
+    assert eng.info.untiled_rest and eng.info.tiled_stages >= 1
     assert eng.info.groupnorm_calls == sum(isinstance(m, torch.nn.GroupNorm)
                                            for b in kl_vae.encoder.down_blocks[:eng.info.tiled_stages] for m in b.modules())
     assert p_shared >= 40.0 and p_shared > p
     # and with every GroupNorm of the encoder in lock-step (each tile runs the whole encoder)
-    eng = vt.TiledVAE(vt.codec_from_diffusers(kl_vae), vt.TilingOptions(tile=24, overlap=8, shared_stats=True,
-                                                                         untiled_tail=False))
+    eng = vt.TiledVAE(vt.codec_from_diffusers(kl_vae), vt.TilingOptions(tile=24, overlap=8, seam="exact",
+                                                                         untiled_rest=False))
     p_whole = psnr(eng.encode(x), ref)
     assert eng.info.groupnorm_calls == sum(isinstance(m, torch.nn.GroupNorm) for m in kl_vae.encoder.modules())
     print("encode shared statistics, whole encoder per tile", p_whole)
@@ -375,7 +375,7 @@ def test_shared_statistics_stay_within_the_budget(kl_vae):
     with vt.measure_peak(cpu) as untiled, torch.inference_mode():
         kl_vae.decode(z)
     budget = untiled["peak"] // 4
-    eng = vt.TiledVAE(vt.codec_from_diffusers(kl_vae), vt.TilingOptions(budget_bytes=budget, shared_stats=True))
+    eng = vt.TiledVAE(vt.codec_from_diffusers(kl_vae), vt.TilingOptions(budget_bytes=budget, seam="exact"))
     with vt.measure_peak(cpu) as tiled, torch.inference_mode():
         out = eng.decode(z)
     assert eng.info.tiles > 1 and eng.info.shared_stats
@@ -419,7 +419,7 @@ def test_shared_statistics_sequential_cache_keeps_one_block_per_tile(kl_vae, kl_
     z, _ = kl_case
     codec = vt.codec_from_diffusers(kl_vae)
     assert codec.sequential_blocks
-    opts = dict(tile=32, overlap=12, shared_stats=True, stats_cache_half=False)
+    opts = dict(tile=32, overlap=12, seam="exact", stats_cache_half=False)
     chain = vt.TiledVAE(codec, vt.TilingOptions(**opts, stats_cache_bytes=1 << 40))
     out = chain.decode(z)
     keep_all = vt.TiledVAE(dataclasses.replace(codec, sequential_blocks=False),
@@ -448,11 +448,11 @@ def test_attention_stays_under_the_mps_score_limit(kl_vae, kl_case, monkeypatch,
     Oracle: every score matrix the VAE's attention (diffusers' SDPA) really builds."""
     import logging
 
-    from comfy_metal.nodes.vae import engine
+    from comfy_metal.nodes.vae import planner
 
     limit = 300 ** 2                               # 1920 latent px -> tiles of at most 17 x 17 = 289 tokens
-    monkeypatch.setattr(engine, "_score_limited", lambda device: True)
-    monkeypatch.setattr(engine, "MPS_MAX_SCORE_ELEMENTS", limit)
+    monkeypatch.setattr(planner, "score_limited", lambda device: True)
+    monkeypatch.setattr(planner, "MPS_MAX_SCORE_ELEMENTS", limit)
     built = []
     real_sdpa = F.scaled_dot_product_attention
 
@@ -477,13 +477,13 @@ def test_mps_score_limit_counts_attention_over_frames(over_frames):
     AttnBlock on a 5-D tensor): 9 frames of 96x96 latent px are (9 * 96 * 96)^2 = 6.9e9 scores, past 2^31;
     Wan's runs frame by frame (9 sequences of 96 * 96 tokens: 7.6e8). The largest tile side is the last
     one under the limit."""
-    from comfy_metal.nodes.vae import engine
+    from comfy_metal.nodes.vae import planner
 
     codec = dataclasses.replace(vt.codec_from_fn(lambda z: z, 8), video=True, device=torch.device("mps"),
                                 attention_over_frames=over_frames)
-    eng = vt.TiledVAE(codec, vt.TilingOptions())
+    plans = planner.Planner(codec, vt.TilingOptions(), 1 << 30)
     x = torch.empty(1, 16, 9, 96, 96, device="meta")
-    assert eng._attention_fits(x, 96 * 96) is (not over_frames)
-    side = eng._attention_side(x)
+    assert plans.attention_fits(x, 96 * 96) is (not over_frames)
+    side = plans.attention_side(x)
     scores = (lambda s: (9 * s * s) ** 2) if over_frames else (lambda s: 9 * (s * s) ** 2)
-    assert scores(side) < engine.MPS_MAX_SCORE_ELEMENTS <= scores(side + 1), side
+    assert scores(side) < planner.MPS_MAX_SCORE_ELEMENTS <= scores(side + 1), side

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from comfy_metal.nodes import vae as vt
 from comfy_metal.nodes.common.quality import psnr as psnr_db
-from comfy_metal.nodes.vae import engine, stagewise
+from comfy_metal.nodes.vae import planner, stagewise
 
 
 def img_psnr(a, b):
@@ -116,7 +116,7 @@ def test_budget_decode_runs_stagewise_within_the_budget(kl):
     with vt.measure_peak(cpu) as untiled, torch.inference_mode():
         vae.decode(z)
     budget = untiled["peak"] // 2
-    eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, shared_stats=True))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, seam="exact"))
     with vt.measure_peak(cpu) as m, torch.inference_mode():
         out = eng.decode(z)
     info = eng.info
@@ -142,10 +142,10 @@ def test_lockstep_output_does_not_depend_on_the_cache_limit(kl):
     plan cached, a cache too small for one block per tile, and no cache give the same output."""
     vae, codec, z, ref = kl
     codec = _lockstep_codec(codec)
-    opts = dict(tile=24, overlap=12, shared_stats=True, stats_cache_half=False)
+    opts = dict(tile=24, overlap=12, seam="exact", stats_cache_half=False)
     full = vt.TiledVAE(codec, vt.TilingOptions(**opts, stats_cache_bytes=1 << 40))
     want = full.decode(z)
-    assert full.info.tiles > 1 and full.info.scheme == ""
+    assert full.info.tiles > 1 and full.info.scheme == "tiles"
     tiny = vt.TiledVAE(codec, vt.TilingOptions(**opts, stats_cache_bytes=full.info.stats_cache_peak // 8))
     torch.testing.assert_close(tiny.decode(z), want, atol=1e-5, rtol=0)
     assert tiny.info.blocks_computed > full.info.blocks_computed
@@ -161,10 +161,10 @@ def test_lockstep_with_the_exact_overlap_matches_untiled(kl):
     same tiles is visibly worse."""
     vae, codec, z, ref = kl
     codec = _lockstep_codec(codec)
-    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=32, shared_stats=True))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=32, seam="exact"))
     p = img_psnr(eng.decode(z), ref)
-    assert eng.info.overlap == engine.EXACT_OVERLAP and eng.info.tiles > 1
-    small = vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=vt.default_overlap(8), shared_stats=True))
+    assert eng.info.overlap == planner.EXACT_OVERLAP and eng.info.tiles > 1
+    small = vt.TiledVAE(codec, vt.TilingOptions(tile=32, overlap=vt.default_overlap(8), seam="exact"))
     q = img_psnr(small.decode(z), ref)
     print("lock-step exact overlap", p, "dB; overlap", small.info.overlap, q, "dB")
     assert p >= 60 and p > q
@@ -183,19 +183,18 @@ def test_lockstep_planner_fallback_is_still_exact(kl, monkeypatch, caplog):
         ref = vae.decode(z).sample
 
     def calibrate(self, fn, sample, encode=False, budget=None):
-        self.info.calibration = {"points": [], "a": 0.0, "b": 1000.0}
-        return 0.0, 1000.0
+        return {"points": [], "a": 0.0, "b": 1000.0}
 
-    monkeypatch.setattr(engine.TiledVAE, "calibrate", calibrate)
-    monkeypatch.setattr(engine.TiledVAE, "_head_peak", lambda self, x: 0)
-    monkeypatch.setattr(engine.TiledVAE, "_cache_bytes_per_px", lambda self, fn, x, encode: 1e12)
+    monkeypatch.setattr(planner.Planner, "calibrate", calibrate)
+    monkeypatch.setattr(planner.Planner, "peak_of_area", lambda self, x, fn, area=None, unit=1: 0)
+    monkeypatch.setattr(planner.Planner, "cache_bytes_per_px", lambda self, fn, x, encode: 1e12)
     head_bytes = 20 * 72 * 64 * 4
-    eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=(1 << 20) + head_bytes, shared_stats=True))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=(1 << 20) + head_bytes, seam="exact"))
     with caplog.at_level(logging.WARNING, logger="comfy_metal"):
         out = eng.decode(z)
     assert "does not fit" in caplog.text and "not exact" not in caplog.text
     assert eng.info.shared_stats and eng.info.untiled_head and eng.info.tiles == 2
-    assert eng.info.overlap == engine.EXACT_OVERLAP
+    assert eng.info.overlap == planner.EXACT_OVERLAP
     p = img_psnr(out, ref)
     print("lock-step fallback plan PSNR", p, "tile", eng.info.tile_shape)
     assert p >= 60
@@ -211,7 +210,7 @@ def small(kl):
     return codec, torch.randn(1, 4, 12, 20)
 
 
-def _auto(codec, z, monkeypatch, exact_work, feather_work, feather_tile=8, fits=True):
+def _auto(codec, z, monkeypatch, exact_work, feather_work, feather_tile=8, fits=True, comfy_work=3.0):
     real_plan = stagewise.StagewiseDecode.plan
 
     def plan(self, shape, budget):
@@ -219,24 +218,35 @@ def _auto(codec, z, monkeypatch, exact_work, feather_work, feather_tile=8, fits=
         return dataclasses.replace(p, work=exact_work) if fits else None
 
     monkeypatch.setattr(stagewise.StagewiseDecode, "plan", plan)
-    monkeypatch.setattr(engine.TiledVAE, "_tile_for_budget", lambda self, fn, x, budget, h, w, encode=False: feather_tile)
-    monkeypatch.setattr(engine.TiledVAE, "_feather_work", lambda self, tile, h, w: feather_work)
-    eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=1 << 30, shared_stats=None))
+    monkeypatch.setattr(planner.Planner, "tile_for_budget",
+                        lambda self, p, fn, x, budget, h, w, encode=False: feather_tile)
+    monkeypatch.setattr(planner.Planner, "feather_work", lambda self, tile, h, w, exact=False: feather_work)
+    monkeypatch.setattr(planner, "comfy_tiled_work", lambda codec, shape, encode: comfy_work)
+    eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=1 << 30, seam="auto"))
     eng.decode(z)
     return eng.info
 
 
-def test_auto_picks_exact_within_1_3x_of_feathers_time(small, monkeypatch):
+def test_auto_picks_exact_unless_slower_than_comfyui_tiled(small, monkeypatch):
+    """Exact whenever it fits and is not predicted slower than ComfyUI's tiled decode, even when feather's tiles
+    would be faster (the Flux-width case at ComfyUI's tiled peak: feather scores below ComfyUI)."""
     codec, z = small
-    info = _auto(codec, z, monkeypatch, exact_work=1.25, feather_work=1.0)
+    info = _auto(codec, z, monkeypatch, exact_work=2.5, feather_work=1.0, comfy_work=3.0)
     assert info.scheme == "stages" and info.mode == "exact (shared statistics)" and info.auto.startswith("auto: exact")
+    assert "ComfyUI tiled 3.00" in info.auto
 
 
-def test_auto_picks_feather_when_exact_costs_more(small, monkeypatch):
+def test_auto_picks_exact_when_faster_than_feather(small, monkeypatch):
     codec, z = small
-    info = _auto(codec, z, monkeypatch, exact_work=1.4, feather_work=1.0)
-    assert info.scheme == "" and info.mode.startswith("feather, overlap") and info.tile == 8
-    assert info.auto.startswith("auto: feather") and "1.40 passes" in info.auto
+    info = _auto(codec, z, monkeypatch, exact_work=1.2, feather_work=1.3, comfy_work=1.0)
+    assert info.scheme == "stages" and info.auto.startswith("auto: exact")
+
+
+def test_auto_picks_feather_when_exact_is_slower_than_comfyui_and_feather(small, monkeypatch):
+    codec, z = small
+    info = _auto(codec, z, monkeypatch, exact_work=3.5, feather_work=1.0, comfy_work=3.0)
+    assert info.scheme == "tiles" and info.mode.startswith("feather, overlap") and info.tile == 8
+    assert info.auto.startswith("auto: feather") and "3.50 passes" in info.auto
 
 
 def test_auto_picks_feather_when_exact_does_not_fit(small, monkeypatch):
@@ -264,9 +274,9 @@ def test_node_reports_the_mode_in_its_log_line_and_badge(kl, caplog):
     from comfy_metal.nodes import status
     from comfy_metal.nodes.vae.nodes import AUTO, EXACT, FEATHER, SEAM_MODES, MetalVAEDecodeTiled
 
-    assert SEAM_MODES[0] == AUTO and {"feather", "feather + shared statistics"} == {FEATHER, EXACT}
+    assert SEAM_MODES == [AUTO, FEATHER, EXACT] == ["auto", "feather", "exact"]
     choices, opts = MetalVAEDecodeTiled.INPUT_TYPES()["required"]["seam_mode"]
-    assert choices == SEAM_MODES and opts["default"] == AUTO and "1.3x" in opts["tooltip"]
+    assert choices == SEAM_MODES and opts["default"] == AUTO and "ComfyUI's own tiled decode" in opts["tooltip"]
     vae_model, codec, z, ref = kl
     vae = types.SimpleNamespace(first_stage_model=vae_model, latent_dim=2, latent_channels=4, device="cpu",
                                 vae_dtype=torch.float32, output_device=torch.device("cpu"),
@@ -287,3 +297,28 @@ def test_node_reports_the_mode_in_its_log_line_and_badge(kl, caplog):
     (images,) = MetalVAEDecodeTiled().decode({"samples": z}, vae, memory_budget_gb=0.02, seam_mode=FEATHER)
     records, _ = status.records_since(index)
     assert records[-1]["note"].startswith("feather, overlap") or records[-1]["note"] == "exact (one tile)"
+
+
+def test_saved_workflows_old_seam_mode_names_still_run(kl):
+    """A workflow saved when exact was called "feather + shared statistics" passes ComfyUI's input check (the
+    nodes' VALIDATE_INPUTS, which replaces the combo check for seam_mode) and runs exact; a name that never
+    existed is refused there with the list of modes."""
+    from comfy_metal.nodes.vae.nodes import LEGACY_SEAM_MODES, MetalVAEDecodeTiled, MetalVAEEncodeTiled, seam_mode
+
+    assert LEGACY_SEAM_MODES == {"feather + shared statistics": "exact"}
+    for node in (MetalVAEDecodeTiled, MetalVAEEncodeTiled):
+        assert node.VALIDATE_INPUTS(seam_mode="feather + shared statistics") is True
+        assert node.VALIDATE_INPUTS(seam_mode="auto") is True
+        assert "must be one of" in node.VALIDATE_INPUTS(seam_mode="sharp")
+    assert seam_mode("feather + shared statistics") == "exact" and seam_mode("feather") == "feather"
+    with pytest.raises(ValueError, match="must be one of"):
+        seam_mode("sharp")
+    vae_model, codec, z, ref = kl
+    vae = types.SimpleNamespace(first_stage_model=vae_model, latent_dim=2, latent_channels=4, device="cpu",
+                                vae_dtype=torch.float32, output_device=torch.device("cpu"),
+                                spacial_compression_decode=lambda: 8,
+                                process_output=lambda im: im.add_(1.0).div_(2.0).clamp_(0.0, 1.0))
+    old = MetalVAEDecodeTiled().decode({"samples": z}, vae, memory_budget_gb=0.02,
+                                       seam_mode="feather + shared statistics")[0]
+    new = MetalVAEDecodeTiled().decode({"samples": z}, vae, memory_budget_gb=0.02, seam_mode="exact")[0]
+    assert torch.equal(old, new)

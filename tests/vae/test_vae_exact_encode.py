@@ -10,7 +10,7 @@ import torch
 
 from comfy_metal.nodes import vae as vt
 from comfy_metal.nodes.common.quality import psnr
-from comfy_metal.nodes.vae.encode_rest import _chain
+from comfy_metal.nodes.vae.planner import chain as _chain
 from comfy_metal.nodes.vae.stagewise_encode import StagewiseEncode
 
 
@@ -69,15 +69,15 @@ def test_budget_encode_runs_stagewise_within_the_budget(kl):
     with vt.measure_peak(cpu) as untiled, torch.no_grad():
         vae.encode(x)
     budget = int(untiled["peak"] * 0.8)
-    for shared in (True, None):
-        eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, shared_stats=shared))
+    for shared in ("exact", "auto"):
+        eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, seam=shared))
         with vt.measure_peak(cpu) as m, torch.no_grad():
             out = eng.encode(x)
         info = eng.info
         print("stage-wise encode at 0.8x the untiled peak:", _lat_psnr(out, ref), "dB; peak", m["peak"],
               "predicted", info.expected_peak, "budget", budget, info.auto)
         assert info.scheme == "stages" and info.passes == 1 and info.mode == "exact (shared statistics)"
-        assert (shared is None) == info.auto.startswith("auto: exact")
+        assert (shared == "auto") == info.auto.startswith("auto: exact")
         assert _lat_psnr(out, ref) >= 60
         assert m["peak"] <= budget
         assert 0.5 * info.expected_peak <= m["peak"] <= 1.15 * info.expected_peak
@@ -85,7 +85,7 @@ def test_budget_encode_runs_stagewise_within_the_budget(kl):
 
 def test_auto_encodes_in_tiles_when_the_stages_do_not_fit(kl):
     vae, codec, x, ref = kl
-    eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=1 << 20, shared_stats=None))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=1 << 20, seam="auto"))
     out = eng.encode(x)
-    assert eng.info.scheme == "" and eng.info.tiles > 1 and out.shape == ref.shape
+    assert eng.info.scheme == "tiles" and eng.info.tiles > 1 and out.shape == ref.shape
     assert eng.info.auto.startswith("auto: feather") and not eng.info.shared_stats

@@ -109,7 +109,7 @@ def test_cost_model_predicts_the_measured_peak(widths):
     excluded as the budget excludes it), at several budgets and two VAE widths; and it uses the budget:
     the tile peak fills at least half of it."""
     from comfy_metal.nodes import vae as vt
-    from comfy_metal.nodes.vae.engine import CPU_WORKSPACE_FACTOR
+    from comfy_metal.nodes.vae.planner import CPU_WORKSPACE_FACTOR
 
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4,
@@ -137,7 +137,7 @@ def test_encode_cost_model_predicts_the_measured_peak(widths):
     the tiles, or the tail with its input) is within +-15% of the measured peak of the whole encode (the
     latent output excluded), at two budgets and two widths, and the plan uses the budget (at least half)."""
     from comfy_metal.nodes import vae as vt
-    from comfy_metal.nodes.vae.engine import CPU_WORKSPACE_FACTOR
+    from comfy_metal.nodes.vae.planner import CPU_WORKSPACE_FACTOR
 
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4,
@@ -152,6 +152,6 @@ def test_encode_cost_model_predicts_the_measured_peak(widths):
         predicted = eng.info.expected_peak / CPU_WORKSPACE_FACTOR     # the model in tracked bytes
         print(widths, budget >> 20, "MiB:", eng.info.tiles, "tiles", eng.info.tile_shape, "predicted",
               predicted / 2**20, "measured", measured / 2**20)
-        assert eng.info.tiles > 1 and eng.info.untiled_tail and not eng.info.over_budget
+        assert eng.info.tiles > 1 and eng.info.untiled_rest and not eng.info.over_budget
         assert abs(measured / predicted - 1) <= 0.15, (measured, predicted)
         assert eng.info.expected_peak >= budget * 0.5

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from comfy_metal.nodes import vae as vt
-from comfy_metal.nodes.vae.engine import MIN_TILE
+from comfy_metal.nodes.vae.planner import MIN_TILE
 from comfy_metal.nodes.common.quality import psnr
 
 
@@ -99,14 +99,14 @@ def test_batch_of_latents_decodes_each_as_alone(small_kl):
     z = torch.randn(3, 4, 20, 28)
     with torch.no_grad():
         ref = small_kl.decode(z).sample
-    for shared in (False, True):
-        opt = dict(tile=16, overlap=8, shared_stats=shared, stats_cache_half=False)
+    for shared in ("feather", "exact"):
+        opt = dict(tile=16, overlap=8, seam=shared, stats_cache_half=False)
         out = vt.TiledVAE(codec, vt.TilingOptions(**opt)).decode(z)
         assert out.shape == ref.shape
         for i in range(3):
             alone = vt.TiledVAE(codec, vt.TilingOptions(**opt)).decode(z[i:i + 1])
             torch.testing.assert_close(out[i:i + 1], alone, atol=1e-4, rtol=0)
-        if shared:
+        if shared == "exact":
             assert min(_img_psnr(out[i], ref[i]) for i in range(3)) >= 45.0
 
 
@@ -116,8 +116,8 @@ def test_one_by_one_latent(small_kl):
     z = torch.randn(1, 4, 1, 1)
     with torch.no_grad():
         ref = small_kl.decode(z).sample
-    for shared in (False, True):
-        eng = vt.TiledVAE(codec, vt.TilingOptions(shared_stats=shared))
+    for shared in ("feather", "exact"):
+        eng = vt.TiledVAE(codec, vt.TilingOptions(seam=shared))
         out = eng.decode(z)
         assert out.shape == ref.shape == (1, 3, 2, 2) and eng.info.tiles == 1
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
@@ -161,12 +161,12 @@ def test_encode_rest_out_of_memory_encodes_again_with_whole_encoder_tiles(small_
     with caplog.at_level(logging.WARNING, logger="comfy_metal"):
         out = eng.encode(x)
     assert "untiled rest ran out of memory" in caplog.text
-    assert eng.info.retries == 1 and not eng.info.untiled_tail and eng.info.tiles > 1
+    assert eng.info.retries == 1 and not eng.info.untiled_rest and eng.info.tiles > 1
     assert torch.equal(x, before) and out.shape == ref.shape
     whole = vt.TiledVAE(codec, vt.TilingOptions(tile=8, overlap=4, calibrate=False, budget_bytes=1 << 30,
-                                                untiled_tail=False)).encode(x)
+                                                untiled_rest=False)).encode(x)
     torch.testing.assert_close(out, whole)               # the whole-encoder tiles, as if asked for them
     # the same engine without the simulated failure runs the rest untiled
     eng = vt.TiledVAE(codec, vt.TilingOptions(tile=8, overlap=4, calibrate=False, budget_bytes=1 << 30))
     eng.encode(x)
-    assert eng.info.untiled_tail and rest is codec.encode_stages[-1]
+    assert eng.info.untiled_rest and rest is codec.encode_stages[-1]

@@ -6,7 +6,10 @@ Tables:
    (hit experts found with nonzero, one .item() per expert), with the host syncs each makes.
 2. A small whole Qwen3-MoE model: prefill tokens/s and greedy decode tokens/s, the pack vs
    transformers' Qwen3MoeForCausalLM with the same random weights.
-3. Decode of a Qwen3-30B-A3B shaped model (hidden 2048, 32/4 heads of 128, 128 experts top-8 of 768;
+3. Prefill experts at Qwen3-30B-A3B widths (MPS only): the pack's grouped GEMM kernel against the platform
+   path it is measured against at run time (torch._grouped_mm, FP8 banks decoded first), per projection, in
+   bf16 and FP8 banks: ms, TFLOP/s and the ratio.
+4. Decode of a Qwen3-30B-A3B shaped model (hidden 2048, 32/4 heads of 128, 128 experts top-8 of 768;
    fewer layers, reported per layer) in bf16 and FP8 experts: tokens/s, ms per layer, the weight
    bytes a token reads, the bandwidth that implies and its fraction of the memory roofline (the
    device's measured copy bandwidth). On CPU the full shape runs only without --quick.
@@ -187,10 +190,46 @@ def _qwen30b_table(quick: bool, device) -> Table | None:
     return t
 
 
+def _grouped_table(quick: bool, device) -> Table:
+    from ....metal_kernels import dispatch, moe
+
+    E, H, I, K = 128, 2048, 768, 8
+    T = 128 if quick else 512
+    t = Table(f"Prefill experts at Qwen3-30B-A3B widths on {device.type}: {T} tokens x top-{K} of {E} experts, "
+              f"hidden {H}, expert width {I}",
+              ["bank", "projection", "rows", "grouped kernel ms", "platform ms", "kernel TFLOP/s", "platform / kernel"])
+    if device.type != "mps":
+        t.add("the Metal kernel runs on MPS only; its prediction: python -m comfy_metal bench --predict --only moe_grouped",
+              *[""] * 6)
+        return t
+    lib = dispatch.compile_library("metal")
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    experts = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(device)
+    order, sorted_e, offsets = moe.moe_group(experts, E)
+    P = T * K
+    for label, fmt in (("bf16", None), ("fp8 e4m3fn", "e4m3fn")):
+        for proj, n, k in (("gate+up", 2 * I, H), ("down", H, I)):
+            src = torch.randn(E, n, k, generator=gen) * 0.05
+            bank = src.to(torch.float8_e4m3fn).view(torch.uint8).to(device) if fmt else src.to(device, torch.bfloat16)
+            scale = (torch.rand(E, n, generator=gen) + 0.5).to(device) if fmt else None
+            xs = torch.randn(P, k, generator=gen).to(device, torch.bfloat16)
+            with torch.no_grad():
+                ms_k = median_seconds(lambda: moe.moe_grouped_gemm_metal(lib, xs, offsets, bank, scale, fmt=fmt),
+                                      device, repeat=5) * 1e3
+                ms_p = median_seconds(lambda: moe._platform_grouped_linear(xs, sorted_e, offsets, bank, scale, None,
+                                                                           fmt, torch.bfloat16), device, repeat=5) * 1e3
+            t.add(label, proj, P, ms_k, ms_p, 2 * P * n * k / ms_k / 1e9, f"{ms_p / ms_k:.2f}x")
+            del bank, xs
+    t.note = ("platform: torch._grouped_mm on the bank (FP8 banks decoded to bf16 first), else each row's weights "
+              "gathered; moe_grouped_linear times the two per shape class and runs the faster.")
+    return t
+
+
 def bench(quick: bool = False) -> list[Table]:
     device = bench_device()
     tables = [_layer_table(quick, device)]
     tables += _model_tables(quick, device)
+    tables.append(_grouped_table(quick, device))
     t = _qwen30b_table(quick, device)
     if t is not None:
         tables.append(t)

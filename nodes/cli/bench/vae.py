@@ -1,18 +1,18 @@
-"""bench: tiled low-memory VAE decode vs untiled and vs ComfyUI's VAEDecodeTiled (random weights, real shapes).
+"""bench: low-memory VAE decode and encode vs untiled and vs ComfyUI's tiled nodes (random weights, real shapes).
 
-One table per case; rows are decoders, measured one after another in this process:
-* SDXL: a 1024x1024 image latent (128x128x4) through a KL VAE of SDXL's widths (quick: 256x256).
-* Wan 2.2: ComfyUI's Wan 2.2 VAE at its real width (48 latent channels, 16x): 640x368 with 9 frames
-  (3 latent frames; the untiled reference fits) and one frame at 1280x720 (untiled is skipped when the
-  cost model, calibrated on this device, says it would not fit in free memory); needs ComfyUI
-  (COMFYUI_PATH).
+One table per case; rows are decoders (encoders), measured one after another in this process:
+* sdxl: a 1024x1024 image latent (128x128x4) through a KL VAE of SDXL's widths (quick: 256x256), ours at
+  ComfyUI's tile size.
+* peak / encode: SD- and Flux-width KL VAEs at a budget equal to ComfyUI's measured tiled peak, feather, exact
+  and auto side by side, decode and encode.
+* video: the causal 3-D VAEs at their real widths at ComfyUI tiled's measured peak -- a Qwen-Image frame
+  (Wan 2.1's VAE; decode and encode), a Wan 2.1 clip and a Wan 2.2 clip -- exact and auto, and the node's
+  default (auto budget); needs ComfyUI (COMFYUI_PATH).
 
-ComfyUI's VAEDecodeTiled runs with the node's defaults (512 px tiles, 64 px overlap; for video 64
-frames / 8 overlap), through the node itself when ComfyUI's nodes.py is importable. Ours runs at the
-same tile size, once with ComfyUI's overlap and once with our default overlap (the SD decoder needs
-~16 latent px for feather blending to hide the tiles' own GroupNorm statistics). Time = wall seconds
-of one decode; peak = bytes of live tensors allocated during it (weights excluded; CUDA: peak
-allocated); PSNR in dB against the untiled decode of the same VAE and latent.
+ComfyUI's VAEDecodeTiled / VAEEncodeTiled run with the nodes' defaults (512 px tiles, 64 px overlap; for
+video 64 frames / 8 overlap), through the nodes themselves when ComfyUI's nodes.py is importable. Time = wall
+seconds of one run; peak = bytes of live tensors allocated during it (weights excluded; CUDA: peak
+allocated); PSNR in dB against the untiled run of the same VAE and input.
 """
 from __future__ import annotations
 
@@ -35,8 +35,6 @@ COMFY_TEMPORAL, COMFY_TEMPORAL_OVERLAP = 64, 8
 # Model widths and latent sizes; tests shrink them.
 SDXL_WIDTHS = (128, 256, 512, 512)                  # SDXL's VAE block_out_channels
 SDXL_SIDE = {False: 128, True: 32}                   # latent side: 1024 px (quick: 256 px)
-WAN22_DIM = 160                                      # ComfyUI's Wan 2.2 VAE width (comfy/sd.py)
-WAN22_SIZES = {False: [(23, 40, 3), (45, 80, 1)], True: [(4, 6, 1)]}   # latent (h, w, t)
 COLUMNS = ["decoder", "tiles", "seconds", "peak", "PSNR dB", "time / ComfyUI tiled", "peak / ComfyUI tiled"]
 
 
@@ -147,9 +145,9 @@ class _Case:
         return out
 
 
-def _ours(case, label, codec, z, tile, overlap, shared_stats=False):
+def _ours(case, label, codec, z, tile, overlap, seam="feather"):
     # the tile is fixed; the auto budget only sizes shared statistics' block cache (a quarter of it)
-    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=tile, overlap=overlap, shared_stats=shared_stats))
+    eng = vt.TiledVAE(codec, vt.TilingOptions(tile=tile, overlap=overlap, seam=seam))
     case.run(label, lambda: eng.decode(z),
              tiles=lambda: "{} x {}x{} (ov {})".format(eng.info.tiles, *eng.info.tile_shape, eng.info.overlap))
     return eng
@@ -205,7 +203,7 @@ def _sdxl(quick, device, comfy_sd, AutoencoderKL, diffusers_problem) -> Table:
             case.note(f"ComfyUI rows n/a: {comfy_sd}")
         _ours(case, "ours, feather, ComfyUI's overlap", codec, z, tile, comfy_overlap)
         _ours(case, "ours, feather", codec, z, tile, vt.default_overlap(tile))
-        eng = _ours(case, "ours, shared GroupNorm stats", codec, z, tile, vt.default_overlap(tile), shared_stats=True)
+        eng = _ours(case, "ours, shared GroupNorm stats", codec, z, tile, vt.default_overlap(tile), seam="exact")
         case.note(f"Ours is one pass at ComfyUI's tile size (tiles shrunk to the shortest length covering the "
                   f"image). Shared stats runs all tiles in lock-step from one GroupNorm to the next "
                   f"({eng.info.passes} passes, each recomputing only the block holding that GroupNorm from each "
@@ -258,8 +256,8 @@ def _at_comfy_peak(quick, device, comfy_sd, AutoencoderKL, diffusers_problem) ->
                 continue
             budget = int(case.comfy[1])
             got, chose = {}, ""
-            for label, shared in (("feather", False), ("exact (shared statistics)", True), ("auto", None)):
-                eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, shared_stats=shared))
+            for label, seam in (("feather", "feather"), ("exact (shared statistics)", "exact"), ("auto", "auto")):
+                eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, seam=seam))
                 case.run(f"ours, budget = ComfyUI tiled peak, {label}", lambda: eng.decode(z),
                          tiles=lambda: _plan_cell(eng.info))
                 got[label] = case.table.rows[-1][4]
@@ -360,13 +358,13 @@ def _encode_at_comfy_peak(quick, device, comfy_sd, AutoencoderKL, diffusers_prob
                 continue
             budget = int(case.comfy[1])
             got, chose, tiled = {}, "", None
-            for label, shared in (("feather", False), ("exact (shared statistics)", True), ("auto", None)):
-                eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, shared_stats=shared))
+            for label, seam in (("feather", "feather"), ("exact (shared statistics)", "exact"), ("auto", "auto")):
+                eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=budget, seam=seam))
                 case.run(f"ours, budget = ComfyUI tiled peak, {label}", lambda: eng.encode(x),
                          tiles=lambda: _plan_cell(eng.info))
                 got[label] = case.table.rows[-1][4]
                 chose = eng.info.auto or chose
-                tiled = eng.info if shared is False else tiled
+                tiled = eng.info if seam == "feather" else tiled
             case.note(f"Budget = ComfyUI's measured tiled-encode peak ({human_bytes(budget)}). Latent PSNR vs the "
                       f"untiled encode (peak = its largest magnitude): feather {got.get('feather')} dB, exact "
                       f"{got.get('exact (shared statistics)')} dB, auto {got.get('auto')} dB ({chose}). Exact runs "
@@ -375,78 +373,134 @@ def _encode_at_comfy_peak(quick, device, comfy_sd, AutoencoderKL, diffusers_prob
                       + (f"Feather's tiles run the encoder's first {tiled.tiled_stages} of {len(codec.encode_stages) - 1} "
                          f"down levels, blended at their output resolution; the rest, its mid block (attention "
                          f"included), norm_out and conv_out run once over the whole image."
-                         if tiled is not None and tiled.untiled_tail else "Feather's tiles ran the whole encoder "
+                         if tiled is not None and tiled.untiled_rest else "Feather's tiles ran the whole encoder "
                          "(its rest did not fit untiled)."))
         except Exception as e:
             case.note(f"{name} encode case failed: {type(e).__name__}: {e}")
     return tables
 
 
-def _available_bytes():
-    try:
-        import psutil
+WAN21_DIM = 96                                       # Wan 2.1's / Qwen-Image's VAE width (comfy/sd.py reads it)
+WAN22_DIM, WAN22_DEC_DIM = 160, 256                  # ComfyUI's Wan 2.2 VAE (comfy/sd.py)
+# (title, VAE, latent (frames, h, w)) per case; quick: the same VAEs at their real widths, smaller frames
+VIDEO_CASES = {
+    False: [("Qwen-Image frame", "wan21", (1, 80, 80)), ("Wan 2.1 clip", "wan21", (3, 24, 32)),
+            ("Wan 2.2 clip", "wan22", (3, 8, 12))],
+    True: [("Qwen-Image frame", "wan21", (1, 10, 12)), ("Wan 2.1 clip", "wan21", (2, 4, 6)),
+           ("Wan 2.2 clip", "wan22", (2, 3, 4))],
+}
 
-        return psutil.virtual_memory().available
-    except Exception:
-        return None
 
+def _comfy_wan(comfy_sd, which, device):
+    """A ComfyUI VAE object (comfy.sd.VAE) of Wan 2.1 / Qwen-Image or Wan 2.2 at its real width, random weights."""
+    if which == "wan21":
+        import comfy.ldm.wan.vae as wan
 
-def _wan22(quick, device, comfy_sd) -> list[Table]:
-    if isinstance(comfy_sd, str):
-        t = Table("VAE decode, Wan 2.2", COLUMNS, note=f"Needs ComfyUI's Wan 2.2 VAE (set COMFYUI_PATH): {comfy_sd}")
-        return [t]
-    import comfy.ldm.wan.vae2_2 as wan22
+        model = wan.WanVAE(dim=WAN21_DIM, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                           temperal_downsample=[False, True, True])
+    else:
+        import comfy.ldm.wan.vae2_2 as wan
 
+        model = wan.WanVAE(dim=WAN22_DIM, dec_dim=WAN22_DEC_DIM, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                           attn_scales=[], temperal_downsample=[False, True, True])
     torch.manual_seed(0)
-    model = wan22.WanVAE(dim=WAN22_DIM, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-                         temperal_downsample=[False, True, True])       # ComfyUI's Wan 2.2 config (sd.py)
     vae = comfy_sd.VAE(sd=_random_sd(model), device=device, dtype=torch.float32)
     del model
-    fsm = vae.first_stage_model.to(device)
-    codec = vt.codec_from_comfy(vae)
+    vae.first_stage_model.to(device)
+    return vae
+
+
+def _quick_tiled(vae, z=None, pixels=None):
+    """ComfyUI's tiled decode/encode with its default tiles scaled to the quick sizes: 4/5 of the frame's side
+    with 1/8 of that overlap, as its 512 px tiles (64 px overlap) are to the full-size Qwen-Image frame."""
+    if z is not None:
+        tile = max(2, min(z.shape[-2], z.shape[-1]) * 4 // 5)
+        return vae.decode_tiled(z, tile_x=tile, tile_y=tile, overlap=max(1, tile // 8), tile_t=16,
+                                overlap_t=2).movedim(-1, 1) * 2 - 1
+    f = vae.spacial_compression_encode()
+    tile = max(2 * f, min(pixels.shape[1], pixels.shape[2]) * 4 // 5 // f * f)
+    return vae.encode_tiled(pixels, tile_x=tile, tile_y=tile, overlap=max(f, tile // 8 // f * f), tile_t=64,
+                            overlap_t=8)
+
+
+def _ours_at_peak(case, codec, run, budget):
+    """Our rows at ComfyUI tiled's peak (exact, auto), then the node's default (auto budget, seam auto); the
+    note gives the default's peak against ComfyUI's untiled one."""
+    chose, default = "", None
+    for label, seam, b in (("exact", "exact", budget), ("auto", "auto", budget), ("default (auto budget)", "auto", 0)):
+        eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=b, seam=seam))
+        prefix = "ours, budget = ComfyUI tiled peak, " if b else "ours, "
+        case.run(prefix + label, lambda: run(eng), tiles=lambda: _plan_cell(eng.info))
+        if b and seam == "auto":
+            chose = eng.info.auto
+        if not b and case.table.rows[-1][3]:
+            default = case.table.rows[-1][3]
+    return chose, default
+
+
+def _video_at_comfy_peak(quick, device, comfy_sd) -> list[Table]:
+    """The causal 3-D VAEs at ComfyUI tiled's measured peak: a Qwen-Image frame (Wan 2.1's VAE, decode and
+    encode), a Wan 2.1 clip and a Wan 2.2 clip (decode), each at the VAE's real width. Rows: ComfyUI's untiled
+    run (the PSNR reference), ComfyUI's tiled node at its defaults (the budget), ours exact and auto at that
+    budget, and ours at the node's default (auto budget)."""
     tables = []
-    for h, w, t in WAN22_SIZES[quick]:
-        case = _Case(f"VAE decode, Wan 2.2 {w * 16}x{h * 16}, {1 + 4 * (t - 1)} frame(s) (latent 48x{t}x{h}x{w}; "
-                     f"device {device.type}, random weights)", device)
-        try:
-            z = torch.randn(1, 48, t, h, w, device=device)
-            tile = 6 if quick else COMFY_TILE_PX // 16
-            comfy_overlap = 1 if quick else COMFY_OVERLAP_PX // 16
-            need = None
-            if device.type == "cpu":
-                probe = vt.TiledVAE(codec)
-                a, b = probe.calibrate(codec.decode_stream, z)
-                need = a + b * h * w
-            free = _available_bytes()
-            if need is not None and free is not None and need > 0.7 * free:
-                case.table.add("untiled (ComfyUI VAE.decode)", "1", "skipped", f"~{human_bytes(need)} predicted", "",
-                               "", "")
-                case.note(f"Untiled skipped: the cost model calibrated on this device predicts "
-                          f"{human_bytes(need)}, more than 70% of the {human_bytes(free)} free; no PSNR without it.")
-            else:
-                case.run("untiled (ComfyUI VAE.decode)", lambda: fsm.decode(z), "1", reference=True)
-            if quick:
-                case.run("ComfyUI tiled", lambda: vae.decode_tiled(z, tile_x=tile, tile_y=tile, overlap=comfy_overlap,
-                                                                    tile_t=16, overlap_t=2).movedim(-1, 1) * 2 - 1,
-                         f"{tile}x{tile} (ov {comfy_overlap})", inference=True, comfy=True)
-            else:
-                case.run("ComfyUI VAEDecodeTiled (defaults)", lambda: _comfy_tiled_decode(vae, z), _comfy_tiles(z, 16),
-                         inference=True, comfy=True)
-            _ours(case, "ours, ComfyUI's overlap", codec, z, tile, comfy_overlap)
-            _ours(case, "ours", codec, z, tile, vt.default_overlap(tile))
-            case.note("Ours decodes each spatial tile causally, chunk by chunk, with its own temporal cache.")
-        except Exception as e:
-            case.note(f"Wan 2.2 case failed: {type(e).__name__}: {e}")
-        tables.append(case.table)
+    if isinstance(comfy_sd, str):
+        return [Table("VAE decode/encode, Wan 2.1 / Qwen-Image / Wan 2.2", COLUMNS,
+                      note=f"Needs ComfyUI's Wan VAEs (set COMFYUI_PATH): {comfy_sd}")]
+    vaes = {}
+    for title, which, (t, h, w) in VIDEO_CASES[quick]:
+        vae = vaes.get(which) or vaes.setdefault(which, _comfy_wan(comfy_sd, which, device))
+        fsm = vae.first_stage_model
+        codec = vt.codec_from_comfy(vae)
+        f = codec.scale
+        frames = 1 + 4 * (t - 1)
+        zc = vae.latent_channels
+        encodes = [False, True] if t == 1 else [False]
+        for encode in encodes:
+            what = "encode" if encode else "decode"
+            case = _Case(f"VAE {what} at ComfyUI's tiled peak, {title} {w * f}x{h * f}, {frames} frame(s) "
+                         f"(latent {zc}x{t}x{h}x{w}; device {device.type}, random weights, real width)", device,
+                         ENCODE_COLUMNS if encode else COLUMNS, psnr=_latent_psnr if encode else None)
+            tables.append(case.table)
+            try:
+                torch.manual_seed(1)
+                if encode:
+                    pixels = _bench_image(h * f, w * f)
+                    x = vae.process_input(pixels.movedim(-1, 1)).movedim(1, 0).unsqueeze(0).to(device)
+
+                    case.run("untiled (ComfyUI encode)", lambda: fsm.encode(x), "1", reference=True)
+                    tiled = (lambda: _quick_tiled(vae, pixels=pixels)) if quick else \
+                        (lambda: _comfy_tiled_encode(vae, pixels, False))
+                    case.run("ComfyUI tiled" if quick else "ComfyUI VAEEncodeTiled (defaults)", tiled,
+                             "1 pass, 3-D tiles", inference=True, comfy=True)
+                    run = lambda eng: eng.encode(x)
+                else:
+                    x = torch.randn(1, zc, t, h, w, device=device)
+                    case.run("untiled (ComfyUI VAE.decode)", lambda: fsm.decode(x), "1", reference=True)
+                    tiled = (lambda: _quick_tiled(vae, z=x)) if quick else (lambda: _comfy_tiled_decode(vae, x))
+                    case.run("ComfyUI tiled" if quick else "ComfyUI VAEDecodeTiled (defaults)", tiled,
+                             _comfy_tiles(x, f), inference=True, comfy=True)
+                    run = lambda eng: eng.decode(x)
+                if not case.comfy:
+                    continue
+                untiled_peak = next((r[3] for r in case.table.rows if r[0].startswith("untiled")), "")
+                chose, default = _ours_at_peak(case, codec, run, int(case.comfy[1]))
+                case.note(f"Budget = ComfyUI's measured tiled {what} peak ({human_bytes(int(case.comfy[1]))}); auto: "
+                          f"{chose or '?'}. Exact runs every stage over the whole frame in bands of rows, chunk by "
+                          f"chunk in time with ComfyUI's own chunking and whole-frame causal caches. The default "
+                          f"row (auto budget) peaks at {default} against the untiled run's {untiled_peak}.")
+            except Exception as e:
+                case.note(f"{title} {what} case failed: {type(e).__name__}: {e}")
     return tables
 
 
-PARTS = ("sdxl", "peak", "encode", "wan")     # `bench --only vae:encode` runs one part
+PARTS = ("sdxl", "peak", "encode", "video")     # `bench --only vae:encode` runs one part ("wan": video)
 
 
 def bench(quick: bool = False, parts=None) -> list[Table]:
     """The VAE tables; `parts` (names from PARTS) picks some of them, default all."""
-    unknown = set(parts or ()) - set(PARTS)
+    parts = ["video" if p == "wan" else p for p in parts or ()]
+    unknown = set(parts) - set(PARTS)
     if unknown:
         raise ValueError(f"bench vae: unknown part(s) {sorted(unknown)}; known: {', '.join(PARTS)}")
     parts = set(parts or PARTS)
@@ -460,4 +514,4 @@ def bench(quick: bool = False, parts=None) -> list[Table]:
     args = (quick, device, comfy_sd, AutoencoderKL, diffusers_problem)
     return [*([_sdxl(*args)] if "sdxl" in parts else []), *(_at_comfy_peak(*args) if "peak" in parts else []),
             *(_encode_at_comfy_peak(*args) if "encode" in parts else []),
-            *(_wan22(quick, device, comfy_sd) if "wan" in parts else [])]
+            *(_video_at_comfy_peak(quick, device, comfy_sd) if "video" in parts else [])]

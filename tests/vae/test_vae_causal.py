@@ -1,0 +1,308 @@
+"""The causal 3-D video VAEs stage by stage over the whole frame (nodes/vae/causal.py) against ComfyUI's own
+untiled decode and encode of the same VAE object: Wan 2.1 (and the Qwen-Image image path: one frame through
+the nodes) and Wan 2.2, tiny and at their real widths (small frames), decode of 1, 5 and 21 latent frames,
+encode of 1 and 17; within the budget and the cost model's prediction; fp16/bf16; no 5-D F.pad on MPS.
+
+Real widths are sized small in every other dimension (frames of 24x32 to 32x48 px) so the file stays cheap
+on a 2-core CI machine; those tests carry the marker `heavy`."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from comfy_metal.nodes.common.quality import psnr
+from vae_weights import vae_state_dict
+
+CPU = torch.device("cpu")
+
+
+
+def _wan21(dim, seed=1, dtype=None):
+    """comfy.sd.VAE of a Wan 2.1 / Qwen-Image VAE (ComfyUI reads the width from the state dict)."""
+    import comfy.sd
+    from comfy.ldm.wan.vae import WanVAE
+
+    model = WanVAE(dim=dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                   temperal_downsample=[False, True, True])
+    return comfy.sd.VAE(sd=vae_state_dict(model, seed), dtype=dtype)
+
+
+def _wan22(dim, dec_dim, seed=2):
+    """comfy.sd.VAE of a Wan 2.2 VAE (48 channels, 16x). comfy.sd builds it at the real width (160 / 256);
+    narrower ones go through a narrowed constructor, the detection and everything else ComfyUI's."""
+    import comfy.ldm.wan.vae2_2 as wan22
+    import comfy.sd
+
+    real = wan22.WanVAE
+    model = real(dim=dim, dec_dim=dec_dim, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                 temperal_downsample=[False, True, True])
+    sd = vae_state_dict(model, seed)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(wan22, "WanVAE", lambda **cfg: real(**{**cfg, "dim": dim, "dec_dim": dec_dim}))
+        vae = comfy.sd.VAE(sd=sd)
+    assert vae.latent_channels == 48 and vae.spacial_compression_decode() == 16
+    return vae
+
+
+@pytest.fixture(scope="module")
+def wan21(comfyui):
+    return _wan21(8)
+
+
+@pytest.fixture(scope="module")
+def wan22(comfyui):
+    return _wan22(8, 8)
+
+
+def _run(vae, x, budget, encode=False, seam="exact"):
+    """Our run of `x` at `budget` bytes: (output, RunInfo, tracked peak bytes with the output excluded)."""
+    from comfy_metal.nodes import vae as vt
+
+    codec = vt.codec_from_comfy(vae)
+    eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=int(budget), seam=seam))
+    with vt.measure_peak(CPU) as m, torch.no_grad():
+        out = eng.encode(x) if encode else eng.decode(x)
+    return out, eng.info, m["peak"] - out.numel() * out.element_size()
+
+
+def _plan(vae, x, encode=False):
+    """The stage plan at an unlimited budget (full-frame bands) and the codec's program."""
+    from comfy_metal.nodes import vae as vt
+    from comfy_metal.nodes.vae.causal import CausalStages
+
+    codec = vt.codec_from_comfy(vae)
+    prog = codec.encode_program if encode else codec.decode_program
+    return CausalStages(prog, codec.device, codec.dtype).plan(tuple(x.shape), 1 << 50), prog
+
+
+def _budget(vae, x, encode, store=torch.float32):
+    """The largest budget under the unbanded plan whose plan has bands and buffers in `store`."""
+    from comfy_metal.nodes import vae as vt
+    from comfy_metal.nodes.vae.causal import CausalStages
+    from comfy_metal.nodes.vae.planner import CPU_WORKSPACE_FACTOR, HEADROOM
+
+    full, prog = _plan(vae, x, encode)
+    codec = vt.codec_from_comfy(vae)
+    runner = CausalStages(prog, codec.device, codec.dtype, CPU_WORKSPACE_FACTOR)
+    for share in (0.8, 0.65, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1):
+        budget = int(full.peak * CPU_WORKSPACE_FACTOR * share / HEADROOM)
+        p = runner.plan(tuple(x.shape), budget * HEADROOM)
+        if p is not None and p.store_dtype == store and p.work > 1.0:
+            return budget, p, prog
+    raise AssertionError(f"no banded plan with {store} buffers")
+
+
+def _check(vae, x, ref, encode, store=torch.float32):
+    """Stage by stage at a budget that needs bands: exact to fp32 rounding against ComfyUI's untiled run (fp32
+    buffers; fp16 ones: >= 60 dB), the measured peak within the budget and within 15% of the plan's prediction
+    (in the tracked bytes it predicts; its budget figure adds the CPU's convolution workspace), and the
+    budget used (the plan's peak at least 80% of it)."""
+    budget, plan, prog = _budget(vae, x, encode, store)
+    out, info, peak = _run(vae, x, budget, encode)
+    assert info.scheme == "stages" and info.mode == "exact (stage by stage)", info
+    assert plan.work > 1.0 and info.expected_peak == plan.peak, info          # banded (halo rows), this plan
+    assert out.shape == ref.shape
+    scale = float(ref.abs().max())
+    print(f"{'encode' if encode else 'decode'} {tuple(x.shape)}: {info.bands} bands, measured {peak / 2**20:.2f} MiB, "
+          f"predicted {plan.tracked / 2**20:.2f} MiB tracked ({plan.peak / 2**20:.2f} with the CPU workspace), "
+          f"budget {budget / 2**20:.2f} MiB, buffers {plan.store_dtype}, max diff {float((out - ref).abs().max()):.2e}")
+    if store == torch.float32:
+        torch.testing.assert_close(out, ref.float(), atol=2e-5 * max(1.0, scale), rtol=0)
+    else:
+        assert psnr(out, ref.float(), peak=2 * scale) >= 60
+    assert peak <= budget
+    assert abs(peak / plan.tracked - 1) <= 0.15, (peak, plan.tracked)
+    assert plan.peak >= 0.8 * budget
+    return out, info
+
+
+def test_programs_are_comfyuis_wan_modules(wan21, wan22):
+    """Every WanVAE decoder and encoder of ComfyUI becomes a stage program; a module the stages do not know is
+    named, and the codec says why it has no program."""
+    import dataclasses
+
+    from comfy_metal.nodes import vae as vt
+    from comfy_metal.nodes.vae import causal
+
+    for vae, version in ((wan21, "wan21"), (wan22, "wan22")):
+        codec = vt.codec_from_comfy(vae)
+        assert codec.decode_program.version == codec.encode_program.version == version and not codec.programs_note
+        kinds = [s.kind for s in codec.decode_program.stages]
+        assert kinds[0] == "conv" and kinds[-1] == "conv" and kinds.count("attn") == 1 and "up" in kinds
+        assert "down" in [s.kind for s in codec.encode_program.stages]
+    fsm = wan21.first_stage_model
+    block = fsm.decoder.upsamples[0]
+    norm = block.residual[0]
+    try:
+        block.residual[0] = torch.nn.GroupNorm(1, norm.gamma.shape[0])
+        assert "is not RMS_norm" in causal.program(fsm, encode=False)
+        assert "decoder: " in vt.codec_from_comfy(wan21).programs_note
+    finally:
+        block.residual[0] = norm
+    assert not isinstance(causal.program(fsm, encode=False), str)
+    assert dataclasses.replace(vt.codec_from_comfy(wan21), decode_program=None).decode_program is None
+
+
+# (latent channels, latent h, w, pixels per latent px) of the tiny test VAEs' cases
+SHAPES = {"wan21": (16, 5, 6, 8), "wan22": (48, 3, 4, 16)}
+
+
+@pytest.mark.parametrize("frames", [1, 5, 21])
+@pytest.mark.parametrize("which", ["wan21", "wan22"])
+def test_decode_stage_by_stage_is_comfyuis_untiled(wan21, wan22, which, frames):
+    vae = wan21 if which == "wan21" else wan22
+    zc, h, w, f = SHAPES[which]
+    torch.manual_seed(frames)
+    z = torch.randn(1, zc, frames, h, w)
+    with torch.no_grad():
+        ref = vae.first_stage_model.decode(z)
+    assert ref.shape == (1, 3, 1 + 4 * (frames - 1), h * f, w * f)
+    _check(vae, z, ref, encode=False)
+    if frames == 21:            # a smaller budget: 2-byte buffers
+        _check(vae, z, ref, encode=False, store=torch.float16)
+
+
+@pytest.mark.parametrize("frames", [1, 17])
+@pytest.mark.parametrize("which", ["wan21", "wan22"])
+def test_encode_stage_by_stage_is_comfyuis_untiled(wan21, wan22, which, frames):
+    vae = wan21 if which == "wan21" else wan22
+    _, h, w, f = SHAPES[which]
+    torch.manual_seed(frames)
+    x = torch.rand(1, 3, frames, h * f, w * f) * 2 - 1
+    with torch.no_grad():
+        ref = vae.first_stage_model.encode(x)
+    assert ref.shape[2] == 1 + (frames - 1) // 4
+    _check(vae, x, ref, encode=True)
+
+
+@pytest.mark.heavy
+def test_real_widths_stage_by_stage_are_comfyuis_untiled(comfyui):
+    """Wan 2.1 / Qwen-Image at its real width (96) and Wan 2.2 at its (160 / 256), frames of 24x32 / 32x48 px:
+    decode of 1 and 5 latent frames, encode of 1 and 17 frames."""
+    for vae, zc, f in ((_wan21(96), 16, 8), (_wan22(160, 256), 48, 16)):
+        h, w = (3, 4) if f == 8 else (2, 3)
+        for frames in (1, 5):
+            torch.manual_seed(frames)
+            z = torch.randn(1, zc, frames, h, w)
+            with torch.no_grad():
+                ref = vae.first_stage_model.decode(z)
+            _check(vae, z, ref, encode=False)
+        for frames in (1, 17):
+            x = torch.rand(1, 3, frames, h * f, w * f) * 2 - 1
+            with torch.no_grad():
+                ref = vae.first_stage_model.encode(x)
+            _check(vae, x, ref, encode=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_within_the_formats_rounding(comfyui, dtype):
+    """A Wan 2.1 VAE in bf16 / fp16: our stages and ComfyUI's untiled decode in that dtype, both against the
+    fp32 decode of the same weights: ours within twice ComfyUI's own rounding error, and finite."""
+    fp32, half = _wan21(8, seed=5), _wan21(8, seed=5, dtype=dtype)
+    torch.manual_seed(0)
+    z = torch.randn(1, 16, 5, 5, 6)
+    with torch.no_grad():
+        ref = fp32.first_stage_model.decode(z)
+        comfy = half.first_stage_model.decode(z.to(dtype)).float()
+    from comfy_metal.nodes.vae.planner import CPU_WORKSPACE_FACTOR, HEADROOM
+
+    full, _ = _plan(half, z)
+    out, info, _ = _run(half, z, full.peak * CPU_WORKSPACE_FACTOR * 0.6 / HEADROOM)
+    assert info.scheme == "stages" and out.dtype == torch.float32 and torch.isfinite(out).all()
+    err, comfy_err = float((out - ref).abs().max()), float((comfy - ref).abs().max())
+    print(dtype, "ours", err, "ComfyUI", comfy_err)
+    assert err <= 2 * comfy_err + 1e-3
+
+
+def test_qwen_image_frame_through_the_nodes(wan21, caplog):
+    """The Qwen-Image image path: one frame through the decode and encode nodes (5-D latent [1, 16, 1, h, w],
+    an IMAGE batch of one) at the node's default budget: the same image and latent as ComfyUI's VAE.decode /
+    VAE.encode, and the log line names the stage-by-stage exact run."""
+    from comfy_metal.nodes.vae.nodes import MetalVAEDecodeTiled, MetalVAEEncodeTiled
+
+    torch.manual_seed(7)
+    z = torch.randn(1, 16, 1, 6, 8)
+    ref = wan21.decode(z)                                        # [1, 1, 48, 64, 3]
+    with caplog.at_level("INFO", logger="comfy_metal"):
+        (images,) = MetalVAEDecodeTiled().decode({"samples": z}, wan21)
+    assert images.shape == (1, 48, 64, 3)
+    assert "stage by stage" in caplog.text and "exact (stage by stage)" in caplog.text, caplog.text[-1500:]
+    torch.testing.assert_close(images, ref.reshape(images.shape), atol=1e-5, rtol=0)
+    lat_ref = wan21.encode(images)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="comfy_metal"):
+        (lat,) = MetalVAEEncodeTiled().encode(images, wan21)
+    assert "stage by stage" in caplog.text, caplog.text[-1500:]
+    assert lat["samples"].shape == lat_ref.shape == (1, 16, 1, 6, 8)
+    torch.testing.assert_close(lat["samples"], lat_ref, atol=1e-5, rtol=0)
+
+
+def test_untiled_when_it_fits_and_the_budget_used_when_it_does_not(wan21):
+    """Budget above the unbanded plan: every stage one band over the whole frame (1.0 passes). Below it: bands,
+    the plan's peak at least 80% of the budget (`_check` asserts it too). Auto chooses exact in both."""
+    from comfy_metal.nodes.vae.planner import CPU_WORKSPACE_FACTOR, HEADROOM
+
+    torch.manual_seed(3)
+    z = torch.randn(1, 16, 5, 5, 6)
+    full, prog = _plan(wan21, z)
+    budget = full.peak * CPU_WORKSPACE_FACTOR / HEADROOM * 1.01
+    _, info, peak = _run(wan21, z, budget, seam="auto")
+    n_chunks = len(prog.chunks(5))
+    assert info.scheme == "stages" and info.auto.startswith("auto: exact"), info.auto
+    assert info.bands <= n_chunks * 4 * len(prog.stages)            # one band per stage (and per piece)
+    budget, plan, _ = _budget(wan21, z, False)
+    _, small, _ = _run(wan21, z, budget, seam="auto")
+    assert small.scheme == "stages" and small.auto.startswith("auto: exact") and small.bands > info.bands
+    assert small.expected_peak == plan.peak >= 0.8 * budget
+
+
+def test_default_path_peak_within_1_1x_comfyuis_untiled(wan21):
+    """The node's default (auto budget, seam auto) on one frame and on a short clip peaks at no more than 1.1x
+    ComfyUI's untiled decode of the same latent (tracked bytes, the output included in both: ours is allocated
+    before the first stage, ComfyUI's grows chunk by chunk and is concatenated at the end)."""
+    from comfy_metal.nodes import vae as vt
+
+    for frames in (1, 3):
+        torch.manual_seed(frames)
+        z = torch.randn(1, 16, frames, 8, 10)
+        with vt.measure_peak(CPU) as m, torch.no_grad():
+            ref = wan21.first_stage_model.decode(z)
+        comfy = m["peak"]
+        out, info, ours = _run(wan21, z, vt.auto_budget(CPU), seam="auto")
+        ours += out.numel() * out.element_size()
+        print(frames, "frame(s): ours", ours, "ComfyUI untiled", comfy, info.auto)
+        assert info.scheme == "stages" and ours <= 1.1 * comfy
+
+
+def test_no_5d_pad_on_mps(wan21, wan22, emulator_backend, monkeypatch):
+    """On MPS (faked: 5-D pads routed as on MPS, the Metal pad kernel run by the MSL emulator) the stages never
+    call F.pad on a 5-D tensor -- the causal time padding and Wan 2.2's AvgDown3D included -- and give the same
+    result as the CPU path."""
+    from comfy_metal.nodes.vae import causal
+
+    from comfy_metal.metal_kernels.vae import vae_pad
+
+    torch.manual_seed(2)
+    z21 = torch.randn(1, 16, 3, 3, 4)
+    x22 = torch.rand(1, 3, 5, 32, 48) * 2 - 1
+    want = [_run(wan21, z21, 1 << 30)[0], _run(wan22, x22, 1 << 30, encode=True)[0]]
+    vae_pad(torch.zeros(1, 1, 1, 2, 2), (0, 0, 0, 0, 1, 0))      # its one-time self-check pads with the reference
+    padded = []
+    real_pad, real_c_pad = F.pad, torch._C._nn.pad
+
+    def pad(x, *args, **kwargs):
+        padded.append(x.dim())
+        return real_pad(x, *args, **kwargs)
+
+    def c_pad(x, *args, **kwargs):
+        padded.append(x.dim())
+        return real_c_pad(x, *args, **kwargs)
+
+    monkeypatch.setattr(causal, "metal_pads", lambda device: True)
+    monkeypatch.setattr(F, "pad", pad)
+    monkeypatch.setattr(torch._C._nn, "pad", c_pad)
+    got = [_run(wan21, z21, 1 << 30)[0], _run(wan22, x22, 1 << 30, encode=True)[0]]
+    assert 5 not in padded, padded
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
