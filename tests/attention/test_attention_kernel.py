@@ -142,13 +142,80 @@ VARIANTS = ("simd", "mma")
 @pytest.mark.parametrize("D", A.ATTENTION_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_every_head_dim(lib, D, dtype, variant):
-    # simd: 19 query rows = a full 16-row group and a partial one, 45 keys = a 32-key block + 13;
-    # mma: 37 rows = a 32-row group + 5, 45 keys = blocks of 64 / 56 / 48 / 40 / 24 / 16 keys by D
+    # mma: 37 rows = a 32-row group + 5; 45 keys = one partial key block (of 16 to 128 keys by D and dtype);
+    # simd: 19 rows = pairs of two threadgroups (8 rows each) and a partial one
     lq = 19 if variant == "simd" else 37
     q, k, v = make(1, 2, 2, lq, 45 if D < 160 else 53, D, dtype, seed=D)
     got = A.flash_attention_metal(lib, q, k, v, variant=variant)
     assert got.dtype == dtype and got.shape == q.shape
     assert_matches(got, oracle(q, k, v), dtype)
+
+
+@pytest.mark.parametrize("D", A.ATTENTION_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mma_kernel_full_key_blocks_and_a_tail(lib, D, dtype):
+    """300 keys = full key blocks and a partial one whatever the block (128, 64, 32 or 16 keys); 70 query
+    rows = two full query blocks and a partial one."""
+    q, k, v = make(1, 1, 1, 70, 300, D, dtype, seed=D + 1)
+    got = A.flash_attention_metal(lib, q, k, v, variant="mma")
+    assert_matches(got, oracle(q, k, v), dtype)
+
+
+@pytest.mark.parametrize("D, bucket", [(8, 40), (48, 64), (104, 128), (200, 256)])
+def test_mma_kernel_zero_pads_other_head_dims(lib, D, bucket):
+    """A multiple of 8 without its own instantiation runs in the next one up (columns past D are zeros)."""
+    assert A.mma_bucket(D) == bucket
+    q, k, v = make(1, 2, 1, 41, 70, D, torch.float16, seed=D)
+    mask = make_mask("4d_keys_bool", 1, 2, 41, 70, torch.float16)
+    assert_matches(A.flash_attention_metal(lib, q, k, v, mask=mask, variant="mma"), oracle(q, k, v, mask),
+                   torch.float16)
+
+
+@pytest.mark.parametrize("D", (1, 12, 33, 36, 100, 255))
+def test_vector_kernel_any_head_dim(lib, D):
+    """Head dims that are not a multiple of 8 run in the vector kernel at any Lq ("auto" picks it)."""
+    q, k, v = make(1, 2, 2, 11, 29, D, torch.float16, seed=D)
+    assert_matches(A.flash_attention_metal(lib, q, k, v), oracle(q, k, v), torch.float16)
+
+
+@pytest.mark.parametrize("Lk, splits", [(300, 1), (1000, 3), (2049, 8)])
+def test_vector_kernel_splits_long_key_ranges(lib, monkeypatch, Lk, splits):
+    """A small decode grid splits the keys over more threadgroups (VEC_MIN_SPLIT_KEYS each at least); the
+    merge kernel combines the splits: splits that see masked keys only, and a fully masked row (0)."""
+    monkeypatch.setattr(A, "VEC_MIN_SPLIT_KEYS", 256)
+    launched = []
+
+    class Spy:
+        def __getattr__(self, name):
+            kernel = getattr(lib, name)
+
+            def run(*args, **kw):
+                launched.append((name, list(args[5]) if name.startswith("attention_vec") and "merge" not in name
+                                 else None))
+                return kernel(*args, **kw)
+            return run
+
+    q, k, v = make(1, 2, 1, 2, Lk, 64, torch.float16, seed=Lk)
+    mask = make_mask("4d_bool", 1, 2, 2, Lk, torch.float16)
+    mask[0, 0, 0, :Lk // 2] = False              # the first splits of one row see masked keys only
+    got = A.flash_attention_metal(Spy(), q, k, v, mask=mask)
+    assert_matches(got, oracle(q, k, v, mask), torch.float16)
+    assert torch.equal(got[:, :, 1], torch.zeros_like(got[:, :, 1]))
+    vec = [p for name, p in launched if p is not None]
+    assert vec[0][A.ATTENTION_PARAMS.fields.index("splits")] == splits
+    assert any("merge" in name for name, _ in launched) == (splits > 1)
+
+
+@pytest.mark.parametrize("Hq, Hk, Lq", [(4, 1, 1), (8, 2, 3), (3, 3, 8), (6, 1, 2)])
+def test_vector_kernel_decode_with_gqa(lib, Hq, Hk, Lq):
+    """Decode shapes: the (head, query row) pairs of one k/v head share a threadgroup, 8 at a time (6 heads x
+    2 rows: a full threadgroup and a partial one); an additive mask with a fully masked row."""
+    q, k, v = make(2, Hq, Hk, Lq, 75, 128, torch.float16, seed=Hq + Lq)
+    mask = make_mask("4d", 2, Hq, Lq, 75, torch.float16)
+    got = A.flash_attention_metal(lib, q, k, v, mask=mask)
+    assert_matches(got, oracle(q, k, v, mask), torch.float16)
+    if Lq > 1:
+        assert torch.equal(got[:, :, 1], torch.zeros_like(got[:, :, 1]))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -182,7 +249,7 @@ def test_kernel_gqa(lib, Hq, Hk, variant):
 
 
 def test_variant_choice_and_errors(lib, monkeypatch):
-    """auto: the simdgroup-matrix kernel from MMA_MIN_QUERIES rows when D % 8 == 0, else the simd one."""
+    """auto: the simdgroup-matrix kernel above VEC_MAX_QUERIES rows when D % 8 == 0, else the vector one."""
     launched = []
     real = A.flash_attention_metal
 
@@ -191,12 +258,15 @@ def test_variant_choice_and_errors(lib, monkeypatch):
             launched.append(name)
             return getattr(lib, name)
 
-    q, k, v = make(1, 1, 1, A.MMA_MIN_QUERIES, 9, 64, torch.float16)
+    q, k, v = make(1, 1, 1, A.VEC_MAX_QUERIES + 1, 9, 64, torch.float16)
     real(Spy(), q, k, v)
-    real(Spy(), q[:, :, :A.MMA_MIN_QUERIES - 1], k, v)
+    real(Spy(), q[:, :, :A.VEC_MAX_QUERIES], k, v)
     q2, k2, v2 = make(1, 1, 1, 40, 9, 36, torch.float16)
     real(Spy(), q2, k2, v2)
-    assert launched == ["attention_mma64_half", "attention_half", "attention_half"]
+    q3, k3, v3 = make(1, 1, 1, 40, 9, 48, torch.bfloat16)
+    real(Spy(), q3, k3, v3)
+    assert launched == ["attention_mma64_half", "attention_vec2_half", "attention_vec2_half",
+                        "attention_mma64_bfloat"]
     with pytest.raises(ValueError, match="multiple of 8"):
         real(lib, q2, k2, v2, variant="mma")
     with pytest.raises(ValueError, match="variant must be one of"):
@@ -236,29 +306,35 @@ def test_kernel_launched_in_chunks_of_groups(lib, monkeypatch, variant):
     assert_matches(got, oracle(q, k, v), torch.float16)
 
 
+def params(L, D, H, group_base, q_blocks):
+    return A.ATTENTION_PARAMS.pack(Lq=L, Lk=L, D=D, Hq=H, Hk=H, has_mask=0, mask_sb=0, mask_sh=0, mask_sq=0,
+                                   mask_sk=0, group_base=group_base, q_blocks=q_blocks, splits=1, split_keys=L,
+                                   pairs=H * L)
+
+
 def test_emulator_window_binds_a_byte_range(lib):
     """The emulator's `windows` option: only the window is bound, at the tensor's own address."""
     q, k, v = make(1, 3, 3, 16, 16, 64, torch.float32, seed=9)
     out = torch.full_like(q, 7.0)
     per_head = 16 * 64 * 4
     win = (2 * per_head, 3 * per_head)                      # head 2 only
-    kernel = lib.attention_float
-    kernel(q, k, v, torch.zeros(1), out, 16, 16, 64, 3, 3, 1.4426950408889634 / 8, 0, 0, 0, 0, 0, 2, 1,
+    kernel = lib.attention_mma64_float
+    kernel(q, k, v, torch.zeros(1), out, params(16, 64, 3, 2, 1), A.LOG2E / 8,
            threads=128, group_size=128, windows={0: win, 1: win, 2: win, 4: win})
     want = oracle(q, k, v)
     assert_matches(out[:, 2:], want[:, 2:], torch.float32)
     assert torch.all(out[:, :2] == 7.0)                   # outside the window: untouched
     with pytest.raises(ValueError, match="outside"):
-        kernel(q, k, v, torch.zeros(1), out, 16, 16, 64, 3, 3, 0.1, 0, 0, 0, 0, 0, 2, 1,
+        kernel(q, k, v, torch.zeros(1), out, params(16, 64, 3, 2, 1), 0.1,
                threads=128, group_size=128, windows={0: (0, 10 ** 9)})
 
 
-@pytest.mark.parametrize("variant, kernel", [("simd", "attention_half"), ("mma", "attention_mma64_half")])
-def test_kernel_offsets_past_2_to_the_31(lib, variant, kernel):
-    """64-bit index arithmetic: q, k, v and out hold a little over 2^31 fp16 elements each (4 GiB of
-    virtual memory that is never touched); only the last threadgroup runs, over windows at the end, so
-    every offset it uses is >= 2^31 elements (2^32 bytes). A 32-bit offset would wrap to the start."""
-    D, L = 64, (A.ROWS if variant == "simd" else A.MMA_ROWS)
+@pytest.mark.parametrize("kernel", ["attention_vec2_half", "attention_mma64_half"])
+def test_kernel_offsets_past_2_to_the_31(lib, kernel):
+    """64-bit base offsets: q, k, v and out hold a little over 2^31 fp16 elements each (4 GiB of virtual
+    memory that is never touched); only the last threadgroup runs, over windows at the end, so every offset
+    it uses is >= 2^31 elements (2^32 bytes). A 32-bit offset would wrap to the start."""
+    D, L = 64, (A.VEC_ROWS if kernel.startswith("attention_vec") else A.QUERY_BLOCK)
     H = (1 << 31) // (L * D) + 3
     per_head = L * D
     try:
@@ -275,7 +351,8 @@ def test_kernel_offsets_past_2_to_the_31(lib, variant, kernel):
     win = (first * 2, H * per_head * 2)
     shape = (1, H, L, D)
     getattr(lib, kernel)(q.view(shape), k.view(shape), v.view(shape), torch.zeros(1), out.view(shape),
-                         L, L, D, H, H, 1.4426950408889634 / 8, 0, 0, 0, 0, 0, H - 1, 1,
+                         params(L, D, H, H - 1, 1), A.LOG2E / 8,
+                         *([torch.zeros(1)] if kernel.startswith("attention_vec") else []),
                          threads=128, group_size=128, windows={0: win, 1: win, 2: win, 4: win})
     got = out[first:].view(1, 1, L, D)
     assert_matches(got, oracle(small_q, small_k, small_v), torch.float16)

@@ -62,9 +62,7 @@ def _case_table(name, B, H, L, D, dtype, device, attention, reps):
         backend, reason = dispatch.choose(spec, device)
         if backend == "metal":
             lib = dispatch._library_for(spec, "metal")
-            for variant in ("simd", "mma"):
-                rows.append((f"metal_flash ({variant} kernel)",
-                             lambda variant=variant: kernels.flash_attention_metal(lib, q, k, v, variant=variant)))
+            rows.append(("metal_flash (mma kernel)", lambda: kernels.flash_attention_metal(lib, q, k, v, variant="mma")))
         else:
             rows.append((f"metal_flash unavailable: {reason[:60]}", None))
     else:
