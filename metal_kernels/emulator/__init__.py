@@ -31,20 +31,7 @@ SIMD-group matrices hold each lane's two elements in the hardware layout (``thre
 product is a collective of the 32 lanes. ``[[threadgroup(n)]]`` parameters compile and are refused at
 launch unless the source is specialised (torch's kernels cannot size them either).
 
-Known limitations (MSL the emulator does not handle; see README.md, "Known limitations"):
-
-* textures, samplers, ``quad_ballot``, ``[[visible]]`` functions, Metal 3.2/4 (``<metal_tensor>``,
-  MetalPerformancePrimitives, ``coherent(system)``); ``vec<bool, N>`` in the strict front end;
-* vector comparisons yield clang's int vectors, not ``boolN`` (``bool4 m = a < b``
-  does not compile; ``all``/``any``/``select`` accept them); ``packed_*`` types
-  have ``.xyzw`` members and convert to/from vectors, but no arithmetic operators;
-* math is computed in float (half/bfloat rounded afterwards) and without fast-math;
-  compare with tolerances;
-* one OS thread: spin-waiting on another thread's device-memory write never ends
-  (a watchdog raises ``KernelCrash`` after $COMFY_METAL_EMU_TIMEOUT CPU seconds,
-  default 600); an integer division by zero is reported (``KernelCrash``) instead of giving garbage;
-* a threadgroup_barrier (or collective) inside a helper function called from two places counts as
-  one call site; out-of-bounds accesses within threadgroup memory are not detected.
+Known limitations (what it does not handle yet, with the corpus figures): README.md, "Known limitations".
 
 Before every compile, a strict MSL 3.1 front end (``strict.py``) rejects what Apple's compiler rejects
 (``MSLCompileError`` with the spec's rule) and accepts what it accepts (MLX, ggml and PyTorch's MPS kernels:

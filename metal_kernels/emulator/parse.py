@@ -92,7 +92,7 @@ def parse_kernels(pp: str) -> tuple[list[KernelDecl], list[tuple[int, int]]]:
             host = host_attr or name
             defs = templates.get(name) or []
             if targs is not None and defs:
-                d = defs[-1][1]  # parameters and attributes come from the template definition
+                d = _pick_template(defs, targs)  # parameters and attributes come from the template definition
                 kernels.append(KernelDecl(host, name, d.params, template=d.template, targs=targs,
                                           attrs=d.attrs + attrs, kind="inst"))
             else:
@@ -125,10 +125,24 @@ def parse_kernels(pp: str) -> tuple[list[KernelDecl], list[tuple[int, int]]]:
         defs = templates.get(name)
         if not defs:
             raise MSLCompileError(f"instantiation {host!r}: no template kernel named {name!r} found")
-        d = defs[-1][1]
+        d = _pick_template(defs, targs)
         kernels.append(KernelDecl(host, name, d.params, template=d.template, targs=targs, attrs=d.attrs,
                                   kind="inst"))
     return kernels, remove
+
+
+def _pick_template(defs: list[tuple[int, KernelDecl]], targs: str) -> KernelDecl:
+    """The overload of a kernel template that an instantiation's explicit arguments name: the one whose
+    template parameter list takes that many arguments (defaults and packs counted); the last one defined
+    when several do."""
+    n = len(split_top_level(targs)) if targs.strip() else 0
+    fits = []
+    for _, d in defs:
+        params = split_top_level(d.template[d.template.index("<") + 1:d.template.rindex(">")])
+        required = sum(1 for p in params if "=" not in p and "..." not in p)
+        if required <= n and (n <= len(params) or any("..." in p for p in params)):
+            fits.append(d)
+    return (fits or [d for _, d in defs])[-1]
 
 
 def _template_param_names(header: str) -> list[str]:

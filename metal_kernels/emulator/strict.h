@@ -145,6 +145,16 @@ __MSLP(uchar, uchar)
 // as_type<T>(x): an operator of the language, visible before `using namespace metal`
 template <class T, class U> constexpr T as_type(U u) { return __builtin_bit_cast(T, u); }
 
+// `p += c` / `p -= c` on a pointer with a class (or enum) operand that converts to an integer (MLX's
+// integral_constant): C++'s built-in candidates take it, clang's OpenCL mode finds none for an address-space
+// qualified pointer (while `p + c` works). Defined as `p = p +/- c`, so only what that accepts is accepted.
+template <class P, class C, typename __emu::__enable_if<__is_pointer(P) && (__is_class(C) || __is_enum(C)), int>::type = 0,
+          class = decltype(__emu::__declval<P&>() = __emu::__declval<P&>() + __emu::__declval<thread C&>())>
+constexpr P& operator+=(P& p, C c) { return p = p + c; }
+template <class P, class C, typename __emu::__enable_if<__is_pointer(P) && (__is_class(C) || __is_enum(C)), int>::type = 0,
+          class = decltype(__emu::__declval<P&>() = __emu::__declval<P&>() - __emu::__declval<thread C&>())>
+constexpr P& operator-=(P& p, C c) { return p = p - c; }
+
 namespace metal {
 // ---- type traits (metal_type_traits)
 template <bool B, class T = void> struct enable_if {};

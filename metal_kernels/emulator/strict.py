@@ -63,6 +63,9 @@ _SRC = "msl_source.metal"
 
 _SPEC = "MSL 3.1"
 _RULES = [
+    (r"invalid vector element type 'bool'",
+     "an emulator limitation, not an MSL rule: Metal accepts metal::vec<bool, N>, but clang's OpenCL mode has no "
+     "bool vectors (bool2..bool4 written as such work; see the emulator README, Known limitations)"),
     (r"non-kernel function variable cannot be declared in local address space",
      f"{_SPEC} (Address Spaces, threadgroup): a threadgroup variable may be declared only inside a kernel "
      f"function, not in a helper function"),

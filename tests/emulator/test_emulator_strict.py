@@ -48,6 +48,7 @@ ILLEGAL = {
  "write_to_constant": K("c[0] = 1.0f; o[i] = c[0];", "device float* o [[buffer(0)]], constant float* c [[buffer(1)]], uint i [[thread_position_in_grid]]"),
  "printf": K("printf(\"%f\", o[i]);"),
  "half_to_bfloat_implicit": K("half h = half(o[i]); bfloat x = h; o[i] = x;", "device bfloat* o [[buffer(0)]], uint i [[thread_position_in_grid]]"),
+ "pointer_plus_struct": "struct S { int v; };\n" + K("device float* p = o; S s{1}; p += s; p[i] = 1.0f;"),
  "bfloat_vector_math": K("bfloat2 v = bfloat2(o[i], o[i]); float2 e = exp(v); o[i] = bfloat(e.x);", "device bfloat* o [[buffer(0)]], uint i [[thread_position_in_grid]]"),
 }
 LEGAL = {
@@ -92,6 +93,7 @@ WHY = {
     "simd_sum_long": "SIMD-group functions", "typeid": "type identification", "exceptions": "exception handling",
     "write_to_constant": "not assignable", "printf": "C standard library",
     "half_to_bfloat_implicit": "bfloat and half do not convert", "bfloat_vector_math": "no bfloat overload",
+    "pointer_plus_struct": "invalid operands to binary expression",
 }
 
 

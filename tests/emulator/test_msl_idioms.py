@@ -462,3 +462,61 @@ kernel void coll(device float* o [[buffer(0)]], const device bfloat* b [[buffer(
     assert torch.equal(o[:32], torch.full((32,), float(b.float().sum())))
     assert torch.equal(o[32:64], torch.full((32,), float(lanes.sum())))
     assert torch.equal(o[64:96], down) and torch.equal(o[96:], up)
+
+
+def test_pointer_advanced_by_a_class_that_converts_to_int():
+    """`p += c` / `p -= c` with a class operand that has a constexpr conversion to int (MLX's integral_constant
+    strides, steel/attn/mma.h), on device and threadgroup pointers and in a template."""
+    lib = emu.compile_library(HDR + """
+template <typename T, T v> struct cst {
+  static constexpr constant T value = v;
+  constexpr operator T() const thread noexcept { return value; }
+};
+template <typename P, typename S> float walk(P p, S s) { p += s; p += s; p -= cst<int, 1>{}; return float(p[0]); }
+kernel void advance(device float* o [[buffer(0)]], const device half* a [[buffer(1)]],
+                    uint i [[thread_position_in_grid]]) {
+  threadgroup float t[8];
+  t[i] = float(10 * i);
+  t[i + 4] = float(10 * (i + 4));
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  threadgroup float* tp = t + i;
+  tp += cst<int, 3>{};
+  const device half* p = a + i;
+  p += cst<int, 2>{};
+  o[3 * i] = float(p[0]);
+  o[3 * i + 1] = walk(a + i, cst<short, 2>{});
+  o[3 * i + 2] = tp[0];
+}""")
+    a = torch.arange(12, dtype=torch.float16)
+    o = torch.zeros(12)
+    lib.advance(o, a, threads=4, group_size=4)
+    i = torch.arange(4)
+    assert torch.equal(o.view(4, 3), torch.stack([i + 2.0, i + 3.0, 10.0 * (i + 3)], 1))
+
+
+def test_overloaded_kernel_templates_instantiated_by_their_arguments():
+    """Two kernel templates of one name (MLX's block_masked_gemm): each explicit instantiation binds the overload
+    its template arguments fit, one of them through a default argument."""
+    lib = emu.compile_library(HDR + """
+template <typename T, typename M, int N, bool Neg>
+[[kernel]] void scaled(device T* o [[buffer(0)]], const device M* m [[buffer(1)]], uint i [[thread_position_in_grid]]) {
+  o[i] = T(Neg ? -N : N) * T(m[i]);
+}
+template <typename T, int N, bool Neg = false>
+[[kernel]] void scaled(device T* o [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  o[i] = T(Neg ? -N : N) * T(i);
+}
+#define inst(name, ...) template [[host_name(name)]] [[kernel]] decltype(scaled<__VA_ARGS__>) scaled<__VA_ARGS__>;
+inst("masked_f", float, bool, 3, true)
+inst("plain_f", float, 2)
+inst("plain_neg_i", int, 5, true)
+""")
+    m = torch.tensor([True, False, True, True])
+    o = torch.zeros(4)
+    lib.masked_f(o, m)
+    assert o.tolist() == [-3.0, 0.0, -3.0, -3.0]
+    lib.plain_f(o)
+    assert o.tolist() == [0.0, 2.0, 4.0, 6.0]
+    oi = torch.zeros(4, dtype=torch.int32)
+    lib.plain_neg_i(oi)
+    assert oi.tolist() == [0, -5, -10, -15]

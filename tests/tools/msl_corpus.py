@@ -10,9 +10,10 @@ instantiations it carries; sources the host generates at run time (MLX's JIT) ar
 units. ``--variant NAME=A,B=1`` compiles every unit once more with those macros defined, as a host does
 (ggml: ``--variant bf16=GGML_METAL_HAS_BF16``): each variant of a file is a unit of its own.
 
-Out of scope (listed, not counted): Metal 3.2/4 units, i.e. those that include ``<metal_tensor>`` or
-``<MetalPerformancePrimitives/...>`` (MLX's NAX kernels, PyTorch's MPP attention, ggml's tensor path), and
-the files matching an --exclude glob.
+Out of scope (listed, not counted): Metal 4 units, i.e. those that include ``<metal_tensor>`` or
+``<MetalPerformancePrimitives/...>`` (MLX's NAX kernels, PyTorch's MPP attention, ggml's tensor path), Metal 3.2
+units, i.e. those that use its memory-coherence model (``coherent(device|system)`` pointers, ``thread_scope``
+fences: MLX's fence.metal), since the emulator models MSL 3.1, and the files matching an --exclude glob.
 
 Every unit goes through the two steps separately: the strict MSL 3.1 front end (what Apple's compiler
 rejects) and the C++ backend (translation + clang-19 build of the shared object, loaded with ctypes; with
@@ -42,6 +43,7 @@ from comfy_metal.metal_kernels.emulator.errors import EmulatorError  # noqa: E40
 from comfy_metal.metal_kernels.emulator.toolchain import clang_path  # noqa: E402
 
 _METAL4 = re.compile(r"#\s*include\s*<\s*(metal_tensor|MetalPerformancePrimitives/[^>]*)\s*>")
+_METAL32 = re.compile(r"\bcoherent\s*\(\s*\w+\s*\)|\bthread_scope\w*\b")
 _MISSING_HEADER = re.compile(r"'([^']+)' file not found")
 
 
@@ -73,6 +75,9 @@ def run_unit(path: pathlib.Path, includes: list[str], defines: list[str], syntax
             return "ok", [f"preprocessing: {_first_lines(str(e), 1)}"], f"preprocessing failed: {str(e)[:300]}"
         if _METAL4.search(pp):
             return "out of scope: Metal 4 (metal_tensor / MetalPerformancePrimitives)", [], None
+        m32 = _METAL32.search(pp)
+        if m32:
+            return f"out of scope: Metal 3.2 ({m32.group(0)})", [], None
         problems = strict.check(pp, clang)
         err = None
         try:
