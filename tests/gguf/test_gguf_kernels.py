@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from synthetic_kernels import RecordingLibrary
 
 from comfy_metal.metal_kernels import dispatch
 from comfy_metal.metal_kernels.dtypes import MSL_TYPE
@@ -103,17 +104,6 @@ def test_emulated_gemv_against_float64(lib, qtype):
         assert got.shape == (M, N) and (err <= bound).all(), (qtype, M, float(err.max()))
 
 
-class _Recording:
-    """A compiled library that records the kernels fetched from it."""
-
-    def __init__(self, lib):
-        self._lib, self.launched = lib, []
-
-    def __getattr__(self, name):
-        self.launched.append(name)
-        return getattr(self._lib, name)
-
-
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_emulated_gemv_tail_paths(lib, qtype):
     """Every M = 1..8 (the M buckets 1, 2, 4, 8 and their masked x rows), N not a multiple of the rows a
@@ -123,7 +113,7 @@ def test_emulated_gemv_tail_paths(lib, qtype):
     float64 matmul of the package's values."""
     bs, _ = GGUF_QUANTS[qtype]
     gen = torch.Generator().manual_seed(11)
-    rec = _Recording(lib)
+    rec = RecordingLibrary(lib)
     out_dtypes = (None, torch.float32, torch.float16, torch.bfloat16)
     for M in range(1, 9):
         N = (1, 3, 5, 6, 9, 2, 7, 4)[M - 1]

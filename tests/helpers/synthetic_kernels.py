@@ -216,3 +216,15 @@ def aligned(n: int, dtype=torch.float32, fill=None) -> torch.Tensor:
     if fill is not None:
         t.copy_(fill)
     return t
+
+
+class RecordingLibrary:
+    """A compiled library that records the names of the kernels fetched from it (which entry point a
+    launch took)."""
+
+    def __init__(self, lib):
+        self._lib, self.launched = lib, []
+
+    def __getattr__(self, name):
+        self.launched.append(name)
+        return getattr(self._lib, name)

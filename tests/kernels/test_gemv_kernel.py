@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from synthetic_kernels import RecordingLibrary
 
 from comfy_metal.metal_kernels import dispatch, linear
 from comfy_metal.metal_kernels.dtypes import FP8_DTYPES
@@ -139,24 +140,13 @@ def test_emulated_gemv_all_small_shapes(lib, kind):
         assert_close_to_oracle(got, want, mag, K)
 
 
-class _Recording:
-    """A compiled library that records the kernels fetched from it."""
-
-    def __init__(self, lib):
-        self._lib, self.launched = lib, []
-
-    def __getattr__(self, name):
-        self.launched.append(name)
-        return getattr(self._lib, name)
-
-
 @pytest.mark.parametrize("kind", WEIGHT_TYPES)
 def test_emulated_gemv_vectorised_path_every_scale_and_bias(lib, kind):
     """K * element size % 16 == 0 takes the vector kernels (16 weight bytes a lane and chunk): one chunk,
     a partial step of the 32 lanes (K = 48 .. 528), several full steps; every M bucket with masked x rows
     (M = 3, 5, 7) and N not a multiple of the rows a simdgroup covers."""
     gen = torch.Generator().manual_seed(4)
-    rec = _Recording(lib)
+    rec = RecordingLibrary(lib)
     shapes = [(1, 16, 3), (8, 48, 5), (3, 528, 9), (2, 272, 1), (5, 1040, 6), (7, 32, 2), (4, 64, 7)]
     for (M, K, N), smode, with_bias in itertools.product(shapes, (None, "tensor", "row", "row1"), (False, True)):
         x = torch.randn(M, K, generator=gen)
