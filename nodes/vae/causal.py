@@ -474,7 +474,9 @@ class CausalStages:
             cache = n * ci * CACHE_T * h * w * sb if s.time_conv is not None else 0
             time = ci * t + cat(ci, t) + 4 * ci * t if s.time_conv is not None and to > t else 0
             flat = ci * to if to > 1 else 0         # frames into the batch: a copy unless there is one frame
-            per_row = copy + max(time, flat + 4 * cm * to + 4 * co * to) + 4 * co * to * (s.add is not None)
+            # the resample's upsampled input and its convolution's output; then (a shortcut: Wan 2.2's DupUp3D)
+            # that output and the sum, the upsampled input freed by then
+            per_row = copy + max(time, flat + 4 * cm * to + 4 * co * to, 2 * 4 * co * to * (s.add is not None))
             flops = to * ho * wo * cm * co * 9 + (t * h * w * ci * 2 * ci * 3 if time else 0)
             return out_bytes, n * w * esize * per_row, flops, h, cache
         if s.kind == "down":
@@ -547,8 +549,9 @@ class CausalStages:
                 r = allowed         # the most rows that fit: the fewest bands, the budget used (the last band is short)
                 rows.append(r)
                 bands = math.ceil(band_rows / r)
-                # one band in the compute dtype: its result is the output buffer (no copy)
-                one = bands == 1 and sb == esize and s.kind in ("conv", "residual", "up")
+                # one band in the compute dtype: its result is the output buffer (no copy); an upsample's shortcut
+                # sum is a tensor of its own beside the convolution's output
+                one = bands == 1 and sb == esize and s.kind in ("conv", "residual", "up") and getattr(s, "add", None) is None
                 for factor in (self.workspace, 1.0):
                     top = max(b - (ob if one else 0) + p * factor * (r + (2 * hl if bands > 1 else 0))
                               for b, p, ob, _, hl in need)
