@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from . import causal
+from . import causal_program
 from .stagewise import comfy_tail_stages, diffusers_tail_stages
 from .stagewise_encode import comfy_body_stages, diffusers_body_stages
 
@@ -64,8 +64,8 @@ class Codec:
     # encode_input: the VAE's input transform for the pixels those stages read (the node sets process_input).
     encode_body_stages: list | None = None
     encode_input: Callable | None = None
-    # Causal 3-D video VAEs (Wan 2.1 / Qwen-Image, Wan 2.2): the decoder and the encoder as causal.Program
-    # stages (exact stage by stage over the whole frame), or why not (`programs_note`).
+    # Causal 3-D video VAEs (Wan 2.1 / Qwen-Image, Wan 2.2): the decoder and the encoder as stage programs
+    # (causal_program.Program, run exact stage by stage over the whole frame), or why not (`programs_note`).
     decode_program: object = None
     encode_program: object = None
     programs_note: str = ""
@@ -223,8 +223,8 @@ def codec_from_comfy(vae) -> Codec | None:
 
 
 def _wan_programs(fsm) -> dict:
-    """The Codec fields of a WanVAE's stage programs (causal.py): each a Program, or None with the reason."""
-    dec, enc = causal.program(fsm, encode=False), causal.program(fsm, encode=True)
+    """The Codec fields of a WanVAE's stage programs (causal_program.py): each a Program, or None with the reason."""
+    dec, enc = causal_program.program(fsm, encode=False), causal_program.program(fsm, encode=True)
     notes = [f"{what}: {p}" for what, p in (("decoder", dec), ("encoder", enc)) if isinstance(p, str)]
     return {"decode_program": None if isinstance(dec, str) else dec,
             "encode_program": None if isinstance(enc, str) else enc, "programs_note": "; ".join(notes)}

@@ -123,7 +123,7 @@ def test_programs_are_comfyuis_wan_modules(wan21, wan22):
     import dataclasses
 
     from comfy_metal.nodes import vae as vt
-    from comfy_metal.nodes.vae import causal
+    from comfy_metal.nodes.vae import causal_program
 
     for vae, version in ((wan21, "wan21"), (wan22, "wan22")):
         codec = vt.codec_from_comfy(vae)
@@ -136,11 +136,11 @@ def test_programs_are_comfyuis_wan_modules(wan21, wan22):
     norm = block.residual[0]
     try:
         block.residual[0] = torch.nn.GroupNorm(1, norm.gamma.shape[0])
-        assert "is not RMS_norm" in causal.program(fsm, encode=False)
+        assert "is not RMS_norm" in causal_program.program(fsm, encode=False)
         assert "decoder: " in vt.codec_from_comfy(wan21).programs_note
     finally:
         block.residual[0] = norm
-    assert not isinstance(causal.program(fsm, encode=False), str)
+    assert not isinstance(causal_program.program(fsm, encode=False), str)
     assert dataclasses.replace(vt.codec_from_comfy(wan21), decode_program=None).decode_program is None
 
 
