@@ -306,3 +306,31 @@ def test_no_5d_pad_on_mps(wan21, wan22, emulator_backend, monkeypatch):
     assert 5 not in padded, padded
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("slower, picks", [(1.05, "exact"), (1.5, "feather")])
+def test_auto_compares_with_feather_only_when_exact_is_predicted_clearly_slower(wan21, monkeypatch, slower, picks):
+    """Seam mode auto at a budget that needs bands: exact, without feather's calibration runs, while the stages
+    are predicted within VIDEO_AUTO_SLACK of ComfyUI's tiled run (their halo rows); past it, feather is timed
+    and picked when it is predicted faster."""
+    from comfy_metal.nodes.vae import planner
+
+    z = torch.randn(1, 16, 3, 8, 10)
+    budget, plan, _ = _budget(wan21, z, False)
+    assert plan.work > 1.0
+    monkeypatch.setattr(planner, "comfy_tiled_work", lambda codec, shape, encode: plan.work / slower)
+    calibrated = []
+    real = planner.Planner.tile_for_budget
+
+    def tile_for_budget(self, *args, **kwargs):
+        calibrated.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(planner.Planner, "tile_for_budget", tile_for_budget)
+    monkeypatch.setattr(planner.Planner, "feather_work", lambda self, tile, h, w, exact=False: 1.0)
+    _, info, _ = _run(wan21, z, budget, seam="auto")
+    print(info.auto)
+    if picks == "exact":
+        assert info.scheme == "stages" and info.auto.startswith("auto: exact") and not calibrated
+    else:
+        assert info.scheme == "tiles" and info.auto.startswith("auto: feather") and calibrated
