@@ -15,6 +15,9 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+if importlib.util.find_spec("torch") is None:   # one clear line instead of an import error per test module
+    pytest.exit(f"comfy_metal's tests need the pack's dependencies (torch first), which {sys.executable} does not "
+                f"have: run the README's test command, `bash tests/run.sh`, which installs them", returncode=4)
 HELPERS = str(ROOT / "tests" / "helpers")
 if HELPERS not in sys.path:  # pytest's `pythonpath` does this; a subprocess that imports conftest does not
     sys.path.insert(0, HELPERS)
