@@ -49,12 +49,14 @@ def metal_pads(device: torch.device) -> bool:
     return device.type == "mps"
 
 
-def pad5(x: torch.Tensor, pad, value: float = 0.0) -> torch.Tensor:
-    """Constant F.pad of a 5-D tensor; on MPS the `vae_pad` kernel."""
+def pad5(x: torch.Tensor, pad, value: float = 0.0, mode: str = "constant") -> torch.Tensor:
+    """F.pad of a 5-D tensor (constant or replicate); on MPS the `vae_pad` kernel."""
     if metal_pads(x.device):
         from ...metal_kernels.vae import vae_pad
 
-        return vae_pad(x, tuple(pad), mode="constant", value=value)
+        return vae_pad(x, tuple(pad), mode=mode, value=value)
+    if mode == "replicate":
+        return F.pad(x, tuple(pad), mode="replicate")
     return F.pad(x, tuple(pad), value=value)
 
 

@@ -126,6 +126,12 @@ class Program:
             return 1 + (self.frames_used(frames) - 1) // 4
         return 1 + 4 * (frames - 1)
 
+    def runner(self, device, dtype, workspace_factor: float = 1.0, prepare=None):
+        """What plans and runs this program (causal.CausalStages)."""
+        from .causal import CausalStages
+
+        return CausalStages(self, device, dtype, workspace_factor, prepare)
+
 
 # ---------------------------------------------------------------- building the program from ComfyUI's modules
 

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from . import causal_program
+from . import causal_program, hunyuan
 from .stagewise import comfy_tail_stages, diffusers_tail_stages
 from .stagewise_encode import comfy_body_stages, diffusers_body_stages
 
@@ -223,8 +223,13 @@ def codec_from_comfy(vae) -> Codec | None:
 
 
 def _wan_programs(fsm) -> dict:
-    """The Codec fields of a WanVAE's stage programs (causal_program.py): each a Program, or None with the reason."""
-    dec, enc = causal_program.program(fsm, encode=False), causal_program.program(fsm, encode=True)
+    """The Codec fields of a WanVAE's stage programs (causal_program.py)."""
+    return _programs(causal_program.program(fsm, encode=False), causal_program.program(fsm, encode=True))
+
+
+def _programs(dec, enc) -> dict:
+    """The Codec fields of a video VAE's decoder and encoder stage programs: each a program, or None with the
+    reason (a string in place of the program)."""
     notes = [f"{what}: {p}" for what, p in (("decoder", dec), ("encoder", enc)) if isinstance(p, str)]
     return {"decode_program": None if isinstance(dec, str) else dec,
             "encode_program": None if isinstance(enc, str) else enc, "programs_note": "; ".join(notes)}
@@ -384,7 +389,9 @@ def _comfy_hunyuan_video_codec(vae, fsm, latent_dim, scale, device, dtype) -> Co
     return Codec("comfy-hunyuan-video", int(scale), decode=lambda z: fsm.decode(z), encode=encode,
                  decode_stream=stream, module=fsm, device=device, dtype=dtype, video=True,
                  out_channels=getattr(vae, "output_channels", 3), latent_channels=vae.latent_channels,
-                 calibrate_all_frames=True, attention_over_frames=True)
+                 calibrate_all_frames=True, attention_over_frames=True,
+                 **_programs(hunyuan.program(fsm, encode=False), hunyuan.program(fsm, encode=True) if encode else
+                             "no carried causal 3-D encoder"))
 
 
 def codec_from_fn(decode_fn, scale: int, encode_fn=None, module=None, device="cpu", dtype=torch.float32) -> Codec:

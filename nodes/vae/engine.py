@@ -40,7 +40,6 @@ from .codecs import Codec
 from .memory import auto_budget, is_oom
 from .pad import MetalPadMode, pad_mode_for
 from .planner import AUTO, FEATHER, MIN_TILE, STAGES, STATS_CACHE_SHARE, UNTILED, Plan, chain
-from .causal import CausalStages
 from .shared_stats import SharedGroupNormStats, _StopAtGroupNorm
 from .stagewise import StagewiseDecode
 from .stagewise_encode import StagewiseEncode
@@ -245,7 +244,7 @@ class TiledVAE:
         memory (the caller plans tiles)."""
         c = self.codec
         prog = c.encode_program if encode else c.decode_program
-        runner = CausalStages(prog, c.device, c.dtype, planner.workspace_factor(c.device), prepare=c.encode_input)
+        runner = prog.runner(c.device, c.dtype, planner.workspace_factor(c.device), prepare=c.encode_input)
         try:
             with torch.no_grad():
                 if encode:

@@ -37,7 +37,6 @@ from .codecs import Codec
 from .memory import measure_peak
 from .pad import pad_mode_for
 from .shared_stats import SharedGroupNormStats
-from .causal import CausalStages
 from .stagewise import StagewiseDecode
 from .stagewise_encode import StagewiseEncode
 from .tiles import plan_tiles
@@ -477,7 +476,7 @@ class Planner:
             why = (f"no stages for this VAE's {'encoder' if encode else 'decoder'}"
                    + (f" ({c.programs_note})" if c.programs_note else "") if prog is None else "a fixed tile size")
             return Plan(TILES, reason=f"auto: feather ({why})" if seam == AUTO else "")
-        runner = CausalStages(prog, c.device, c.dtype, self.workspace())
+        runner = prog.runner(c.device, c.dtype, self.workspace())
         sp = runner.plan(tuple(x.shape), self.budget * HEADROOM)
         if sp is None:
             why = "exact stage by stage does not fit the budget (the causal caches and two whole-frame buffers)"
