@@ -19,8 +19,9 @@ rows with the halo its 3x3 convolution reaches and replicates the frame's edge r
 them; the carry is kept over the whole frame per convolution (two frames, written in place a band late).
 So every frame equals ComfyUI's untiled run up to float rounding.
 
-The causal time padding and the spatial replicate padding of 5-D tensors go through `causal.pad5`: on MPS the
-pack's Metal pad kernel, never MPSGraph's 5-D pad (pytorch #194922).
+A convolution's input (the carry or the first frame twice, the band's frames, the replicated edge rows and
+columns) is built in one tensor by indexing (`_join_pad`): no 5-D F.pad, which MPSGraph computes wrongly for
+video tensors (pytorch #194922), and one copy of the band instead of ComfyUI's two.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .causal import CACHE_T, CausalPlan, _Lagged, _query_chunk, _writable, pad5
+from .causal import CACHE_T, CausalPlan, _Lagged, _query_chunk, _writable
 from .shared_stats import GroupMoments, group_norm_with
 from .stagewise import _Buffer, _bands
 
@@ -251,6 +252,30 @@ def _pointwise(conv, x):
     return F.conv3d(x, *_weights(conv, x))
 
 
+def _join_pad(hist, act, top: int, bottom: int):
+    """A carried convolution's input, as ComfyUI's conv_carry_causal_3d builds it: [the carry (or, at the start,
+    the first frame twice), act] along time, replicate-padded by one column each side and by `top` / `bottom`
+    rows (the band's frame edges). Built in one tensor by indexing: no 5-D F.pad (MPS: pytorch #194922)."""
+    n, c, t, r, w = act.shape
+    k = CACHE_T
+    out = act.new_empty((n, c, k + t, r + top + bottom, w + 2))
+    inner = out[:, :, :, top:top + r, 1:w + 1]
+    inner[:, :, :k] = act[:, :, :1] if hist is None else hist
+    inner[:, :, k:] = act
+    out[:, :, :, top:top + r, 0] = out[:, :, :, top:top + r, 1]
+    out[:, :, :, top:top + r, w + 1] = out[:, :, :, top:top + r, w]
+    if top:
+        out[:, :, :, 0] = out[:, :, :, 1]
+    if bottom:
+        out[:, :, :, -1] = out[:, :, :, -2]
+    return out
+
+
+def _carry_rows(tin, r0, r1):
+    """The next chunk's carry from a joined input: its last two frames, rows r0:r1, without the padded columns."""
+    return tin[:, :, -CACHE_T:, r0:r1, 1:-1]
+
+
 def _up2(x, time: bool, first: bool):
     """Nearest 2x in space [and in time: frame 0 of the first chunk once, as ComfyUI's Upsample]."""
     if time:
@@ -301,11 +326,11 @@ class HunyuanStages:
         ch, _ = walk(prog.chunked, mid[0], big, h, w, len(chunks) == 1)
         return [(wh, False, False), (ch, len(chunks) > 1, True)], mid
 
-    def _stage_cost(self, s, inp, out, n, sb, esize, history):
+    def _stage_cost(self, s, inp, out, n, sb, esize):
         """(output buffer bytes, working bytes per band row, multiply-adds, band rows, carry bytes) of a stage on a
-        chunk (C, T, H, W) `inp` -> `out` (`history`: its convolution reads a carry), following the band code
-        below: the input rows (a copy when the buffers' dtype is not the compute dtype), the GroupNorm's output,
-        the carry and the frames joined, that padded, the convolution's output [and the shortcut's]."""
+        chunk (C, T, H, W) `inp` -> `out`, following the band code below: the input rows (a copy when the buffers'
+        dtype is not the compute dtype), the GroupNorm's output, the carry and the frames joined and padded, the
+        convolution's output [and the shortcut's]."""
         (ci, t, h, w), (co, to, ho, wo) = inp, out
         out_bytes = n * co * to * ho * wo * sb
         copy = ci * t if sb != esize else 0
@@ -316,8 +341,7 @@ class HunyuanStages:
         if s.kind == "up":             # per input row: 4 output pixels an input pixel
             tu = to
             up = 4 * ci * tu
-            join = up + 4 * ci * (tu + CACHE_T) * (2 if history else 1)
-            per_row = copy + max(ci * t + up, join, up + 4 * ci * (tu + CACHE_T) + 4 * co * tu)
+            per_row = copy + max(ci * t + up, up + 4 * ci * (tu + CACHE_T), 4 * ci * (tu + CACHE_T) + 4 * co * tu)
             cache = n * ci * CACHE_T * ho * wo * sb
             return out_bytes, n * w * esize * per_row, to * ho * wo * ci * co * 27, h, cache
         k = 2 if s.conv.stride[1] == 2 else 1       # input rows an output row reads
@@ -325,7 +349,7 @@ class HunyuanStages:
         tin = k * ci * (t + CACHE_T)
         norm = copy * k + act if s.norm is not None else 0
         res = co * to * ((s.shortcut is not None) + (sb != esize)) if s.residual else 0
-        per_row = max(norm, act + tin * (2 if history else 1), act + tin + co * to + res)
+        per_row = max(norm, act + tin, tin + co * to + res)
         cache = n * ci * CACHE_T * h * w * sb
         flops = to * ho * wo * ci * co * 27 + (to * ho * wo * ci * co if s.shortcut is not None else 0)
         return out_bytes, n * w * esize * per_row, flops, ho, cache
@@ -345,19 +369,19 @@ class HunyuanStages:
             ok = True
             for shapes, carried, chunked in segments:
                 held_bytes = n * esize * math.prod(held) if chunked else 0     # the other segment's output
-                caches = sum(self._stage_cost(s, i, o, n, sb, esize, True)[4] for s, i, o in shapes
+                caches = sum(self._stage_cost(s, i, o, n, sb, esize)[4] for s, i, o in shapes
                              if s.kind != "attn") if carried else 0
                 kept = 0            # a ResNet block's input, kept for its second half
                 for idx, (s, inp, out) in enumerate(shapes):
-                    out_bytes, per_row, cost, band_rows, _ = self._stage_cost(s, inp, out, n, sb, esize, carried)
+                    out_bytes, per_row, cost, band_rows, _ = self._stage_cost(s, inp, out, n, sb, esize)
                     in_bytes = n * (esize if idx == 0 else sb) * math.prod(inp)
                     base = held_bytes + caches + in_bytes + out_bytes
                     if getattr(s, "residual", False):
                         in_place = s.shortcut is None and idx > 1    # the block's input is a buffer of its own
                         base += kept - (out_bytes if in_place else 0)
                     kept = in_bytes if getattr(s, "keep", False) else kept
-                    r = int((budget - base) // (per_row * self.workspace)) - 2 if per_row > 0 else band_rows
-                    r = 0 if base > budget else min(band_rows, r)
+                    fit = (budget - base) / (per_row * self.workspace) if per_row > 0 else band_rows
+                    r = 0 if base > budget else band_rows if fit >= band_rows else min(band_rows, int(fit) - 2)
                     if r < 1:
                         ok = False
                         break
@@ -440,21 +464,6 @@ class HunyuanStages:
             return None
         return _Buffer(shape, self.plan_.store_dtype, like.device)
 
-    def _carried(self, conv, act, hist, top, bottom, cache, own):
-        """The carried convolution of `act` [N, C, T, rows, W] (its input rows, `top` / `bottom` edge rows to
-        replicate), after `hist` (the last chunk's carry rows) or, at the start, its first frame twice; the new
-        carry's rows `own` (relative) go to `cache`."""
-        if hist is None:
-            tin = pad5(act, (1, 1, top, bottom, CACHE_T, 0), mode="replicate")
-            if cache is not None:
-                cache(tin[:, :, -CACHE_T:, own[0] + top:own[1] + top, 1:-1])
-        else:
-            tin = torch.cat([hist.to(act.dtype), act], 2)
-            if cache is not None:
-                cache(tin[:, :, -CACHE_T:, own[0]:own[1]])
-            tin = pad5(tin, (1, 1, top, bottom, 0, 0), mode="replicate")
-        return F.conv3d(tin, *_weights(conv, tin), stride=conv.stride)
-
     def _conv(self, j, s: GConv, x: _Buffer, rows, first, carry, sink):
         n, ci, t, hh, ww = x.t.shape
         co, to, ho, wo = s.out_shape(ci, t, hh, ww)
@@ -475,10 +484,12 @@ class HunyuanStages:
             act = x.t[..., a:b, :].to(self.dtype)
             if s.norm is not None:
                 act = F.silu(group_norm_with(s.norm, act, stats), inplace=True)
-            hb = hist[..., a:b, :] if hist is not None else None
-            put = (lambda rws: cache.put(own[0], own[1], rws)) if cache is not None else None
-            y = self._carried(s.conv, act, hb, a - i0, i1 - b, put, (own[0] - a, own[1] - a))
-            del act, hb
+            tin = _join_pad(hist[..., a:b, :] if hist is not None else None, act, a - i0, i1 - b)
+            del act
+            if cache is not None:
+                cache.put(own[0], own[1], _carry_rows(tin, own[0] - a + (a - i0), own[1] - a + (a - i0)))
+            y = F.conv3d(tin, *_weights(s.conv, tin), stride=s.conv.stride)
+            del tin
             if res is not None:
                 sc = res.t[..., r0:r1, :].to(self.dtype)
                 y.add_(_pointwise(s.shortcut, sc) if s.shortcut is not None else sc)
@@ -513,10 +524,13 @@ class HunyuanStages:
             u0, u1 = max(0, 2 * q0 - 1), min(ho, 2 * q1 + 1)       # the upsampled rows the convolution reads
             up = _up2(x.t[..., a:b, :].to(self.dtype), s.time, first)[..., u0 - 2 * a:u1 - 2 * a, :]
             assert up.shape[2] == tu
-            hb = hist[..., u0:u1, :] if hist is not None else None
-            put = (lambda rws: cache.put(2 * q0, 2 * q1, rws)) if cache is not None else None
-            y = self._carried(s.conv, up, hb, int(q0 == 0), int(q1 == hh), put, (2 * q0 - u0, 2 * q1 - u0))
-            del up, hb
+            top = int(q0 == 0)
+            tin = _join_pad(hist[..., u0:u1, :] if hist is not None else None, up, top, int(q1 == hh))
+            del up
+            if cache is not None:
+                cache.put(2 * q0, 2 * q1, _carry_rows(tin, 2 * q0 - u0 + top, 2 * q1 - u0 + top))
+            y = F.conv3d(tin, *_weights(s.conv, tin))
+            del tin
             if out is None:
                 result = y
             else:

@@ -266,7 +266,8 @@ def hunyuan_vae(comfyui):
 def test_hunyuan_video_decode_and_encode_tiled_vs_untiled(comfyui, hunyuan_vae, caplog):
     """HunyuanVideo 1.0: spatial tiles, each decoded causally two latent frames at a time through the
     decoder's own carried 3-D convolutions (decode_stream), against ComfyUI's untiled decode; the
-    node tiles it (not the fallback); encode tiles through the encoder's own chunking."""
+    node in seam mode feather tiles it (not the fallback), encode through the encoder's own chunking; in seam
+    mode auto the node runs the exact stages (ComfyUI's untiled decode and encode up to rounding)."""
     import dataclasses
 
     from comfy_metal.nodes import vae as vt
@@ -302,18 +303,25 @@ def test_hunyuan_video_decode_and_encode_tiled_vs_untiled(comfyui, hunyuan_vae, 
     print("ComfyUI HunyuanVideo decode PSNR", p, "tiles", eng.info.tiles)
     assert p >= 32.0
     with caplog.at_level("INFO", logger="comfy_metal"):
-        (images,) = MetalVAEDecodeTiled().decode({"samples": z}, vae, memory_budget_gb=0.5, overlap=14)
+        (images,) = MetalVAEDecodeTiled().decode({"samples": z}, vae, memory_budget_gb=0.5, overlap=14,
+                                                 seam_mode="feather")
     assert "ComfyUI's own tiled decode" not in caplog.text
     assert images.shape == (5, 320, 256, 3) and images.min() >= 0 and images.max() <= 1
     p = psnr(images, ref.reshape(images.shape))
     print("node PSNR", p, "tiles", _tiles_logged(caplog.text))
     assert _tiles_logged(caplog.text) > 1 and p >= 28.0
+    # seam mode auto: the exact stages (nodes/vae/hunyuan.py), ComfyUI's untiled decode up to rounding
+    caplog.clear()
+    with caplog.at_level("INFO", logger="comfy_metal"):
+        (images,) = MetalVAEDecodeTiled().decode({"samples": z}, vae, memory_budget_gb=0.5, overlap=14)
+    assert "auto: exact (stage by stage" in caplog.text, caplog.text[-1500:]
+    torch.testing.assert_close(images, ref.reshape(images.shape), atol=1e-5, rtol=0)
 
     pixels = ref.reshape(images.shape)
     lat_ref = vae.encode(pixels)
     caplog.clear()
     with caplog.at_level("INFO", logger="comfy_metal"):
-        (lat,) = MetalVAEEncodeTiled().encode(pixels, vae, memory_budget_gb=0.5, overlap=14)
+        (lat,) = MetalVAEEncodeTiled().encode(pixels, vae, memory_budget_gb=0.5, overlap=14, seam_mode="feather")
     assert "ComfyUI's own tiled encode" not in caplog.text
     print("encode tiles", _tiles_logged(caplog.text))
     assert _tiles_logged(caplog.text) > 1
@@ -321,6 +329,11 @@ def test_hunyuan_video_decode_and_encode_tiled_vs_untiled(comfyui, hunyuan_vae, 
     p = psnr(lat["samples"], lat_ref, peak=float(lat_ref.abs().max()))
     print("ComfyUI HunyuanVideo encode PSNR", p)
     assert p >= 32.0
+    caplog.clear()
+    with caplog.at_level("INFO", logger="comfy_metal"):
+        (lat,) = MetalVAEEncodeTiled().encode(pixels, vae, memory_budget_gb=0.5, overlap=14)
+    assert "auto: exact (stage by stage" in caplog.text, caplog.text[-1500:]
+    torch.testing.assert_close(lat["samples"], lat_ref, atol=1e-5 * max(1.0, float(lat_ref.abs().max())), rtol=0)
 
 
 def test_sd_vae_untiled_mid_block_raises_psnr(comfyui, sd_vae):
