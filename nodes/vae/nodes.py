@@ -53,8 +53,8 @@ def _common_inputs():
                                               "the node badge say which ran and why. exact: the untiled result up to "
                                               "rounding -- the untiled decode when it fits, else stage by stage over "
                                               "the whole image in bands of rows (one pass; KL VAEs with whole-image "
-                                              "GroupNorm statistics, Wan 2.1 / Qwen-Image and Wan 2.2 frame by frame "
-                                              "with their causal time cache), else tiles in lock-step from one "
+                                              "GroupNorm statistics, Wan 2.1 / Qwen-Image, Wan 2.2 and HunyuanVideo "
+                                              "in the VAE's own causal time chunks), else tiles in lock-step from one "
                                               "GroupNorm to the next (KL VAEs, several times feather's time). "
                                               "feather: one pass of overlapping tiles, each normalising itself, seams "
                                               "hidden by feathered overlaps."}),
@@ -160,10 +160,10 @@ class MetalVAEDecodeTiled:
     CATEGORY = "Comfy Metal/VAE"
     DESCRIPTION = ("Decodes within a memory budget: image KL VAEs run their mid block over the whole latent, then "
                    "(seam mode auto) the up path stage by stage over the whole image where the budget holds it -- "
-                   "the untiled decode's image -- else in overlapping feathered tiles; Wan 2.1 / Qwen-Image and "
-                   "Wan 2.2 run every stage over the whole frame in bands of rows with the VAE's own causal "
-                   "chunking (the untiled decode's frames); other video VAEs decode causally chunk by chunk with a "
-                   "temporal cache per tile (memory flat in frames).")
+                   "the untiled decode's image -- else in overlapping feathered tiles; Wan 2.1 / Qwen-Image, "
+                   "Wan 2.2 and HunyuanVideo run every stage over the whole frame in bands of rows with the VAE's "
+                   "own causal chunking (the untiled decode's frames) where the budget holds it, else decode "
+                   "causally chunk by chunk with a temporal cache per tile (memory flat in frames).")
 
     def decode(self, samples, vae, memory_budget_gb=0.0, overlap=0, temporal_chunk=0, temporal_overlap=0,
                seam_mode=AUTO):
@@ -218,9 +218,9 @@ class MetalVAEEncodeTiled:
     CATEGORY = "Comfy Metal/VAE"
     DESCRIPTION = ("Encodes within a memory budget: KL VAEs run the down path stage by stage over the whole image "
                    "where the budget holds it, else overlapping feathered tiles run the encoder's full-resolution "
-                   "levels and the rest of the encoder once over the whole image; Wan 2.1 / Qwen-Image and Wan 2.2 "
-                   "encode stage by stage over the whole frame with the VAE's own causal chunking; other VAEs tile "
-                   "the whole encoder.")
+                   "levels and the rest of the encoder once over the whole image; Wan 2.1 / Qwen-Image, Wan 2.2 and "
+                   "HunyuanVideo encode stage by stage over the whole frame with the VAE's own causal chunking; "
+                   "other VAEs tile the whole encoder.")
 
     def encode(self, pixels, vae, memory_budget_gb=0.0, overlap=0, temporal_chunk=0, temporal_overlap=0,
                seam_mode=AUTO):

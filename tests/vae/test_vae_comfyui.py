@@ -184,7 +184,7 @@ def test_unknown_vae_falls_back_to_comfyui_tiled(comfyui, sd_vae, caplog, monkey
 
 
 def test_bench_section_against_comfyui_tiled(comfyui, monkeypatch):
-    """`bench` of nodes/cli/bench/vae.py against the real ComfyUI (narrow SDXL-shaped and Wan 2.1-shaped VAEs):
+    """`bench` of nodes/cli/bench/vae.py against the real ComfyUI (narrow SDXL-, Wan 2.1- and HunyuanVideo-shaped VAEs):
     ComfyUI's tiled run measured and every one of our rows given as a ratio of its time and peak, PSNR filled;
     the Qwen-Image frame's tables at ComfyUI tiled's peak run exact (>= 60 dB)."""
     from comfy_metal.nodes.cli.bench import vae as bench_vae
@@ -195,10 +195,20 @@ def test_bench_section_against_comfyui_tiled(comfyui, monkeypatch):
     # the video part with Wan 2.1 / Qwen-Image's VAE narrowed (ComfyUI reads its width from the weights; Wan
     # 2.2's it fixes, so its case is left to `bench`): a frame decoded and encoded, a clip decoded
     monkeypatch.setattr(bench_vae, "WAN21_DIM", 16)
-    monkeypatch.setattr(bench_vae, "VIDEO_CASES", {True: [c for c in bench_vae.VIDEO_CASES[True] if c[1] == "wan21"]})
+    # and HunyuanVideo's narrowed as the VAE tests narrow it (comfy.sd fixes its width: 128)
+    import comfy.sd
+    from comfy.ldm.models.autoencoder import AutoencoderKL
+
+    monkeypatch.setattr(bench_vae, "HUNYUAN_DDCONFIG", {**bench_vae.HUNYUAN_DDCONFIG, "ch": 32})
+    monkeypatch.setattr(comfy.sd, "AutoencoderKL",
+                        lambda ddconfig, embed_dim, **kw: AutoencoderKL(ddconfig={**ddconfig, "ch": 32},
+                                                                        embed_dim=embed_dim, **kw))
+    monkeypatch.setattr(bench_vae, "VIDEO_CASES",
+                        {True: [c for c in bench_vae.VIDEO_CASES[True] if c[1] in ("wan21", "hunyuan")]})
     video = bench_vae.bench(quick=True, parts=["video"])
-    assert len(at_peak) == 4 and len(video) == 3
-    assert ["Qwen-Image frame" in t.title for t in video] == [True, True, False], [t.title for t in video]
+    assert len(at_peak) == 4 and len(video) == 4
+    assert ["Qwen-Image frame" in t.title for t in video] == [True, True, False, False], [t.title for t in video]
+    assert "HunyuanVideo clip" in video[3].title and "failed" not in video[3].note, video[3].render()
     for table in video[:2]:     # the frame; the quick clip's causal caches alone exceed its quick tiles' peak
         exact = [r for r in table.rows if "peak, exact" in r[0]]
         assert exact and exact[0][1].startswith("stages") and _psnr_cell(exact[0][4]) >= 60, table.render()

@@ -6,8 +6,8 @@ One table per case; rows are decoders (encoders), measured one after another in 
 * peak / encode: SD- and Flux-width KL VAEs at a budget equal to ComfyUI's measured tiled peak, feather, exact
   and auto side by side, decode and encode.
 * video: the causal 3-D VAEs at their real widths at ComfyUI tiled's measured peak -- a Qwen-Image frame
-  (Wan 2.1's VAE; decode and encode), a Wan 2.1 clip and a Wan 2.2 clip -- exact and auto, and the node's
-  default (auto budget); needs ComfyUI (COMFYUI_PATH).
+  (Wan 2.1's VAE; decode and encode), a Wan 2.1 clip, a Wan 2.2 clip and a HunyuanVideo 1.0 clip -- exact and
+  auto, and the node's default (auto budget); needs ComfyUI (COMFYUI_PATH).
 
 ComfyUI's VAEDecodeTiled / VAEEncodeTiled run with the nodes' defaults (512 px tiles, 64 px overlap; for
 video 64 frames / 8 overlap), through the nodes themselves when ComfyUI's nodes.py is importable. Time = wall
@@ -382,18 +382,27 @@ def _encode_at_comfy_peak(quick, device, comfy_sd, AutoencoderKL, diffusers_prob
 
 WAN21_DIM = 96                                       # Wan 2.1's / Qwen-Image's VAE width (comfy/sd.py reads it)
 WAN22_DIM, WAN22_DEC_DIM = 160, 256                  # ComfyUI's Wan 2.2 VAE (comfy/sd.py)
+# HunyuanVideo 1.0's VAE as comfy/sd.py builds it for the `decoder.conv_in.conv.weight` layout (its real width)
+HUNYUAN_DDCONFIG = {"double_z": True, "z_channels": 16, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+                    "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0,
+                    "conv3d": True, "time_compress": 4}
 # (title, VAE, latent (frames, h, w)) per case; quick: the same VAEs at their real widths, smaller frames
 VIDEO_CASES = {
     False: [("Qwen-Image frame", "wan21", (1, 80, 80)), ("Wan 2.1 clip", "wan21", (3, 24, 32)),
-            ("Wan 2.2 clip", "wan22", (3, 8, 12))],
+            ("Wan 2.2 clip", "wan22", (3, 8, 12)), ("HunyuanVideo clip", "hunyuan", (3, 16, 24))],
     True: [("Qwen-Image frame", "wan21", (1, 10, 12)), ("Wan 2.1 clip", "wan21", (2, 4, 6)),
-           ("Wan 2.2 clip", "wan22", (2, 3, 4))],
+           ("Wan 2.2 clip", "wan22", (2, 3, 4)), ("HunyuanVideo clip", "hunyuan", (2, 4, 6))],
 }
 
 
-def _comfy_wan(comfy_sd, which, device):
-    """A ComfyUI VAE object (comfy.sd.VAE) of Wan 2.1 / Qwen-Image or Wan 2.2 at its real width, random weights."""
-    if which == "wan21":
+def _comfy_video_vae(comfy_sd, which, device):
+    """A ComfyUI VAE object (comfy.sd.VAE) of Wan 2.1 / Qwen-Image, Wan 2.2 or HunyuanVideo 1.0 at its real width,
+    random weights."""
+    if which == "hunyuan":
+        from comfy.ldm.models.autoencoder import AutoencoderKL
+
+        model = AutoencoderKL(ddconfig=HUNYUAN_DDCONFIG, embed_dim=16)
+    elif which == "wan21":
         import comfy.ldm.wan.vae as wan
 
         model = wan.WanVAE(dim=WAN21_DIM, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
@@ -440,16 +449,16 @@ def _ours_at_peak(case, codec, run, budget):
 
 def _video_at_comfy_peak(quick, device, comfy_sd) -> list[Table]:
     """The causal 3-D VAEs at ComfyUI tiled's measured peak: a Qwen-Image frame (Wan 2.1's VAE, decode and
-    encode), a Wan 2.1 clip and a Wan 2.2 clip (decode), each at the VAE's real width. Rows: ComfyUI's untiled
+    encode), a Wan 2.1 clip, a Wan 2.2 clip and a HunyuanVideo clip (decode), each at the VAE's real width. Rows: ComfyUI's untiled
     run (the PSNR reference), ComfyUI's tiled node at its defaults (the budget), ours exact and auto at that
     budget, and ours at the node's default (auto budget)."""
     tables = []
     if isinstance(comfy_sd, str):
-        return [Table("VAE decode/encode, Wan 2.1 / Qwen-Image / Wan 2.2", COLUMNS,
-                      note=f"Needs ComfyUI's Wan VAEs (set COMFYUI_PATH): {comfy_sd}")]
+        return [Table("VAE decode/encode, Wan 2.1 / Qwen-Image / Wan 2.2 / HunyuanVideo", COLUMNS,
+                      note=f"Needs ComfyUI's video VAEs (set COMFYUI_PATH): {comfy_sd}")]
     vaes = {}
     for title, which, (t, h, w) in VIDEO_CASES[quick]:
-        vae = vaes.get(which) or vaes.setdefault(which, _comfy_wan(comfy_sd, which, device))
+        vae = vaes.get(which) or vaes.setdefault(which, _comfy_video_vae(comfy_sd, which, device))
         fsm = vae.first_stage_model
         codec = vt.codec_from_comfy(vae)
         f = codec.scale
