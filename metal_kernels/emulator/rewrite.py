@@ -285,6 +285,30 @@ def _float_literals(s: str) -> str:
     return "".join(out)
 
 
+_VEC_ARGS = r"<(?P<args>[^;{}()<>]*(?:<[^;{}()<>]*>[^;{}()<>]*)*)>"
+_VEC_TYPEDEF_RE = re.compile(r"(?P<head>\btypedef\s+(?:const\s+)?)(?:metal\s*::\s*)?vec\s*" + _VEC_ARGS)
+_VEC_USING_RE = re.compile(r"(?P<head>\busing\s+[A-Za-z_]\w*\s*=\s*(?:const\s+)?)(?:metal\s*::\s*)?vec\s*" + _VEC_ARGS)
+_VEC_BOOL_RE = re.compile(r"(?<![\w.])(?:metal\s*::\s*)?vec\s*<\s*(?P<args>bool\s*,[^;{}()<>]*)>")
+
+
+def bool_vectors(s: str) -> str:
+    """`metal::vec<T, N>` where `T` may be bool: MSL's bool vectors are a class here (clang has no bool vectors in
+    the strict front end's OpenCL mode, and its comparisons give integer vectors), so `vec<bool, N>` written out
+    and the typedefs/aliases of `vec<T, N>` (`typedef metal::vec<T, 2> frag_type;`, MLX's bool mask fragment) name
+    `__emu::vec_sel_t<T, N>`, which is boolN for bool and `T` with `ext_vector_type(N)` otherwise. `vec<T, N>`
+    elsewhere stays the plain alias, so a function template still deduces `T` and `N` from a parameter of that
+    type (MLX's `complex_mul(metal::vec<T, 2> a, ...)`); alias templates (`template <class T> using V = vec<T, 2>;`)
+    stay plain for the same reason."""
+    def alias(m):
+        head = s[max(0, m.start() - 300):m.start()]
+        if re.search(r"\btemplate\s*<[^;{}]*>\s*$", head):  # an alias template: T deduces through it
+            return m.group(0)
+        return f"{m.group('head')}::__emu::vec_sel_t<{m.group('args')}>"
+    s = _VEC_TYPEDEF_RE.sub(lambda m: f"{m.group('head')}::__emu::vec_sel_t<{m.group('args')}>", s)
+    s = _VEC_USING_RE.sub(alias, s)
+    return _VEC_BOOL_RE.sub(lambda m: f"::__emu::vec_sel_t<{m.group('args')}>", s)
+
+
 def rewrite_shared(s: str) -> str:
     """The rewrites the strict front end shares: function constants, vector construction and casts, half and
     bfloat literals (after the casts: `((half)1.5f)` stays a plain scalar cast)."""
@@ -294,6 +318,7 @@ def rewrite_shared(s: str) -> str:
     s = _float_literals(_rewrite_function_constants(s))
     s = re.sub(r"\[\[\s*threadgroup\s*\([^()\]]*\)\s*\]\]", "", s)  # the keyword is a macro: `[[(0)]]`
     s = _rewrite_vectors(s, type_names(s))
+    s = bool_vectors(s)
     s = _HALF_LIT_RE.sub(lambda m: f"((half){m.group(1)}f)" if ("." in m.group(1) or "e" in m.group(1).lower())
                          else f"((half){m.group(1)}.0f)", s)
     s = _BFLOAT_LIT_RE.sub(lambda m: f"((bfloat){m.group(1)}f)" if ("." in m.group(1) or "e" in m.group(1).lower())

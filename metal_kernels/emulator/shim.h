@@ -69,11 +69,83 @@ __EMU_VEC(char, char)
 __EMU_VEC(uchar, uchar)
 __EMU_VEC(long, long)
 __EMU_VEC(ulong, ulong)
-__EMU_VEC(bool, bool)
+
+// boolN: MSL's bool vectors (1 byte an element; bool3 takes 4 bytes, as in Metal). A class rather than clang's
+// bool vectors, so that a vector comparison (clang: a signed integer vector, MSL: boolN) converts to it; the strict
+// front end decides what converts implicitly (only a comparison's result), this build takes any integer vector.
+namespace __emu {
+template <int N> struct bvec_base;
+template <> struct bvec_base<2> { bool x, y; };
+template <> struct bvec_base<3> { bool x, y, z; };
+template <> struct bvec_base<4> { bool x, y, z, w; };
+template <int N>
+struct alignas(N == 2 ? 2 : 4) bvec : bvec_base<N> {
+  bvec() = default;
+  constexpr bvec(bool s) {
+    for (int i = 0; i < N; i++) (*this)[i] = s;
+  }
+  // a braced list: missing elements are false (C++ aggregate rules, as for the other vectors)
+  constexpr bvec(std::initializer_list<bool> l) {
+    int i = 0;
+    for (bool e : l) {
+      if (i < N) (*this)[i] = e;
+      i++;
+    }
+    for (; i < N; i++) (*this)[i] = false;
+  }
+  template <class V, std::enable_if_t<vinfo<std::remove_cv_t<V>>::n == N &&
+                                          std::is_integral_v<typename vinfo<std::remove_cv_t<V>>::elem>, int> = 0>
+  constexpr bvec(const V& v) {
+    for (int i = 0; i < N; i++) (*this)[i] = (bool)v[i];
+  }
+  constexpr bool& operator[](int i) {
+    switch (i) {
+      case 0: return this->x;
+      case 1: return this->y;
+      case 2: if constexpr (N > 2) return this->z; else __builtin_trap();
+      default: if constexpr (N > 3) return this->w; else __builtin_trap();
+    }
+  }
+  constexpr const bool& operator[](int i) const { return (*const_cast<bvec*>(this))[i]; }
+#define __EMU_BOP(OP)                                                          \
+  friend constexpr bvec operator OP(const bvec& a, const bvec& b) {            \
+    bvec r;                                                                    \
+    for (int i = 0; i < N; i++) r[i] = (bool)(a[i] OP b[i]);                  \
+    return r;                                                                  \
+  }
+  __EMU_BOP(&&) __EMU_BOP(||) __EMU_BOP(==) __EMU_BOP(!=) __EMU_BOP(&) __EMU_BOP(|) __EMU_BOP(^)
+#undef __EMU_BOP
+  friend constexpr bvec operator!(const bvec& a) {
+    bvec r;
+    for (int i = 0; i < N; i++) r[i] = !a[i];
+    return r;
+  }
+  friend constexpr bvec operator~(const bvec& a) { return !a; }
+  constexpr bvec& operator&=(const bvec& b) { return *this = *this & b; }
+  constexpr bvec& operator|=(const bvec& b) { return *this = *this | b; }
+  constexpr bvec& operator^=(const bvec& b) { return *this = *this ^ b; }
+};
+template <int N>
+struct vinfo<bvec<N>> {
+  static constexpr int n = N;
+  using elem = bool;
+};
+template <class T> inline constexpr bool is_bvec = false;
+template <int N> inline constexpr bool is_bvec<bvec<N>> = true;
+// vec<T, N> named in a typedef/using or written as vec<bool, N> (rewrite.bool_vectors): bool -> boolN
+template <class T, int N> struct vec_sel { typedef T type __attribute__((ext_vector_type(N))); };
+template <int N> struct vec_sel<bool, N> { typedef bvec<N> type; };
+template <int N> struct vec_sel<const bool, N> { typedef const bvec<N> type; };
+template <class T, int N> using vec_sel_t = typename vec_sel<T, N>::type;
+}  // namespace __emu
+typedef __emu::bvec<2> bool2;
+typedef __emu::bvec<3> bool3;
+typedef __emu::bvec<4> bool4;
 
 namespace __emu {
 template <class T> struct ext_vec : std::false_type {};
 template <class T, int N> struct ext_vec<T __attribute__((ext_vector_type(N)))> : std::true_type {};
+template <int N> struct ext_vec<bvec<N>> : std::true_type {};  // boolN constructs and converts as a vector
 template <class A, class B>
 inline constexpr bool half_bfloat_pair = (std::is_same_v<std::remove_cv_t<A>, half> && std::is_same_v<std::remove_cv_t<B>, bfloat>) ||
                                          (std::is_same_v<std::remove_cv_t<A>, bfloat> && std::is_same_v<std::remove_cv_t<B>, half>);
@@ -125,7 +197,8 @@ constexpr V vec_of(const A&... a) {
     } else if constexpr (sizeof...(A) == N && total == N) {
       if constexpr ((half_bfloat_pair<E, A> || ...)) return V{(E)(float)a...};
       else return V{(E)a...};
-    } else if constexpr (sizeof...(A) == 1 && (ext_vec<std::remove_cv_t<A>>::value && ...) &&
+    } else if constexpr (sizeof...(A) == 1 && !is_bvec<std::remove_cv_t<V>> &&
+                         ((ext_vec<std::remove_cv_t<A>>::value && !is_bvec<std::remove_cv_t<A>>) && ...) &&
                          !(half_bfloat_pair<E, elem_t<A>> && ...)) {
       static_assert(total == N, "wrong number of components in vector constructor");
       return __builtin_convertvector((a, ...), V);
@@ -612,7 +685,7 @@ __EMU_P1(signbit, __builtin_signbit(v))
 #define __EMU_PV(NAME)                                                                       \
   template <class T, std::enable_if_t<__emu::is_fp<T> && (__emu::vlen<T> > 1), int> = 0>      \
   inline auto NAME(T x) {                                                                    \
-    typedef bool __emu_bv __attribute__((ext_vector_type(__emu::vlen<T>)));                  \
+    typedef __emu::bvec<__emu::vlen<T>> __emu_bv;                                              \
     __emu_bv r;                                                                              \
     _Pragma("clang loop unroll(full)")                                                       \
     for (int i = 0; i < __emu::vlen<T>; i++) r[i] = NAME(x[i]);                              \

@@ -49,7 +49,6 @@ __MSLV(char, char)
 __MSLV(uchar, uchar)
 __MSLV(long, long)
 __MSLV(ulong, ulong)
-__MSLV(char, bool)  // OpenCL has no bool vectors; comparisons give int vectors here as in the emulator
 #undef __MSLV
 
 namespace __emu {
@@ -98,6 +97,57 @@ template <class V, class A, class B, class... C,
           typename __enable_if<(__vec_info<V>::n > 1) && __total<A, B, C...> == __vec_info<V>::n &&
                                    __any_vec<A, B, C...>, int>::type = 0>
 V vec(A a, B b, C... c);
+// boolN (MSL's bool vectors): clang's OpenCL mode has no bool vectors, so they are a class here. What MSL allows:
+// a scalar converts implicitly (splat), a braced list of N scalars, element access (.x .. .w, [i]), ! && || == != & |
+// ^ giving boolN, explicit conversions to and from the other vectors (__emu::vec); the result of a vector comparison
+// converts implicitly (clang gives a signed integer vector of the operands' element size, MSL a boolN): only as a
+// prvalue, so a named intN variable does not convert (MSL: no implicit conversion between vector types).
+template <class V, int N> struct __cmp_result { static constexpr constant bool v = false; };
+#define __MSL_CMP(E) template <int N> struct __cmp_result<E __attribute__((ext_vector_type(N))), N> { \
+    static constexpr constant bool v = true; };
+__MSL_CMP(char) __MSL_CMP(short) __MSL_CMP(int) __MSL_CMP(long)
+#undef __MSL_CMP
+template <int N> struct bvec_base;
+template <> struct bvec_base<2> { bool x, y; bvec_base() = default; constexpr bvec_base(bool a, bool b) : x(a), y(b) {} };
+template <> struct bvec_base<3> {
+  bool x, y, z;
+  bvec_base() = default;
+  constexpr bvec_base(bool a, bool b, bool c) : x(a), y(b), z(c) {}
+};
+template <> struct bvec_base<4> {
+  bool x, y, z, w;
+  bvec_base() = default;
+  constexpr bvec_base(bool a, bool b, bool c, bool d) : x(a), y(b), z(c), w(d) {}
+};
+template <int N> struct alignas(N == 2 ? 2 : 4) bvec : bvec_base<N> {
+  bvec() = default;
+  template <int... I> constexpr bvec(bool s, __iseq<int, I...>) : bvec_base<N>(((void)I, s)...) {}
+  constexpr bvec(bool s) : bvec(s, __make_integer_seq<__iseq, int, N>()) {}
+  using bvec_base<N>::bvec_base;  // a braced list of N bools ({a, b}; strict.py pads short lists)
+  template <class V, typename __enable_if<__cmp_result<V, N>::v, int>::type = 0> bvec(V&& v);
+  bool& operator[](int i) __private;
+  __global bool& operator[](int i) __global;
+  __local bool& operator[](int i) __local;
+  const __constant bool& operator[](int i) const __constant;
+  const bool& operator[](int i) const __private;
+  const __global bool& operator[](int i) const __global;
+  const __local bool& operator[](int i) const __local;
+  friend bvec operator!(bvec a);
+  friend bvec operator~(bvec a);
+  friend bvec operator&&(bvec a, bvec b);
+  friend bvec operator||(bvec a, bvec b);
+  friend bvec operator==(bvec a, bvec b);
+  friend bvec operator!=(bvec a, bvec b);
+  friend bvec operator&(bvec a, bvec b);
+  friend bvec operator|(bvec a, bvec b);
+  friend bvec operator^(bvec a, bvec b);
+};
+template <int N> struct __vec_info<bvec<N>> { typedef bool E; static constexpr constant int n = N; };
+// vec<T, N> where a declaration names it (typedef/using, rewritten by strict.py and the emulator): bool -> boolN
+template <class T, int N> struct vec_sel { typedef T type __attribute__((ext_vector_type(N))); };
+template <int N> struct vec_sel<bool, N> { typedef bvec<N> type; };
+template <int N> struct vec_sel<const bool, N> { typedef const bvec<N> type; };
+template <class T, int N> using vec_sel_t = typename vec_sel<T, N>::type;
 template <class V> struct vcast {};
 template <class V, class U> constexpr V operator->*(vcast<V>, U u) { return vec<V>(u); }
 template <class T> constexpr T fc_unset() { return T(); }
@@ -139,6 +189,10 @@ __MSLP(ushort, ushort)
 __MSLP(char, char)
 __MSLP(uchar, uchar)
 #undef __MSLP
+
+typedef __emu::bvec<2> bool2;
+typedef __emu::bvec<3> bool3;
+typedef __emu::bvec<4> bool4;
 
 #include "msl_constants.h"
 
@@ -246,6 +300,7 @@ __MSLE(float, float) __MSLE(half, half) __MSLE(bfloat, bfloat) __MSLE(int, int) 
 __MSLE(short, short) __MSLE(ushort, ushort) __MSLE(char, char) __MSLE(uchar, uchar) __MSLE(long, long)
 __MSLE(ulong, ulong)
 #undef __MSLE
+template <int N> struct __elem<__emu::bvec<N>> { typedef bool type; static constexpr constant int n = N; };
 template <class T> using __elem_t = typename __elem<remove_cv_t<T>>::type;
 
 template <class T> struct __is_fp_s { static constexpr constant bool v = false; };
@@ -442,7 +497,7 @@ template <class T, enable_if_t<__fm<T>, int> = 0> T sincos(T x, thread T& c);
 template <class T, enable_if_t<__fm<T>, int> = 0> int ilogb(T x);
 #define __MSL_P(NAME)                                                              \
   template <class T, enable_if_t<__fm<T> && __elem<T>::n == 1, int> = 0> bool NAME(T x); \
-  template <class T, enable_if_t<__fm<T> && (__elem<T>::n > 1), int> = 0> bool4 NAME(T x); \
+  template <class T, enable_if_t<__fm<T> && (__elem<T>::n > 1), int> = 0> __emu::bvec<__elem<T>::n> NAME(T x); \
   template <class T, enable_if_t<__bfs<T>, int> = 0> bool NAME(T x);                    \
   template <class T, enable_if_t<__bfv<T>, int> = 0> bool NAME(T x) = delete;
 __MSL_P(isnan) __MSL_P(isinf) __MSL_P(isfinite) __MSL_P(isnormal) __MSL_P(signbit)

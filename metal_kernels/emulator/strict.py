@@ -64,8 +64,16 @@ _SRC = "msl_source.metal"
 _SPEC = "MSL 3.1"
 _RULES = [
     (r"invalid vector element type 'bool'",
-     "an emulator limitation, not an MSL rule: Metal accepts metal::vec<bool, N>, but clang's OpenCL mode has no "
-     "bool vectors (bool2..bool4 written as such work; see the emulator README, Known limitations)"),
+     "an emulator limitation, not an MSL rule: Metal accepts metal::vec<bool, N>; here it is boolN where written "
+     "as vec<bool, N> or in a typedef/using of vec<T, N>, but a vec<T, N> elsewhere (a variable, a deduced "
+     "parameter) with T = bool is a clang vector, which clang's OpenCL mode forbids (see the emulator README, "
+     "Known limitations)"),
+    (r"(?:no viable conversion|cannot initialize|assigning to|incompatible|no known conversion) .*(?:bvec<|bool[234]\b)",
+     f"{_SPEC} (Implicit Type Conversions): there is no implicit conversion between vector types (boolN "
+     f"included; a vector comparison gives boolN): convert explicitly, e.g. int4(m), bool4(v), static_cast<float4>(m)"),
+    (r"invalid operands to binary expression \('[^']*(?:bvec<|bool[234]\b)",
+     f"{_SPEC} (Operators): boolN takes the logical (! && ||), equality (== !=) and bitwise (& | ^ ~) operators, "
+     f"not arithmetic: convert explicitly, e.g. int4(m)"),
     (r"non-kernel function variable cannot be declared in local address space",
      f"{_SPEC} (Address Spaces, threadgroup): a threadgroup variable may be declared only inside a kernel "
      f"function, not in a helper function"),
