@@ -102,6 +102,19 @@ struct quant_int8_elem {
 // rounded half to even, clamped to +-127).
 inline float4 quant_grid4(float4 level, float srel) { return clamp(rint(level * srel), -127.0f, 127.0f); }
 
+// rint(p) (half to even) for |p| <= 511 without a rounding instruction: C = 1.5 * 2^23 + 512 plus p rounds to
+// an integer in fp32 (ulp(C) = 1, to nearest even, as rint), whose low 10 bits are 512 + rint(p); OR-ed into the
+// mantissa of the half 1024 two a word, they are the halves 1536 + rint(p), less 1536 exactly. Bit operations
+// on the sum, so fast math cannot fold p + C - C away.
+inline float4 quant_rint4(float4 p) {
+    const uint4 t = as_type<uint4>(p + 12583424.0f);
+    const uint lo = as_type<uint>(ushort2(ushort(t.x), ushort(t.y)));
+    const uint hi = as_type<uint>(ushort2(ushort(t.z), ushort(t.w)));
+    const half2 a = as_type<half2>((lo & 0x03FF03FFu) | 0x64006400u) - half2(1536.0h);
+    const half2 b = as_type<half2>((hi & 0x03FF03FFu) | 0x64006400u) - half2(1536.0h);
+    return float4(float(a.x), float(a.y), float(b.x), float(b.y));
+}
+
 inline float quant_srel(device const uchar* s, uint i, bool f32) {
     return f32 ? ((device const float*)s)[i] : fp8_e4m3fn_to_float(s[i]);
 }
@@ -443,21 +456,42 @@ struct quant_gemv_w4a8 : gemv_format {
             }
             return;
         }
-        UNROLL for (int wd = 0; wd < WORDS; ++wd) {
-            const uint k = c * uint(CHUNK) + uint(8 * wd);              // the word's first value
-            float4 xa[MM], xb[MM];
-            UNROLL for (int m = 0; m < MM; ++m) x.load8(m, k, xa[m], xb[m]);
-            UNROLL for (int r = 0; r < R; ++r) {
-                float s0, s1;                                             // s_rel of values k .. k + 3, k + 4 .. + 7
+        // s_rel of values k .. k + 3 and k + 4 .. k + 7 of word wd of each row
+        float sr[R][WORDS][2];
+        float smax = 0.0f;
+        UNROLL for (int r = 0; r < R; ++r)
+            UNROLL for (int wd = 0; wd < WORDS; ++wd) {
+                const uint k = c * uint(CHUNK) + uint(8 * wd);
                 if (G16) {
-                    s0 = s1 = srel(fa, w.row[r] * fa.groups + k / 16u);
+                    sr[r][wd][0] = sr[r][wd][1] = (wd & 1) ? sr[r][wd - 1][0] : srel(fa, w.row[r] * fa.groups + k / 16u);
                 } else {
-                    s0 = srel(fa, w.row[r] * fa.groups + k / fa.group);
-                    s1 = srel(fa, w.row[r] * fa.groups + (k + 4u) / fa.group);
+                    sr[r][wd][0] = srel(fa, w.row[r] * fa.groups + k / fa.group);
+                    sr[r][wd][1] = srel(fa, w.row[r] * fa.groups + (k + 4u) / fa.group);
                 }
+                smax = max(smax, max(abs(sr[r][wd][0]), abs(sr[r][wd][1])));
+            }
+        // the clamp to +-127 changes nothing where every level * s_rel is within it (table[16]: max |level|)
+        if (smax * table[16] <= 127.0f) grid_dot<R, MM, XT, false>(raw, c, sr, x, acc, table);
+        else grid_dot<R, MM, XT, true>(raw, c, sr, x, acc, table);
+    }
+
+    template <int R, int MM, typename XT, bool CLAMP>
+    static void grid_dot(thread const uint4* raw, uint c, thread const float (*sr)[WORDS][2],
+                         thread const gemv_x<XT, MM>& x, thread gemv_acc<R, MM>& acc, threadgroup const float* table) {
+        UNROLL for (int wd = 0; wd < WORDS; ++wd) {
+            float4 xa[MM], xb[MM];
+            UNROLL for (int m = 0; m < MM; ++m) x.load8(m, c * uint(CHUNK) + uint(8 * wd), xa[m], xb[m]);
+            UNROLL for (int r = 0; r < R; ++r) {
                 const nib_codes u = nib_codes_lo_first(raw[r][wd]);
-                const float4 a = quant_grid4(float4(table[u.lo.x], table[u.hi.x], table[u.lo.y], table[u.hi.y]), s0);
-                const float4 b = quant_grid4(float4(table[u.lo.z], table[u.hi.z], table[u.lo.w], table[u.hi.w]), s1);
+                // level * s_rel in fp32, (clamped,) rounded: the clamp commutes with rint (+-127 are integers)
+                float4 a = float4(table[u.lo.x], table[u.hi.x], table[u.lo.y], table[u.hi.y]) * sr[r][wd][0];
+                float4 b = float4(table[u.lo.z], table[u.hi.z], table[u.lo.w], table[u.hi.w]) * sr[r][wd][1];
+                if (CLAMP) {
+                    a = clamp(a, -127.0f, 127.0f);
+                    b = clamp(b, -127.0f, 127.0f);
+                }
+                a = quant_rint4(a);
+                b = quant_rint4(b);
                 UNROLL for (int m = 0; m < MM; ++m) acc.v[r][m] = gemv_fma4(xb[m], b, gemv_fma4(xa[m], a, acc.v[r][m]));
             }
         }
@@ -487,9 +521,14 @@ kernel void quant_gemv(device const XT* x [[buffer(0)]],
                        uint tid [[thread_index_in_threadgroup]],
                        uint group_size [[threads_per_threadgroup]],
                        uint lane [[thread_index_in_simdgroup]]) {
-    threadgroup float table[GEMV_TABLE_SIZE];
-    if (F::TABLE) {                                          // the w4a8 codebook
+    threadgroup float table[GEMV_TABLE_SIZE + 1];
+    if (F::TABLE) {                                          // the w4a8 codebook and its largest magnitude
         for (uint i = tid; i < GEMV_TABLE_SIZE; i += group_size) table[i] = cb[i];
+        if (tid == 0u) {
+            float m = 0.0f;
+            for (uint i = 0; i < GEMV_TABLE_SIZE; ++i) m = max(m, abs(cb[i]));
+            table[GEMV_TABLE_SIZE] = m;
+        }
         threadgroup_barrier(mem_flags::mem_threadgroup);
     }
     typename F::args fa;

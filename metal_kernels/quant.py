@@ -296,10 +296,11 @@ def quant_dequantize_metal(lib, qdata, fmt, scale, scale2=None, codebook=None, *
 
 def _gemv_variant(kind: str, row_bytes: int, ptr: int, group_size: int) -> str:
     """The entry point suffix for a weight: "" 16-byte chunks a lane (rows of whole 16-byte vectors, the
-    storage 16-byte aligned), "_8" 8-byte chunks (rows of 8-byte multiples), "_g" (w4a8: 16-byte chunks, a
-    group size other than 16), "_b" byte chunks (odd rows, unaligned storage)."""
+    storage 16-byte aligned), "_8" 8-byte chunks (rows of 8-byte multiples; NVFP4 always: one block a lane,
+    and half the x bytes a step through the caches of 16-byte chunks), "_g" (w4a8: 16-byte chunks, a group
+    size other than 16), "_b" byte chunks (odd rows, unaligned storage)."""
     fast16 = kind not in ("w4a8", "w4a8f") or group_size == 16
-    if row_bytes % 16 == 0 and ptr % 16 == 0:
+    if row_bytes % 16 == 0 and ptr % 16 == 0 and kind != "nvfp4":
         return "" if fast16 else "_g"
     if row_bytes % 8 == 0 and ptr % 8 == 0 and kind in _CB8 and fast16:
         return "_8"
@@ -532,7 +533,7 @@ quant_dequantize = register(KernelSpec(
 # the GEMV instantiations: kind -> {suffix: format}
 _CB8 = ("nvfp4", "w4a8", "w4a8f", "w4a4")
 _GEMV_FORMATS = {
-    "nvfp4": {"": "quant_gemv_nvfp4<16>", "_8": "quant_gemv_nvfp4<8>", "_b": "quant_gemv_nvfp4<1>"},
+    "nvfp4": {"_8": "quant_gemv_nvfp4<8>", "_b": "quant_gemv_nvfp4<1>"},
     "mxfp8": {"": "quant_gemv_mxfp8<16>", "_b": "quant_gemv_mxfp8<1>"},
     "int8": {"": "gemv_vec<quant_int8_elem>", "_b": "gemv_elem<quant_int8_elem>"},
     "w4a4": {"": "quant_gemv_w4a4<16>", "_8": "quant_gemv_w4a4<8>", "_b": "quant_gemv_w4a4<1>"},
