@@ -178,7 +178,7 @@ struct quant_int8 {
 };
 
 // The chunk's values on the INT8 grid times the row scale; values at or beyond K are 0. Groups (p values,
-// a multiple of 4) are whole quads of values: s_rel is read once per quad.
+// a multiple of 4) are whole quads of values: s_rel is read once per group of 16 (p == 16) or per quad.
 template <bool F32>
 struct quant_w4a8_t {
     enum { VPC = 32 };
@@ -187,14 +187,23 @@ struct quant_w4a8_t {
         const uint k0 = c * 32u;
         const uint base = n * (a.K / a.p);
         const float sch = a.s2[n];
+        float sq[8];                                            // s_rel of values k0 + 4h .. + 3
+        if (a.p == 16u) {
+            const float s0 = quant_srel(a.s, base + 2u * c, F32);
+            const float s1 = k0 + 16u < a.K ? quant_srel(a.s, base + 2u * c + 1u, F32) : 0.0f;
+            for (uint h = 0; h < 8u; ++h) sq[h] = h < 4u ? s0 : s1;
+        } else {
+            for (uint h = 0; h < 8u; ++h) {
+                const uint k = k0 + 4u * h;
+                sq[h] = k < a.K ? quant_srel(a.s, base + k / a.p, F32) : 0.0f;
+            }
+        }
         for (uint i = 0; i < 4u; ++i) {
             const nib_codes u = nib_codes_lo_first(q[i]);
             for (uint h = 0; h < 2u; ++h) {                     // values 8i + 4h .. + 3
-                const uint k = k0 + 8u * i + 4u * h;
-                const float srel = k < a.K ? quant_srel(a.s, base + k / a.p, F32) : 0.0f;
                 const uchar2 l = h ? u.lo.zw : u.lo.xy, m = h ? u.hi.zw : u.hi.xy;
                 const float4 level = float4(a.cb[l.x], a.cb[m.x], a.cb[l.y], a.cb[m.y]);
-                const float4 f = quant_grid4(level, srel) * sch;
+                const float4 f = quant_rint4(clamp(level * sq[2u * i + h], -127.0f, 127.0f)) * sch;
                 v[8u * i + 4u * h] = f.x; v[8u * i + 4u * h + 1u] = f.y;
                 v[8u * i + 4u * h + 2u] = f.z; v[8u * i + 4u * h + 3u] = f.w;
             }
