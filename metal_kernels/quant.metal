@@ -298,7 +298,7 @@ inline void quant_load_chunk(thread const gemv_w<R>& w, uint c, thread uint4* ra
 // (nibbles.h) and the block scales 2^-8 (fp8.h): unit() gives both back with the tensor scale.
 template <int CB>
 struct quant_gemv_nvfp4 : gemv_format {
-    enum { CHUNK = 2 * CB, BLOCKS = CB / 8 };
+    enum { CHUNK = 2 * CB, BLOCKS = CB / 8, ROWS = 1 };
     typedef quant_gemv_args args;
     static float unit() { return NIB_E2M1_UNIT * FP8_E4M3FN_UNIT; }
 
@@ -317,7 +317,7 @@ struct quant_gemv_nvfp4 : gemv_format {
             UNROLL for (int r = 0; r < R; ++r) {
                 float4 a, b;
                 nib_e2m1_hi_first(raw[r].x, a, b);
-                const float bs = fp8_e4m3fn_unscaled(fa.s[quant_swizzle_row(w.row[r], fa.ncb) + col]);
+                const float bs = fp8_e4m3fn_unscaled(fa.s[quant_swizzle_row(w.row(r), fa.ncb) + col]);
                 UNROLL for (int m = 0; m < MM; ++m) acc.v[r][m] = fma(fma(x1[m], a.y, x0[m] * a.x), bs, acc.v[r][m]);
             }
             return;
@@ -326,7 +326,7 @@ struct quant_gemv_nvfp4 : gemv_format {
         const uint col = quant_swizzle_col(BLOCKS * c);
         float2 bs[R];
         UNROLL for (int r = 0; r < R; ++r) {
-            device const uchar* sp = fa.s + quant_swizzle_row(w.row[r], fa.ncb) + col;
+            device const uchar* sp = fa.s + quant_swizzle_row(w.row(r), fa.ncb) + col;
             const float4 d = fp8_e4m3fn_word(BLOCKS == 2 ? uint(*((device const ushort*)sp)) : uint(*sp));
             bs[r] = d.xy;
         }
@@ -354,7 +354,7 @@ struct quant_gemv_nvfp4 : gemv_format {
 // may hold NaN codes) are masked to zero; x is zero there too.
 template <int CB>
 struct quant_gemv_mxfp8 : gemv_format {
-    enum { CHUNK = CB };
+    enum { CHUNK = CB, ROWS = 1 };
     typedef quant_gemv_args args;
     static float unit() { return FP8_E4M3FN_UNIT; }
 
@@ -366,7 +366,7 @@ struct quant_gemv_mxfp8 : gemv_format {
         quant_load_chunk<CB, R>(w, c, raw);
         const uint col = quant_swizzle_col(c / (32u / uint(CB)));
         float bs[R];
-        UNROLL for (int r = 0; r < R; ++r) bs[r] = quant_e8m0(fa.s[quant_swizzle_row(w.row[r], fa.ncb) + col]);
+        UNROLL for (int r = 0; r < R; ++r) bs[r] = quant_e8m0(fa.s[quant_swizzle_row(w.row(r), fa.ncb) + col]);
         if (CB == 1) {
             float xv[MM];
             UNROLL for (int m = 0; m < MM; ++m) xv[m] = x.load1(m, c);
@@ -440,7 +440,7 @@ struct quant_gemv_w4a4 : gemv_format {
 // CB 8: one), s_rel read once per group; else any group size (CB 16 or 1), s_rel read once per 4 values.
 template <int CB, bool F32, bool G16>
 struct quant_gemv_w4a8 : gemv_format {
-    enum { CHUNK = 2 * CB, WORDS = CB / 4, TABLE = 1 };
+    enum { CHUNK = 2 * CB, WORDS = CB / 4, TABLE = 1, ROWS = 1 };
     typedef quant_gemv_args args;
 
     static float srel(thread const args& fa, uint i) { return quant_srel(fa.s, i, F32); }
@@ -458,7 +458,7 @@ struct quant_gemv_w4a8 : gemv_format {
             }
             const uint g = (2u * c) / fa.group;
             UNROLL for (int r = 0; r < R; ++r) {
-                const float s = srel(fa, w.row[r] * fa.groups + g);
+                const float s = srel(fa, w.row(r) * fa.groups + g);
                 const float v0 = clamp(rint(table[raw[r].x & 15u] * s), -127.0f, 127.0f);
                 const float v1 = clamp(rint(table[raw[r].x >> 4] * s), -127.0f, 127.0f);
                 UNROLL for (int m = 0; m < MM; ++m) acc.v[r][m] = fma(x1[m], v1, fma(x0[m], v0, acc.v[r][m]));
@@ -472,10 +472,10 @@ struct quant_gemv_w4a8 : gemv_format {
             UNROLL for (int wd = 0; wd < WORDS; ++wd) {
                 const uint k = c * uint(CHUNK) + uint(8 * wd);
                 if (G16) {
-                    sr[r][wd][0] = sr[r][wd][1] = (wd & 1) ? sr[r][wd - 1][0] : srel(fa, w.row[r] * fa.groups + k / 16u);
+                    sr[r][wd][0] = sr[r][wd][1] = (wd & 1) ? sr[r][wd - 1][0] : srel(fa, w.row(r) * fa.groups + k / 16u);
                 } else {
-                    sr[r][wd][0] = srel(fa, w.row[r] * fa.groups + k / fa.group);
-                    sr[r][wd][1] = srel(fa, w.row[r] * fa.groups + (k + 4u) / fa.group);
+                    sr[r][wd][0] = srel(fa, w.row(r) * fa.groups + k / fa.group);
+                    sr[r][wd][1] = srel(fa, w.row(r) * fa.groups + (k + 4u) / fa.group);
                 }
                 smax = max(smax, max(abs(sr[r][wd][0]), abs(sr[r][wd][1])));
             }

@@ -20,16 +20,17 @@
 // A weight format F provides (gemv_format gives the defaults):
 //   enum CHUNK          values per chunk (K is a multiple of it);
 //   enum TABLE          1 if dot() reads the threadgroup table, filled with table_value(0..15);
+//   enum ROWS           1 if dot() reads w.row(r), the index of row r (quant.metal's block scales);
 //   unit()              a factor every decoded value carries (FP8_E4M3FN_UNIT), folded into the scale;
 //   args                what dot() reads besides the weight bytes (the block scales of quant.metal's
 //                       formats; empty by default), built by the kernel and passed through unchanged;
 //   dot<R, MM, XT>(w, c, x, acc, table, fa): acc.v[r][m] += the products of chunk c of row r (its index
-//                       w.row[r]) with x row m.
+//                       w.row(r)) with x row m.
 
 #define GEMV_TABLE_SIZE 16
 
 struct gemv_format {
-    enum { TABLE = 0 };
+    enum { TABLE = 0, ROWS = 0 };
     struct args {};
     static float unit() { return 1.0f; }
     static float table_value(uint i) { return 0.0f; }
@@ -46,12 +47,13 @@ struct gemv_x {
     float load1(int m, uint k) const { return io_float(p + off[m] + k); }
 };
 
-// R weight rows: row r (the weight's row row[r]) at p + off[r].
+// R weight rows: row r (the weight's row row(r)) at p + off[r].
 template <int R>
 struct gemv_w {
     device const uchar* p;
     uint off[R];
-    uint row[R];
+    uint n0, last;
+    uint row(int r) const { return min(n0 + uint(r), last); }
 };
 
 template <int R, int MM>
@@ -87,10 +89,9 @@ inline void gemv_body(device const XT* x, device const uchar* w, device const fl
     UNROLL for (int m = 0; m < MM; ++m) xs.off[m] = min(uint(m), M - 1u) * uint(p.K);
     gemv_w<R> ws;
     ws.p = w + ulong(n0) * ulong(row_bytes);
-    UNROLL for (int r = 0; r < R; ++r) {
-        ws.row[r] = min(n0 + uint(r), N - 1u);
-        ws.off[r] = (ws.row[r] - n0) * row_bytes;
-    }
+    ws.n0 = n0;
+    ws.last = F::ROWS ? N - 1u : 0u;           // row(r) only for the formats that ask (ROWS)
+    UNROLL for (int r = 0; r < R; ++r) ws.off[r] = (min(n0 + uint(r), N - 1u) - n0) * row_bytes;
     gemv_acc<R, MM> acc;
     UNROLL for (int r = 0; r < R; ++r)
         UNROLL for (int m = 0; m < MM; ++m) acc.v[r][m] = 0.0f;
