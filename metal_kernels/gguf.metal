@@ -372,7 +372,7 @@ struct gguf_format : gemv_format {
 
     template <int R, int MM, typename XT>
     static void dot(thread const gemv_w<R>& w, uint c, thread const gemv_x<XT, MM>& x, thread gemv_acc<R, MM>& acc,
-                    threadgroup const float* table) {
+                    threadgroup const float* table, thread const gemv_format::args&) {
         const uint blk = c / uint(Q::LANES), j = c % uint(Q::LANES);
         typename Q::chunk ch[R];
         UNROLL for (int r = 0; r < R; ++r) ch[r] = Q::load(w.p + w.off[r] + blk * uint(Q::TS), j);

@@ -94,10 +94,11 @@ def gemv_bucket(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def launch_gemv(kernel, x2, w, mode: int, s, bias, out_dtype, N: int, row_bytes: int) -> torch.Tensor:
+def launch_gemv(kernel, x2, w, mode: int, s, bias, out_dtype, N: int, row_bytes: int, extra=()) -> torch.Tensor:
     """y (M, N) in out_dtype from a gemv<F, XT> kernel of include/gemv.h: x2 (M, K) contiguous in XT, w the
-    weight bytes (row n at n * row_bytes), scale mode and fp32 scale, bias (N,) or None. Launches of at
-    most GEMV_MAX_M rows, each writing its rows of y in place."""
+    weight bytes (row n at n * row_bytes), scale mode and fp32 scale, bias (N,) or None; `extra`: the
+    arguments the kernel takes after the params (quant.metal's block scales). Launches of at most GEMV_MAX_M
+    rows, each writing its rows of y in place."""
     M, K = x2.shape
     device = x2.device
     y = torch.empty(M, N, dtype=out_dtype, device=device)
@@ -116,7 +117,7 @@ def launch_gemv(kernel, x2, w, mode: int, s, bias, out_dtype, N: int, row_bytes:
         params = GEMV_PARAMS.pack(M=mm, N=N, K=K, row_bytes=row_bytes, scale_mode=mode,
                                   has_bias=int(bias is not None), bias_kind=MSL_KIND[b_buf.dtype],
                                   out_kind=MSL_KIND[out_dtype])
-        kernel(x2[m0:m0 + mm], w, s_buf, b_buf, y[m0:m0 + mm], params, threads=threads,
+        kernel(x2[m0:m0 + mm], w, s_buf, b_buf, y[m0:m0 + mm], params, *extra, threads=threads,
                group_size=min(GEMV_GROUP, threads))
     return y
 

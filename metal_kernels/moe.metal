@@ -100,9 +100,10 @@ kernel void moe_gemv(device const XT* x [[buffer(0)]],
     gemv_fill_table<F>(table, tid, group_size);
     const uint pair = gid.z * grid.y + gid.y;
     const ulong e = ulong(pair_expert[pair]);
+    const typename F::args fa{};
     gemv_body<F, XT, 1>(x + ulong(gid.z) * ulong(p.K), w + e * ulong(mp.expert_bytes),
                         scale + e * ulong(mp.scale_stride), bias + e * ulong(mp.bias_stride),
-                        y + ulong(pair) * ulong(mp.y_stride), p, gid.x, lane, table);
+                        y + ulong(pair) * ulong(mp.y_stride), p, gid.x, lane, table, fa);
 }
 
 // -------------------------------------------------------------------------------------- grouped GEMM

@@ -31,16 +31,18 @@ import math
 
 import torch
 
+from . import source
 from .dtypes import MSL_TYPE
 from .fp8 import fp8_decode_reference
+from .linear import GEMV_ARGS, GEMV_MAX_M, launch_gemv
 from .registry import KernelSpec, register
 
 __all__ = ["quant_dequantize", "quant_gemv", "dequantize_weight", "QUANT_FORMATS"]
 
 QUANT_FORMATS = ("nvfp4", "mxfp8", "int8", "w4a8", "w4a4")
-QUANT_GEMV_MAX_M = 8        # QUANT_GEMV_MAX_M in quant.metal
-GEMV_ROWS = 2               # QUANT_GEMV_ROWS in quant.metal
+QUANT_GEMV_MAX_M = GEMV_MAX_M     # rows of x a GEMV launch takes (the skeleton of include/gemv.h)
 VPC = {"nvfp4": 32, "mxfp8": 16, "int8": 16, "w4a8": 32, "w4a4": 32}     # values a 16-byte chunk
+QUANT_GEMV_PARAMS = source.Params("quant_gemv_params", "K ncb group groups")
 BLOCK = {"nvfp4": 16, "mxfp8": 32}
 GROUP = 256
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -292,6 +294,19 @@ def quant_dequantize_metal(lib, qdata, fmt, scale, scale2=None, codebook=None, *
     return out
 
 
+def _gemv_variant(kind: str, row_bytes: int, ptr: int, group_size: int) -> str:
+    """The entry point suffix for a weight: "" 16-byte chunks a lane (rows of whole 16-byte vectors, the
+    storage 16-byte aligned), "_8" 8-byte chunks (rows of 8-byte multiples; NVFP4 always: one block a lane,
+    and half the x bytes a step through the caches of 16-byte chunks), "_g" (w4a8: 16-byte chunks, a group
+    size other than 16), "_b" byte chunks (odd rows, unaligned storage)."""
+    fast16 = kind not in ("w4a8", "w4a8f") or group_size == 16
+    if row_bytes % 16 == 0 and ptr % 16 == 0 and kind != "nvfp4":
+        return "" if fast16 else "_g"
+    if row_bytes % 8 == 0 and ptr % 8 == 0 and kind in _CB8 and fast16:
+        return "_8"
+    return "_b"
+
+
 def quant_gemv_metal(lib, x, qdata, fmt, scale, scale2=None, codebook=None, bias=None, *, shape, group_size=0):
     q, s, s2, cb, N, K, lay = _check(qdata, fmt, scale, scale2, codebook, shape, group_size, "quant_gemv")
     x2, lead = _prepare_gemv(x, bias, K, N, "quant_gemv")
@@ -302,24 +317,41 @@ def quant_gemv_metal(lib, x, qdata, fmt, scale, scale2=None, codebook=None, bias
         if bias is not None:
             y = y + bias.to(device=device, dtype=torch.float32)
         return y.to(x.dtype)
-    p = _param(fmt, s, lay, group_size)
     kind = _kind(fmt, s)
-    q, s, s2, cb, vec = _buffers(q, fmt, s, s2, cb, device)
-    b = bias.to(device=device, dtype=x.dtype).contiguous() if bias is not None else _dummy(device)  # unread
-    kernel = getattr(lib, f"quant_gemv_{kind}_{MSL_TYPE[x.dtype]}")
-    threads = (N + GEMV_ROWS - 1) // GEMV_ROWS * 32
-    x2 = x2.contiguous()
-    xvec = K * x2.element_size() % 16 == 0              # x's rows whole 16-byte vectors (each chunk's x too)
-    if xvec and x2.data_ptr() % 16:
-        x2 = x2.clone()                                 # x is small: a fresh (aligned) buffer
-    chunks = []
-    for m0 in range(0, M, QUANT_GEMV_MAX_M):
-        xm = x2 if M <= QUANT_GEMV_MAX_M else x2[m0:m0 + QUANT_GEMV_MAX_M].clone()    # own buffer: no offsets
-        y = torch.empty(xm.shape[0], N, dtype=x.dtype, device=device)
-        kernel(xm, q, s, s2, cb, b, y, xm.shape[0], K, N, q.shape[1], p, int(bias is not None), int(vec),
-               int(xvec), threads=threads, group_size=min(GROUP, threads))
-        chunks.append(y)
-    y = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+    q = q.contiguous()
+    row_bytes = q.shape[1]
+    width = lay["padded"][1]                  # the stored values a row (nvfp4 / mxfp8: K padded)
+    # the row / tensor scale of the skeleton: mode 1 one value, 2 one a row
+    if fmt in ("int8", "w4a4"):
+        mode, sc, blk = (1 if s.numel() == 1 else 2), s, _dummy(device)
+    elif fmt == "nvfp4":
+        mode, sc, blk = 1, s2, s
+    elif fmt == "w4a8":
+        mode, sc, blk = 2, s2, s
+    else:
+        mode, sc, blk = 0, None, s
+    if fmt == "w4a8" and cb is None:
+        cb = _cached("grid", device)
+    cb = (cb if cb is not None else _dummy(device)).contiguous()
+    variant = _gemv_variant(kind, row_bytes, q.data_ptr(), int(group_size))
+    xw = x2.contiguous()
+    if width != K or xw.data_ptr() % 16 or (width * xw.element_size()) % 16:
+        # the stored row width, zeros beyond K, in a fresh (16-byte aligned) buffer; rows of whole 16-byte
+        # vectors wherever the vector kernels load x 16 bytes at a time
+        step = 16 // xw.element_size() if variant != "_b" else 1
+        xp = torch.zeros(M, -(-width // step) * step, dtype=x.dtype, device=device)
+        xp[:, :K] = xw
+        xw, width = xp, xp.shape[1]
+    # the skeleton's K: the x row stride and (the vector kernels) whole chunks of the stored row
+    kx = width if variant != "_b" else lay["padded"][1]
+    if variant == "_b" and width != kx:
+        xw = xw[:, :kx].contiguous()          # byte chunks: x rows of exactly the stored width
+    lay_ncb = lay.get("ncb", 0)
+    groups = K // int(group_size) if fmt == "w4a8" else 0
+    params = QUANT_GEMV_PARAMS.pack(K=K, ncb=lay_ncb, group=int(group_size), groups=groups)
+    kernel = getattr(lib, f"quant_gemv_{kind}_{MSL_TYPE[x.dtype]}{variant}")
+    y = launch_gemv(kernel, xw, q, mode, sc, bias, x.dtype, N, row_bytes,
+                    extra=(blk.contiguous(), cb, params))
     return y.reshape(lead + (N,))
 
 
@@ -403,13 +435,26 @@ def random_weight(fmt: str, N: int, K: int, gen: torch.Generator, *, group_size:
 
 
 # (format, N, K, variant): odd N, K not a multiple of the chunk, the last partial block where the format
-# has one (nvfp4 / mxfp8 padding), both w4a8 scale types and the codebook-free grid.
-_SHAPES = [("nvfp4", 5, 40, {}), ("nvfp4", 18, 96, {}), ("nvfp4", 3, 20, {}),
-           ("mxfp8", 7, 50, {}), ("mxfp8", 33, 64, {}), ("mxfp8", 2, 16, {}),
+# has one (nvfp4 / mxfp8 padding), both w4a8 scale types and the codebook-free grid; between them every GEMV
+# variant of _gemv_variant (16- and 8-byte chunks, other group sizes, byte chunks for odd rows and for storage
+# at an odd address: "unaligned").
+_SHAPES = [("nvfp4", 5, 40, {}), ("nvfp4", 18, 96, {}), ("nvfp4", 3, 20, {}), ("nvfp4", 4, 64, {"unaligned": True}),
+           ("mxfp8", 7, 50, {}), ("mxfp8", 33, 64, {}), ("mxfp8", 2, 16, {}), ("mxfp8", 3, 40, {"unaligned": True}),
            ("int8", 5, 37, {}), ("int8", 9, 64, {}), ("int8", 3, 8, {}),
            ("w4a8", 6, 48, {"group_size": 16}), ("w4a8", 5, 64, {"group_size": 32, "codebook": False}),
-           ("w4a8", 4, 80, {"group_size": 16, "f32_srel": True}),
-           ("w4a4", 5, 70, {}), ("w4a4", 8, 64, {}), ("w4a4", 3, 6, {})]
+           ("w4a8", 4, 80, {"group_size": 16, "f32_srel": True}), ("w4a8", 3, 32, {"group_size": 16}),
+           ("w4a8", 5, 48, {"group_size": 16, "unaligned": True}),
+           ("w4a8", 4, 64, {"group_size": 16, "f32_srel": True}), ("w4a8", 3, 64, {"group_size": 64, "f32_srel": True}),
+           ("w4a8", 2, 48, {"group_size": 48, "f32_srel": True}),
+           ("w4a4", 5, 70, {}), ("w4a4", 8, 64, {}), ("w4a4", 3, 6, {}), ("w4a4", 3, 48, {})]
+
+
+def _unaligned(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes at an odd address (a memory-mapped tensor can start anywhere)."""
+    b = t.contiguous().view(torch.uint8).reshape(-1)
+    buf = torch.zeros(b.numel() + 1, dtype=torch.uint8, device=t.device)
+    buf[1:] = b
+    return buf[1:].view(t.dtype).view(t.shape)
 
 
 def _cases(device, gemv: bool):
@@ -417,8 +462,12 @@ def _cases(device, gemv: bool):
     gen = torch.Generator().manual_seed(25)
     out = []
     for i, (fmt, N, K, variant) in enumerate(_SHAPES):
+        variant = dict(variant)
+        odd = variant.pop("unaligned", False)
         q, s, s2, cb, kw = random_weight(fmt, N, K, gen, **variant)
         args = tuple(None if t is None else t.to(device) for t in (q, s, s2, cb))
+        if odd:
+            args = (_unaligned(args[0]),) + args[1:]
         args = args[:1] + (fmt,) + args[1:]
         for j, dtype in enumerate(MSL_TYPE):
             if gemv:
@@ -481,12 +530,27 @@ quant_dequantize = register(KernelSpec(
     rtol=0.0,
 ))
 
+# the GEMV instantiations: kind -> {suffix: format}
+_CB8 = ("nvfp4", "w4a8", "w4a8f", "w4a4")
+_GEMV_FORMATS = {
+    "nvfp4": {"_8": "quant_gemv_nvfp4<8>", "_b": "quant_gemv_nvfp4<1>"},
+    "mxfp8": {"": "quant_gemv_mxfp8<16>", "_b": "quant_gemv_mxfp8<1>"},
+    "int8": {"": "gemv_vec<quant_int8_elem>", "_b": "gemv_elem<quant_int8_elem>"},
+    "w4a4": {"": "quant_gemv_w4a4<16>", "_8": "quant_gemv_w4a4<8>", "_b": "quant_gemv_w4a4<1>"},
+    **{k: {"": f"quant_gemv_w4a8<16, {f}, true>", "_8": f"quant_gemv_w4a8<8, {f}, true>",
+           "_g": f"quant_gemv_w4a8<16, {f}, false>", "_b": f"quant_gemv_w4a8<1, {f}, false>"}
+       for k, f in (("w4a8", "false"), ("w4a8f", "true"))},
+}
+_GEMV_INSTANCES = {f"quant_gemv_{k}_{t}{suffix}": f"quant_gemv<{fmt}, {t}>"
+                   for k, variants in _GEMV_FORMATS.items() for suffix, fmt in variants.items()
+                   for t in MSL_TYPE.values()}
+
 quant_gemv = register(KernelSpec(
     name="quant_gemv",
     measured_by_caller=True,
     source="quant.metal",
-    entry_points={f"quant_gemv_{k}_{t}": ("tensor",) * 7 + ("int",) * 8
-                  for k in _KINDS for t in MSL_TYPE.values()},
+    entry_points={name: GEMV_ARGS + ("tensor", "tensor", "int[]") for name in _GEMV_INSTANCES},
+    instantiate=_GEMV_INSTANCES,
     reference=quant_gemv_reference,
     metal=quant_gemv_metal,
     self_check_cases=lambda device: _cases(device, gemv=True),

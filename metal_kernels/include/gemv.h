@@ -14,16 +14,24 @@
 // read row M - 1 (M runs the body compiled for the power of two at or above it). No threadgroup memory but
 // F's 16-entry table (IQ4 types), so a partial last threadgroup is harmless.
 //
+// gemv_run<F, XT>(..., fa): the body for the M bucket of p.M; the kernels (gemv below, moe.metal's moe_gemv,
+// quant.metal's quant_gemv) call it or gemv_body after filling F's table.
+//
 // A weight format F provides (gemv_format gives the defaults):
 //   enum CHUNK          values per chunk (K is a multiple of it);
 //   enum TABLE          1 if dot() reads the threadgroup table, filled with table_value(0..15);
+//   enum ROWS           1 if dot() reads w.row(r), the index of row r (quant.metal's block scales);
 //   unit()              a factor every decoded value carries (FP8_E4M3FN_UNIT), folded into the scale;
-//   dot<R, MM, XT>(w, c, x, acc, table): acc.v[r][m] += the products of chunk c of row r with x row m.
+//   args                what dot() reads besides the weight bytes (the block scales of quant.metal's
+//                       formats; empty by default), built by the kernel and passed through unchanged;
+//   dot<R, MM, XT>(w, c, x, acc, table, fa): acc.v[r][m] += the products of chunk c of row r (its index
+//                       w.row(r)) with x row m.
 
 #define GEMV_TABLE_SIZE 16
 
 struct gemv_format {
-    enum { TABLE = 0 };
+    enum { TABLE = 0, ROWS = 0 };
+    struct args {};
     static float unit() { return 1.0f; }
     static float table_value(uint i) { return 0.0f; }
 };
@@ -39,11 +47,13 @@ struct gemv_x {
     float load1(int m, uint k) const { return io_float(p + off[m] + k); }
 };
 
-// R weight rows: row r at p + off[r].
+// R weight rows: row r (the weight's row row(r)) at p + off[r].
 template <int R>
 struct gemv_w {
     device const uchar* p;
     uint off[R];
+    uint n0, last;
+    uint row(int r) const { return min(n0 + uint(r), last); }
 };
 
 template <int R, int MM>
@@ -67,7 +77,7 @@ inline void gemv_fill_table(threadgroup float* table, uint tid, uint size) {
 template <typename F, typename XT, int MM>
 inline void gemv_body(device const XT* x, device const uchar* w, device const float* scale,
                       device const uchar* bias, device uchar* y, constant gemv_params& p, uint gid, uint lane,
-                      threadgroup const float* table) {
+                      threadgroup const float* table, thread const typename F::args& fa) {
     constexpr int R = gemv_rows(MM);
     const uint N = uint(p.N);
     const uint M = uint(p.M);
@@ -79,13 +89,15 @@ inline void gemv_body(device const XT* x, device const uchar* w, device const fl
     UNROLL for (int m = 0; m < MM; ++m) xs.off[m] = min(uint(m), M - 1u) * uint(p.K);
     gemv_w<R> ws;
     ws.p = w + ulong(n0) * ulong(row_bytes);
+    ws.n0 = n0;
+    ws.last = F::ROWS ? N - 1u : 0u;           // row(r) only for the formats that ask (ROWS)
     UNROLL for (int r = 0; r < R; ++r) ws.off[r] = (min(n0 + uint(r), N - 1u) - n0) * row_bytes;
     gemv_acc<R, MM> acc;
     UNROLL for (int r = 0; r < R; ++r)
         UNROLL for (int m = 0; m < MM; ++m) acc.v[r][m] = 0.0f;
 
     const uint chunks = uint(p.K) / uint(F::CHUNK);
-    for (uint c = lane; c < chunks; c += 32u) F::template dot<R, MM, XT>(ws, c, xs, acc, table);
+    for (uint c = lane; c < chunks; c += 32u) F::template dot<R, MM, XT>(ws, c, xs, acc, table, fa);
 
     // n < N and m < M are the same for every lane: each lane reaches each simd_sum.
     UNROLL for (int r = 0; r < R; ++r) {
@@ -102,6 +114,17 @@ inline void gemv_body(device const XT* x, device const uchar* w, device const fl
 }
 
 template <typename F, typename XT>
+inline void gemv_run(device const XT* x, device const uchar* w, device const float* scale, device const uchar* bias,
+                     device uchar* y, constant gemv_params& p, uint gid, uint lane, threadgroup const float* table,
+                     thread const typename F::args& fa) {
+    static_assert(GEMV_MAX_M == 8, "the M buckets below are 1, 2, 4, 8");
+    if (p.M <= 1) gemv_body<F, XT, 1>(x, w, scale, bias, y, p, gid, lane, table, fa);
+    else if (p.M <= 2) gemv_body<F, XT, 2>(x, w, scale, bias, y, p, gid, lane, table, fa);
+    else if (p.M <= 4) gemv_body<F, XT, 4>(x, w, scale, bias, y, p, gid, lane, table, fa);
+    else gemv_body<F, XT, 8>(x, w, scale, bias, y, p, gid, lane, table, fa);
+}
+
+template <typename F, typename XT>
 kernel void gemv(device const XT* x [[buffer(0)]],
                  device const uchar* w [[buffer(1)]],
                  device const float* scale [[buffer(2)]],
@@ -112,11 +135,8 @@ kernel void gemv(device const XT* x [[buffer(0)]],
                  uint tid [[thread_index_in_threadgroup]],
                  uint group_size [[threads_per_threadgroup]],
                  uint lane [[thread_index_in_simdgroup]]) {
-    static_assert(GEMV_MAX_M == 8, "the M buckets below are 1, 2, 4, 8");
     threadgroup float table[GEMV_TABLE_SIZE];
     gemv_fill_table<F>(table, tid, group_size);
-    if (p.M <= 1) gemv_body<F, XT, 1>(x, w, scale, bias, y, p, gid, lane, table);
-    else if (p.M <= 2) gemv_body<F, XT, 2>(x, w, scale, bias, y, p, gid, lane, table);
-    else if (p.M <= 4) gemv_body<F, XT, 4>(x, w, scale, bias, y, p, gid, lane, table);
-    else gemv_body<F, XT, 8>(x, w, scale, bias, y, p, gid, lane, table);
+    const typename F::args fa{};
+    gemv_run<F, XT>(x, w, scale, bias, y, p, gid, lane, table, fa);
 }

@@ -48,7 +48,7 @@ struct gemv_vec : gemv_format {
 
     template <int R, int MM, typename XT>
     static void dot(thread const gemv_w<R>& w, uint c, thread const gemv_x<XT, MM>& x, thread gemv_acc<R, MM>& acc,
-                    threadgroup const float* table) {
+                    threadgroup const float* table, thread const gemv_format::args&) {
         uint4 raw[R];
         UNROLL for (int r = 0; r < R; ++r) {
             device const uchar* p = w.p + w.off[r] + c * uint(CB);
@@ -80,7 +80,7 @@ struct gemv_elem : gemv_format {
 
     template <int R, int MM, typename XT>
     static void dot(thread const gemv_w<R>& w, uint c, thread const gemv_x<XT, MM>& x, thread gemv_acc<R, MM>& acc,
-                    threadgroup const float* table) {
+                    threadgroup const float* table, thread const gemv_format::args&) {
         float xv[MM];
         UNROLL for (int m = 0; m < MM; ++m) xv[m] = x.load1(m, c);
         UNROLL for (int r = 0; r < R; ++r) {

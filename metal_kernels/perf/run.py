@@ -47,19 +47,37 @@ def profile_case(case: PredictCase, lib) -> list[Profile]:
     return [p.scaled(case.repeat) if case.repeat > 1 else p for p in proxy.profiles]
 
 
-_MARK = re.compile(r"^// ---- (\S+) ----$")
+_MARK = re.compile(r"^// ---- (end of )?(\S+) ----$")
 
 
 def source_locator(src: str) -> Callable[[int], str]:
-    """line of the concatenated library source (dispatch.library_source) -> "file.metal:line"."""
-    starts, names = [], []
-    for i, ln in enumerate(src.splitlines(), 1):
+    """line of the concatenated library source (dispatch.library_source) -> "file.metal:line" or
+    "include/x.h:line": source.py marks each file's start and each inlined header's start and end, and the
+    lines after a header's end are the including file's again (its include line counts as one)."""
+    where: list[str] = [""]                     # where[i]: line i + 1 of src
+    stack: list[list] = []                      # [file, its last line so far]
+    for ln in src.splitlines():
         m = _MARK.match(ln)
-        if m:
-            starts.append(i)
-            names.append(m.group(1))
+        if m and m.group(1):                    # end of a header: back to the file that included it
+            if len(stack) > 1:
+                stack.pop()
+            where.append(f"{stack[-1][0]}:{stack[-1][1]}" if stack else "")
+            continue
+        if m and m.group(2).startswith("include/") and stack:
+            stack[-1][1] += 1                   # the include line
+            where.append(f"{stack[-1][0]}:{stack[-1][1]}")
+            stack.append([m.group(2), 0])
+            continue
+        if m:                                   # a .metal file (the marker is its line 0)
+            stack = [[m.group(2), 0]]
+            where.append(f"{m.group(2)}:0")
+            continue
+        if stack:
+            stack[-1][1] += 1
+            where.append(f"{stack[-1][0]}:{stack[-1][1]}")
+        else:
+            where.append("")
 
     def locate(line: int) -> str:
-        k = bisect.bisect_right(starts, line) - 1
-        return f"{names[k]}:{line - starts[k]}" if k >= 0 else f"line {line}"
+        return where[line] if 0 < line < len(where) and where[line] else f"line {line}"
     return locate

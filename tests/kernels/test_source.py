@@ -74,3 +74,18 @@ def test_library_lines_name_each_line_s_file_and_line():
             assert files[f][n - 1] == line, (f, n)
             checked += 1
     assert checked > 1000 and {f for f, _ in origins} >= set(files)
+
+
+def test_bench_predict_names_the_line_of_the_file_it_came_from():
+    """`bench --predict`'s hot lines (perf.source_locator): a line after an inlined header is the including
+    file's again, e.g. quant.metal's formats after its #include lines, not the header's line 300."""
+    from comfy_metal.metal_kernels import perf
+
+    src = source.library_source()
+    locate = perf.source_locator(src)
+    checked = 0
+    for i, (f, n) in enumerate(source.library_lines(), 1):
+        if (f.endswith(".metal") or f.startswith("include/")) and n:
+            assert locate(i) == f"{f}:{n}", (i, f, n)
+            checked += 1
+    assert checked > 1000
