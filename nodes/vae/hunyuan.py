@@ -36,6 +36,8 @@ from .causal import CACHE_T, CausalPlan, _Lagged, _query_chunk, _writable
 from .shared_stats import GroupMoments, group_norm_with
 from .stagewise import _Buffer, _bands
 
+MOMENTS_PASS = 1.05      # the time model's share for reading each normalised input once more (its GroupNorm moments)
+
 
 # ---------------------------------------------------------------- stages
 
@@ -395,7 +397,8 @@ class HunyuanStages:
                     break
             if ok:
                 convert = 1.0 if store == self.dtype else 1.05
-                return CausalPlan(store, rows, int(peak), 1.05 * convert * work / max(flops, 1.0), history, int(tracked))
+                return CausalPlan(store, rows, int(peak), MOMENTS_PASS * convert * work / max(flops, 1.0), history,
+                                  int(tracked))
         return None
 
     # ---- running
@@ -404,7 +407,6 @@ class HunyuanStages:
         """Decode: x the latent [N, z, T, h, w] -> `out` [N, C, T', H, W] (written). Encode: x the pixels in the
         VAE's input range [N, C, T, H, W] -> the latent (fp32, on `out_device`)."""
         self.plan_, self.state, self.kept = plan, {}, []
-        self.row_plan = iter(plan.rows)
         prog = self.prog
         chunks = prog.chunks(x.shape[2])
         if prog.encode:
