@@ -13,12 +13,16 @@
 //   simd_sum per output), on the expert's weight rows. The grid is 3-D: x the rows of the expert's output,
 //   y the pairs sharing a token's row of x (top-k), z the rows of x. No division.
 //
-// moe_grouped_gemm<E, XT, VEC>: prefill, out[r] = scale(e) * W[e] @ x[r] + bias[e] for rows sorted by expert
+// moe_grouped_gemm<E, XT, S, VEC>: prefill, out[r] = scale(e) * W[e] @ x[r] + bias[e] for rows sorted by expert
 //   (offsets: cumulative rows per expert, as torch._grouped_mm takes them). A threadgroup of 4 simdgroups
-//   computes a tile of MOE_GEMM_BM rows of one expert x MOE_GEMM_BN output columns: each K step of
-//   MOE_GEMM_BK stages x and the weight rows in threadgroup memory as fp32 (E's decode: FP8 through half
-//   bits, exact), then each simdgroup multiplies a 16 x 32 block with simdgroup_matrix 8x8 fragments
-//   (2 x 4 accumulators, fp32; row fragments wholly past the tile's rows skip their loads and products).
+//   computes a tile of MOE_GEMM_BM rows of one expert x MOE_GEMM_BN output columns as out^T = W x^T: each K step
+//   of MOE_GEMM_BK stages the weight rows (E's decode: FP8 through half bits, exact) and x, transposed, in
+//   threadgroup memory in 8x8 blocks of the staging type S, which the host picks 16-bit (bf16 or fp16) only
+//   where it holds both x and the decoded weights exactly (grouped_staging in moe.py), else fp32. Each
+//   simdgroup multiplies a 32 x 32 block with simdgroup_matrix 8x8 fragments (4 x 4 fp32 accumulators; the x
+//   fragments wholly past the tile's rows skip their loads and products; a simdgroup wholly past N only
+//   stages) and writes its outputs straight from the accumulators. 16-bit staging keeps a group's threadgroup
+//   memory near 10 KiB: 6 groups (24 simdgroups) on a core of 64 KiB.
 //   Grid y runs over the row tiles: each group finds its tile (expert, first
 //   row, rows) from the offsets with a threadgroup prefix sum over the experts' tile counts, so no tile
 //   table is built on the host; tiles past the last one leave at once. VEC: 16-byte loads for whole K steps
@@ -109,10 +113,63 @@ kernel void moe_gemv(device const XT* x [[buffer(0)]],
 // -------------------------------------------------------------------------------------- grouped GEMM
 
 #define MOE_GEMM_SIMDS (MOE_GEMM_THREADS / 32)
-#define MOE_GEMM_LD (MOE_GEMM_BK + 4)        // fp32 row pitch of the staged tiles (conflict-free fragments)
-#define MOE_GEMM_LDC (MOE_GEMM_BN + 4)       // fp32 row pitch of the output tile staged for the epilogue
-static_assert(MOE_GEMM_THREADS == 128 && MOE_GEMM_BM == 32 && MOE_GEMM_BN == 64 && MOE_GEMM_BK == 32,
-              "the staging and fragment layout below are written for 4 simdgroups on a 32 x 64 tile, K steps of 32");
+#define MOE_GEMM_KB (MOE_GEMM_BK / 8)         // 8x8 blocks along K of a staged K step
+#define MOE_GEMM_MB (MOE_GEMM_BM / 8)         // 8x8 blocks along the tile's rows
+static_assert(MOE_GEMM_THREADS == 128 && MOE_GEMM_BM == 32 && MOE_GEMM_BN == 128 && MOE_GEMM_BK == 32,
+              "the staging and fragment layout below are written for 4 simdgroups on a 32 x 128 tile, K steps of 32");
+
+// The staging types: how a K step's values are kept in threadgroup memory. Values are only ever stored
+// there exactly (the host picks a 16-bit type only where it holds both x and the decoded weights exactly).
+// put(p, v) stores one value, put4(p, v) four consecutive ones, P the element pitch of an x block (64 values
+// and a pad: a block's start moves 8 banks on from the previous one, so the transposed x stores of a
+// simdgroup hit distinct banks).
+struct moe_stage_float {
+    typedef float T;
+    enum { P = 66 };
+    static void put(threadgroup T* p, float v) { *p = v; }
+    static void put4(threadgroup T* p, float4 v) { *((threadgroup float4*)p) = v; }
+};
+struct moe_stage_half {
+    typedef half T;
+    enum { P = 68 };
+    static ushort bits(float v) { return as_type<ushort>(half(v)); }
+    static uint pack(float a, float b) { return as_type<uint>(half2(a, b)); }
+    static void put(threadgroup T* p, float v) { *((threadgroup ushort*)p) = bits(v); }
+    static void put4(threadgroup T* p, float4 v) { *((threadgroup uint2*)p) = as_type<uint2>(half4(v)); }
+};
+struct moe_stage_bfloat {                  // exact values: the top half of the fp32 bits
+    typedef bfloat T;
+    enum { P = 68 };
+    static ushort bits(float v) { return ushort(as_type<uint>(v) >> 16); }
+    static uint pack(float a, float b) { return (as_type<uint>(a) >> 16) | (as_type<uint>(b) & 0xFFFF0000u); }
+    static void put(threadgroup T* p, float v) { *((threadgroup ushort*)p) = bits(v); }
+    static void put4(threadgroup T* p, float4 v) {
+        *((threadgroup uint2*)p) = uint2(pack(v.x, v.y), pack(v.z, v.w));
+    }
+};
+
+// Values 8h .. 8h + 7 of a 16-byte weight chunk as the 16-bit words of a 16-bit staging type S: decoded and
+// packed, or the raw chunk where the weights already are S.
+template <typename S, typename E>
+inline uint4 moe_bits8(uint4 raw, int h) {
+    const float4 a = E::decode4(raw, 2 * h), b = E::decode4(raw, 2 * h + 1);
+    return uint4(S::pack(a.x, a.y), S::pack(a.z, a.w), S::pack(b.x, b.y), S::pack(b.z, b.w));
+}
+template <>
+inline uint4 moe_bits8<moe_stage_bfloat, gemv_bfloat>(uint4 raw, int h) { return raw; }
+template <>
+inline uint4 moe_bits8<moe_stage_half, gemv_half>(uint4 raw, int h) { return raw; }
+
+// The layouts of a staged K step, both in 8x8 blocks that simdgroup_load reads with a row pitch of 8:
+// ws (the weight rows: A of out^T = W x^T) block (n / 8, k / 8) at (n / 8 * KB + k / 8) * 64, row n % 8;
+// xs (x transposed: B) block (k / 8, m / 8) at (k / 8 * MB + m / 8) * P, row k % 8, column m % 8.
+inline uint moe_ws_at(uint n, uint k) {
+    return ((n / 8u) * uint(MOE_GEMM_KB) + k / 8u) * 64u + (n % 8u) * 8u + k % 8u;
+}
+template <typename S>
+inline uint moe_xs_at(uint m, uint k) {
+    return ((k / 8u) * uint(MOE_GEMM_MB) + m / 8u) * uint(S::P) + (k % 8u) * 8u + m % 8u;
+}
 
 struct moe_tile {
     uint expert, row0, rows;
@@ -156,61 +213,100 @@ inline moe_tile moe_find_tile(device const int* offsets, uint experts, uint rows
     return tile;
 }
 
-// One K step of 16-byte loads: the weight rows n0.. as chunks of 16 bytes (E::BYTES chunks a thread), x as
-// chunks of 8 values (one a thread). k0 + MOE_GEMM_BK <= K.
-template <typename E, typename XT>
-inline void moe_stage_vec(threadgroup float* xs, threadgroup float* ws, device const uchar* wr, device const XT* xr,
-                          uint row_bytes, uint K, uint k0, uint rows, uint cols, uint tid) {
+// A 16-byte weight chunk (values k .. k + 16 / E::BYTES - 1 of row r) into ws: 16-bit staging stores each 8
+// values as one 16-byte row of a block, fp32 staging 4 values at a time.
+template <typename E, typename T, typename S>
+inline void moe_put_w16(threadgroup T* ws, uint r, uint k, uint4 raw) {
+    static_assert(E::BYTES <= 2, "16-bit staging holds 16-bit or FP8 weights only");
+    UNROLL for (uint h = 0; h < 2u / uint(E::BYTES); ++h)
+        *((threadgroup uint4*)(ws + moe_ws_at(r, k + 8u * h))) = moe_bits8<S, E>(raw, int(h));
+}
+template <typename E>
+inline void moe_put_w(threadgroup half* ws, uint r, uint k, uint4 raw) { moe_put_w16<E, half, moe_stage_half>(ws, r, k, raw); }
+template <typename E>
+inline void moe_put_w(threadgroup bfloat* ws, uint r, uint k, uint4 raw) {
+    moe_put_w16<E, bfloat, moe_stage_bfloat>(ws, r, k, raw);
+}
+template <typename E>
+inline void moe_put_w(threadgroup float* ws, uint r, uint k, uint4 raw) {
+    UNROLL for (uint g = 0; g < 4u / uint(E::BYTES); ++g)
+        moe_stage_float::put4(ws + moe_ws_at(r, k + 4u * g), E::decode4(raw, int(g)));
+}
+
+// One K step of 16-byte loads (k0 + MOE_GEMM_BK <= K). The weight rows n0.. as chunks of 16 bytes (2 E::BYTES
+// chunks a thread): a 16-bit S stores each 8 values of a chunk as one 16-byte row of a block, fp32 4 at a
+// time. x as chunks of 8 values, stored transposed.
+template <typename S, typename E>
+inline void moe_stage_w_vec(threadgroup typename S::T* ws, device const uchar* wr, uint row_bytes, uint k0,
+                            uint cols, uint tid) {
     constexpr uint CH = 16u / uint(E::BYTES);              // values of a 16-byte chunk
     constexpr uint CPR = uint(MOE_GEMM_BK) / CH;           // chunks of a row's K step
-    UNROLL for (uint j = 0; j < uint(E::BYTES); ++j) {
+    UNROLL for (uint j = 0; j < uint(MOE_GEMM_BN) * CPR / uint(MOE_GEMM_THREADS); ++j) {
         const uint i = tid + j * uint(MOE_GEMM_THREADS);
         const uint r = i / CPR, c = i % CPR;
-        const uint4 raw = *((device const uint4*)(wr + min(r, cols - 1u) * row_bytes + (k0 + c * CH) * uint(E::BYTES)));
-        UNROLL for (uint g = 0; g < CH / 4u; ++g)
-            *((threadgroup float4*)(ws + r * uint(MOE_GEMM_LD) + c * CH + 4u * g)) = E::decode4(raw, int(g));
+        moe_put_w<E>(ws, r, c * CH, *((device const uint4*)(wr + min(r, cols - 1u) * row_bytes + (k0 + c * CH) * uint(E::BYTES))));
     }
-    const uint r = tid / 4u, c = (tid % 4u) * 8u;
-    float4 a, b;
-    io_float8(xr + min(r, rows - 1u) * K + k0 + c, a, b);
-    *((threadgroup float4*)(xs + r * uint(MOE_GEMM_LD) + c)) = a;
-    *((threadgroup float4*)(xs + r * uint(MOE_GEMM_LD) + c + 4u)) = b;
+}
+
+template <typename S, typename XT>
+inline void moe_stage_x_vec(threadgroup typename S::T* xs, device const XT* xr, uint K, uint k0, uint rows, uint tid) {
+    if (sizeof(typename S::T) == 2) {
+        // x already in S (the host's choice): its bits, rows m and m + 1 a thread (64 threads: two simdgroups),
+        // so that each store writes the word of both rows at one k
+        if (tid >= uint(MOE_GEMM_BM * MOE_GEMM_BK / 16)) return;
+        const uint m = (tid / 4u) * 2u, c = (tid % 4u) * 8u;
+        const uint4 u0 = *((device const uint4*)(xr + min(m, rows - 1u) * K + k0 + c));
+        const uint4 u1 = *((device const uint4*)(xr + min(m + 1u, rows - 1u) * K + k0 + c));
+        threadgroup uint* d = (threadgroup uint*)(xs + moe_xs_at<S>(m, c));   // k = c + j: word 4 j
+        UNROLL for (uint i = 0; i < 4u; ++i) {
+            d[8u * i] = (u0[i] & 0xFFFFu) | (u1[i] << 16);
+            d[8u * i + 4u] = (u0[i] >> 16) | (u1[i] & 0xFFFF0000u);
+        }
+    } else {                                                // fp32: 8 values of row m a thread, one by one
+        const uint m = tid / 4u, c = (tid % 4u) * 8u;
+        threadgroup typename S::T* d = xs + moe_xs_at<S>(m, c);
+        float4 a, b;
+        io_float8(xr + min(m, rows - 1u) * K + k0 + c, a, b);
+        UNROLL for (uint i = 0; i < 4u; ++i) {
+            S::put(d + 8u * i, a[i]);
+            S::put(d + 8u * (i + 4u), b[i]);
+        }
+    }
 }
 
 // One K step element by element (any alignment, any K): zero past K.
-template <typename E, typename XT>
-inline void moe_stage_checked(threadgroup float* xs, threadgroup float* ws, device const uchar* wr,
+template <typename S, typename E, typename XT>
+inline void moe_stage_checked(threadgroup typename S::T* xs, threadgroup typename S::T* ws, device const uchar* wr,
                               device const XT* xr, uint row_bytes, uint K, uint k0, uint rows, uint cols, uint tid) {
     const uint k = tid % uint(MOE_GEMM_BK);                // lanes along K: coalesced
     const bool in_k = k0 + k < K;
     UNROLL for (uint j = 0; j < uint(MOE_GEMM_BN * MOE_GEMM_BK / MOE_GEMM_THREADS); ++j) {
         const uint r = tid / uint(MOE_GEMM_BK) + j * uint(MOE_GEMM_THREADS / MOE_GEMM_BK);
-        ws[r * uint(MOE_GEMM_LD) + k] =
-            in_k ? E::decode1(wr + min(r, cols - 1u) * row_bytes + (k0 + k) * uint(E::BYTES)) : 0.0f;
+        S::put(ws + moe_ws_at(r, k), in_k ? E::decode1(wr + min(r, cols - 1u) * row_bytes + (k0 + k) * uint(E::BYTES)) : 0.0f);
     }
     UNROLL for (uint j = 0; j < uint(MOE_GEMM_BM * MOE_GEMM_BK / MOE_GEMM_THREADS); ++j) {
-        const uint r = tid / uint(MOE_GEMM_BK) + j * uint(MOE_GEMM_THREADS / MOE_GEMM_BK);
-        xs[r * uint(MOE_GEMM_LD) + k] = in_k ? io_float(xr + min(r, rows - 1u) * K + k0 + k) : 0.0f;
+        const uint m = tid / uint(MOE_GEMM_BK) + j * uint(MOE_GEMM_THREADS / MOE_GEMM_BK);
+        S::put(xs + moe_xs_at<S>(m, k), in_k ? io_float(xr + min(m, rows - 1u) * K + k0 + k) : 0.0f);
     }
 }
 
-// One K step of a simdgroup's block: its first MI row fragments (of 2; fragments wholly past the tile's rows
-// are skipped) x 4 column fragments.
-template <int MI>
-inline void moe_mma_step(thread simdgroup_matrix<float, 8, 8> (&acc)[2][4], threadgroup const float* xs,
-                         threadgroup const float* ws, uint sm, uint sn) {
-    UNROLL for (uint kk = 0; kk < uint(MOE_GEMM_BK); kk += 8u) {
-        simdgroup_matrix<float, 8, 8> a[MI], b[4];
-        UNROLL for (int i = 0; i < MI; ++i)
-            simdgroup_load(a[i], xs + (sm + 8u * uint(i)) * uint(MOE_GEMM_LD) + kk, ulong(MOE_GEMM_LD));
-        UNROLL for (uint j = 0; j < 4u; ++j)          // b = the weight rows transposed: b[k][n] = ws[n][k]
-            simdgroup_load(b[j], ws + (sn + 8u * j) * uint(MOE_GEMM_LD) + kk, ulong(MOE_GEMM_LD), ulong2(0, 0), true);
-        UNROLL for (int i = 0; i < MI; ++i)
-            UNROLL for (uint j = 0; j < 4u; ++j) simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
+// One K step of a simdgroup's 32 x 32 block of out^T (its 32 weight rows, from wa = their first block, x the
+// tile's rows): 4 row fragments of W x the first MJ column fragments of x^T (fragments wholly past the tile's
+// rows are skipped).
+template <int MJ, typename S>
+inline void moe_mma_step(thread simdgroup_matrix<float, 8, 8> (&acc)[4][4], threadgroup const typename S::T* wa,
+                         threadgroup const typename S::T* xs) {
+    typedef typename S::T T;
+    UNROLL for (uint kb = 0; kb < uint(MOE_GEMM_KB); ++kb) {
+        simdgroup_matrix<T, 8, 8> a[4], b[MJ];
+        UNROLL for (uint i = 0; i < 4u; ++i) simdgroup_load(a[i], wa + (i * uint(MOE_GEMM_KB) + kb) * 64u, 8ul);
+        UNROLL for (int j = 0; j < MJ; ++j) simdgroup_load(b[j], xs + (kb * uint(MOE_GEMM_MB) + uint(j)) * uint(S::P), 8ul);
+        UNROLL for (uint i = 0; i < 4u; ++i)
+            UNROLL for (int j = 0; j < MJ; ++j) simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
     }
 }
 
-template <typename E, typename XT, bool VEC>
+template <typename E, typename XT, typename S, bool VEC>
 kernel void moe_grouped_gemm(device const XT* x [[buffer(0)]],
                              device const int* offsets [[buffer(1)]],
                              device const uchar* w [[buffer(2)]],
@@ -222,8 +318,9 @@ kernel void moe_grouped_gemm(device const XT* x [[buffer(0)]],
                              uint tid [[thread_index_in_threadgroup]],
                              uint lane [[thread_index_in_simdgroup]],
                              uint sg [[simdgroup_index_in_threadgroup]]) {
-    threadgroup float xs[MOE_GEMM_BM * MOE_GEMM_LD];
-    threadgroup float ws[MOE_GEMM_BN * MOE_GEMM_LD];
+    typedef typename S::T T;
+    threadgroup T xs[MOE_GEMM_KB * MOE_GEMM_MB * S::P];
+    threadgroup T ws[MOE_GEMM_BN * MOE_GEMM_BK];
     threadgroup uint scratch[MOE_GEMM_SIMDS + 3];
     const moe_tile tile = moe_find_tile(offsets, uint(p.experts), uint(p.rows), group.y, tid, lane, sg, scratch);
     if (tile.rows == 0u) return;                          // the whole group: past the last tile
@@ -233,35 +330,47 @@ kernel void moe_grouped_gemm(device const XT* x [[buffer(0)]],
     device const uchar* wr = w + (ulong(tile.expert) * ulong(N) + n0) * ulong(row_bytes);
     device const XT* xr = x + ulong(tile.row0) * ulong(K);
 
-    simdgroup_matrix<float, 8, 8> acc[2][4];
-    UNROLL for (int i = 0; i < 2; ++i)
+    simdgroup_matrix<float, 8, 8> acc[4][4];
+    UNROLL for (int i = 0; i < 4; ++i)
         UNROLL for (int j = 0; j < 4; ++j) acc[i][j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-    const uint sm = (sg / 2u) * 16u, sn = (sg % 2u) * 32u;     // this simdgroup's 16 x 32 block
+    const uint sn = sg * 32u;                             // this simdgroup's 32 columns of the tile
+    const uint mj = (tile.rows + 7u) / 8u;                // x^T fragments holding the tile's rows
+    const bool busy = sn < cols;                          // a simdgroup wholly past N only stages
+    threadgroup const T* wa = ws + sn * uint(MOE_GEMM_KB * 8);  // its first block: (sn / 8) * KB * 64
     const uint k_vec = VEC ? (K / uint(MOE_GEMM_BK)) * uint(MOE_GEMM_BK) : 0u;
 
     for (uint k0 = 0; k0 < K; k0 += uint(MOE_GEMM_BK)) {
-        if (k0 < k_vec) moe_stage_vec<E, XT>(xs, ws, wr, xr, row_bytes, K, k0, tile.rows, cols, tid);
-        else moe_stage_checked<E, XT>(xs, ws, wr, xr, row_bytes, K, k0, tile.rows, cols, tid);
+        if (k0 < k_vec) {
+            moe_stage_w_vec<S, E>(ws, wr, row_bytes, k0, cols, tid);
+            moe_stage_x_vec<S, XT>(xs, xr, K, k0, tile.rows, tid);
+        } else {
+            moe_stage_checked<S, E, XT>(xs, ws, wr, xr, row_bytes, K, k0, tile.rows, cols, tid);
+        }
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        if (sm + 8u < tile.rows) moe_mma_step<2>(acc, xs, ws, sm, sn);
-        else if (sm < tile.rows) moe_mma_step<1>(acc, xs, ws, sm, sn);
+        if (busy) {
+            if (mj == 4u) moe_mma_step<4, S>(acc, wa, xs);
+            else if (mj == 3u) moe_mma_step<3, S>(acc, wa, xs);
+            else if (mj == 2u) moe_mma_step<2, S>(acc, wa, xs);
+            else moe_mma_step<1, S>(acc, wa, xs);
+        }
         threadgroup_barrier(mem_flags::mem_threadgroup);
     }
 
-    // The output tile through threadgroup memory (ws is free now), then row by row: each thread keeps one
-    // column, so it reads that column's scale and bias once.
-    threadgroup float* cs = ws;
-    UNROLL for (uint i = 0; i < 2u; ++i)
-        UNROLL for (uint j = 0; j < 4u; ++j)
-            simdgroup_store(acc[i][j], cs + (sm + 8u * i) * uint(MOE_GEMM_LDC) + sn + 8u * j, ulong(MOE_GEMM_LDC));
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    const uint c = tid % uint(MOE_GEMM_BN);
-    if (c < cols) {
-        const uint n = n0 + c;
-        const float s = E::unit() * scale[ulong(tile.expert) * ulong(p.scale_stride_e) + ulong(n) * ulong(p.scale_stride_n)];
-        const float b = p.has_bias != 0 ? bias[ulong(tile.expert) * ulong(N) + n] : 0.0f;
-        device float* o = out + ulong(tile.row0) * ulong(N) + n;
-        for (uint r = tid / uint(MOE_GEMM_BN); r < tile.rows; r += uint(MOE_GEMM_THREADS / MOE_GEMM_BN))
-            o[r * N] = fma(cs[r * uint(MOE_GEMM_LDC) + c], s, b);
+    // The epilogue straight from the accumulators: lane holds out^T[n][m], out^T[n][m + 1] of each fragment
+    // (row n = its fragment row, m its two columns), so it reads the scale and bias of its 4 columns n once.
+    if (!busy) return;
+    const uint2 rc = uint2((lane / 2u) % 4u + ((lane / 4u) & 4u), 2u * ((lane / 4u) & 2u) + 2u * (lane % 2u));
+    device float* o = out + ulong(tile.row0) * ulong(N) + n0;
+    UNROLL for (uint i = 0; i < 4u; ++i) {
+        const uint n = sn + 8u * i + rc.x;
+        if (n >= cols) continue;
+        const float s = E::unit() * scale[ulong(tile.expert) * ulong(p.scale_stride_e) + ulong(n0 + n) * ulong(p.scale_stride_n)];
+        const float b = p.has_bias != 0 ? bias[ulong(tile.expert) * ulong(N) + n0 + n] : 0.0f;
+        UNROLL for (uint j = 0; j < 4u; ++j) {
+            const uint m = 8u * j + rc.y;
+            const thread vec<float, 2>& v = acc[i][j].thread_elements();
+            if (m < tile.rows) o[ulong(m) * N + n] = fma(v[0], s, b);
+            if (m + 1u < tile.rows) o[ulong(m + 1u) * N + n] = fma(v[1], s, b);
+        }
     }
 }

@@ -11,8 +11,8 @@ Kernels (moe.metal, each with a pure-torch reference of the same signature):
       dense GEMV's skeleton (include/gemv.h).
   moe_grouped_gemm(xs, offsets, weight, scale=None, bias=None, fmt=None) -> fp32 [P, N]
       prefill: rows sorted by expert (offsets = cumulative rows per expert) through a grouped GEMM of
-      simdgroup_matrix tiles (32 rows of one expert x 64 columns, weights decoded while staging; each
-      threadgroup finds its tile from the offsets on the device). Used for FP8 banks on MPS, and for
+      simdgroup_matrix tiles (32 rows of one expert x 128 columns, weights decoded while staging, in bf16 or
+      fp16 where that is exact; each threadgroup finds its tile from the offsets on the device). Used for FP8 banks on MPS, and for
       plain banks where torch._grouped_mm is unavailable.
 
 Orchestration (pure torch, no host syncs: no .item(), nonzero, bincount or host loop over experts):
@@ -46,7 +46,7 @@ MAX_ROUTE_TOP_K = 32
 DECODE_MAX_PAIRS = 64       # token-expert pairs up to which the unsorted per-pair kernel is used
 # The grouped GEMM's tile: rows of one expert x output columns, K step, threads (4 simdgroups)
 GEMM_BM = source.define("MOE_GEMM_BM", 32)
-GEMM_BN = source.define("MOE_GEMM_BN", 64)
+GEMM_BN = source.define("MOE_GEMM_BN", 128)
 GEMM_BK = source.define("MOE_GEMM_BK", 32)
 GEMM_THREADS = source.define("MOE_GEMM_THREADS", 128)
 ROUTE_PARAMS = source.Params("moe_route_params", "rows experts top_k norm")
@@ -423,14 +423,14 @@ _GROUPED_COUNTS = ([5, 0, 37], [1, 2, 3, 70], [32, 31], [0, 0, 5], [1], [0, 9, 0
 
 
 def _grouped_cases(device):
-    """One case per entry point, as _gemm_cases: N of one or two 64-column tiles (33, 64, 65, 7, 1); 16-byte K
+    """One case per entry point, as _gemm_cases: N of one or two 128-column tiles (33, 130, 65, 7, 1); 16-byte K
     of 32 (one K step), 48 (a step and a 16-value tail, element-wise) and 96; element-wise K of 7, 33 and 70."""
     gen = torch.Generator().manual_seed(3)
     out = []
     for i, (wkind, xdtype, layout) in _entry_point_cases():
         vec = layout == "vec"
         counts = _GROUPED_COUNTS[i % len(_GROUPED_COUNTS)]
-        E, P, N = len(counts), sum(counts), (33, 64, 65, 7, 1)[i % 5]
+        E, P, N = len(counts), sum(counts), (33, 130, 65, 7, 1)[i % 5]
         K = (32, 48, 96)[i % 3] if vec else (7, 33, 70)[i % 3]
         w, fmt = _case_bank(E, N, K, wkind, gen)
         xs = torch.randn(P, K, generator=gen).to(xdtype)
@@ -442,7 +442,16 @@ def _grouped_cases(device):
     return out
 
 
-_GROUPED = {f"moe_grouped_gemm_{w}_{x}{suffix}": f"moe_grouped_gemm<{e}, {x}, {vec}>"
+def grouped_staging(wkind: str, xtype: str) -> str:
+    """The grouped GEMM's staging type (moe.metal) for weights of kind `wkind` and x of MSL type `xtype`: a
+    16-bit type where it holds both exactly (bf16 x with bf16 or FP8 weights: bfloat; fp16 x with fp16 or FP8
+    weights: half; FP8 e4m3fn is staged as value / 256), else fp32."""
+    if xtype in ("bfloat", "half") and wkind in (xtype, *FP8_FORMATS.values()):
+        return f"moe_stage_{xtype}"
+    return "moe_stage_float"
+
+
+_GROUPED = {f"moe_grouped_gemm_{w}_{x}{suffix}": f"moe_grouped_gemm<{e}, {x}, {grouped_staging(w, x)}, {vec}>"
             for w, e in WEIGHT_ELEMENTS.items() for x in MSL_TYPE.values()
             for suffix, vec in (("", "true"), ("_scalar", "false"))}
 

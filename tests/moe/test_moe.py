@@ -222,6 +222,12 @@ def test_experts_gemm_kernel_in_emulator(emu_lib, E, N, K, P, x_div, wkind, xdt,
     (2, 40, 31, [33, 31], "bfloat", torch.float16, None, True),
     (5, 17, 100, [0, 9, 0, 64, 2], "e5m2", torch.float32, "scalar", True),
     (3, 5, 16, [0, 0, 0], "half", torch.float32, None, False),
+    # the 16-bit staging: bf16 / fp16 banks copied as they are, FP8 decoded into bf16 / fp16; two column tiles
+    # (the second with simdgroups wholly past N), 16-byte K steps with and without an element-wise tail
+    (3, 150, 96, [40, 0, 9], "bfloat", torch.bfloat16, "row", True),
+    (2, 130, 48, [33, 7], "half", torch.float16, "expert", False),
+    (2, 64, 80, [3, 31], "e5m2", torch.float16, None, True),
+    (2, 129, 64, [32, 1], "e4m3fn", torch.bfloat16, "row", True),
 ])
 def test_grouped_gemm_kernel_in_emulator(emu_lib, E, N, K, counts, wkind, xdt, scale, bias):
     gen = torch.Generator().manual_seed(E * 100 + N + K)
@@ -250,9 +256,10 @@ def test_grouped_gemm_kernel_in_emulator(emu_lib, E, N, K, counts, wkind, xdt, s
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
 def test_fp8_banks_decode_every_code_exactly_in_emulator(emu_lib, fmt, K):
     """All 256 byte codes as weights, x one-hot: both kernels output each code's value exactly (fp8.h's
-    decode through half bits): subnormals, max finite, e5m2 infinities and NaNs. K = 3 takes the
-    element-wise kernels, K = 16 the grouped GEMM's 16-byte staging and the expert GEMV's 8-byte loads, K = 512
-    the expert GEMV's 16-byte loads (the code inside a chunk, not at its start)."""
+    decode through half bits): subnormals, max finite, e5m2 infinities and NaNs, the grouped GEMM with x in fp32,
+    bf16 and fp16 (weights staged in fp32, bf16 and fp16). K = 3 takes the element-wise kernels, K = 16 the
+    expert GEMV's 8-byte loads, K = 512 the grouped GEMM's 16-byte staging and the expert GEMV's 16-byte loads
+    (the code inside a chunk, not at its start)."""
     codes = torch.arange(256, dtype=torch.uint8)
     w = torch.zeros(1, 256, K, dtype=torch.uint8)
     w[0, :, K // 3] = codes
@@ -261,7 +268,9 @@ def test_fp8_banks_decode_every_code_exactly_in_emulator(emu_lib, fmt, K):
     want = codes.view(torch.float8_e4m3fn if fmt == "e4m3fn" else torch.float8_e5m2).float()
     one = torch.tensor([2], dtype=torch.int32)
     for got in (moe.moe_experts_gemm_metal(emu_lib, x, torch.zeros(2, dtype=torch.int64), w, fmt=fmt),
-                moe.moe_grouped_gemm_metal(emu_lib, x, one, w, fmt=fmt)):
+                moe.moe_grouped_gemm_metal(emu_lib, x, one, w, fmt=fmt),            # staged in fp32
+                moe.moe_grouped_gemm_metal(emu_lib, x.bfloat16(), one, w, fmt=fmt),  # in bf16
+                moe.moe_grouped_gemm_metal(emu_lib, x.half(), one, w, fmt=fmt)):     # in fp16
         for row in got:
             assert torch.equal(row.isnan(), want.isnan())
             finite = ~want.isnan()
@@ -315,7 +324,7 @@ def test_grouped_gemm_finds_tiles_over_several_passes_of_experts(emu_lib):
     of them empty, the used ones of 1 to 40 rows; the 16-byte path with a K tail (K = 48) and N over two
     column tiles."""
     gen = torch.Generator().manual_seed(21)
-    E, N, K = 300, 70, 48
+    E, N, K = 300, 150, 48
     counts = torch.zeros(E, dtype=torch.int64)
     used = torch.tensor([0, 1, 127, 128, 129, 200, 255, 256, 299])
     counts[used] = torch.tensor([3, 1, 40, 2, 33, 1, 7, 32, 5])
@@ -325,6 +334,46 @@ def test_grouped_gemm_finds_tiles_over_several_passes_of_experts(emu_lib):
     scale = torch.rand(E, N, generator=gen) + 0.5
     got = moe.moe_grouped_gemm_metal(emu_lib, xs, offsets, w, scale, fmt="e4m3fn")
     _close(got, moe.moe_grouped_gemm_reference(xs, offsets, w, scale, fmt="e4m3fn"))
+
+
+def test_grouped_gemm_stages_in_16_bits_only_where_that_is_exact():
+    """bf16 x with bf16 or FP8 weights is staged in bf16, fp16 x with fp16 or FP8 weights in fp16 (e4m3fn / 256,
+    e5m2 and both 16-bit types hold each other's values only where the types agree); everything else in fp32."""
+    want = {("bfloat", "bfloat"): "bfloat", ("e4m3", "bfloat"): "bfloat", ("e5m2", "bfloat"): "bfloat",
+            ("half", "half"): "half", ("e4m3", "half"): "half", ("e5m2", "half"): "half"}
+    for w in moe.WEIGHT_ELEMENTS:
+        for x in ("float", "half", "bfloat"):
+            assert moe.grouped_staging(w, x) == f"moe_stage_{want.get((w, x), 'float')}", (w, x)
+
+
+@needs_clang
+@pytest.mark.parametrize("xdt,staged_bytes,sixteen_bit", [(torch.bfloat16, 2, True), (torch.float16, 2, True),
+                                                          (torch.float32, 4, False)])
+def test_grouped_gemm_profile_counts(emu_lib, xdt, staged_bytes, sixteen_bit):
+    """The grouped GEMM's exact counts in the emulator's profiler (every threadgroup run): the products skip the
+    x fragments past a tile's rows and the simdgroups past N, run on 16-bit fragments where x is bf16 / fp16
+    (FP8 weights), and the staged K step (x in padded 8x8 blocks, the weights in 8x8 blocks) leaves room for
+    6 threadgroups (24 simdgroups) a core on M4 Max when it is 16-bit."""
+    from comfy_metal.metal_kernels.perf import roofline
+    from comfy_metal.metal_kernels.perf.chips import chip
+    from comfy_metal.metal_kernels.perf.run import ProfilingLibrary
+
+    gen = torch.Generator().manual_seed(5)
+    counts, N, K = [32, 9], 200, 64          # tiles of 32 and 9 rows; column tiles of 128 and 72 (3 simdgroups)
+    w = _fp8_bank(2, N, K, "e4m3fn", gen)
+    xs = torch.randn(sum(counts), K, generator=gen).to(xdt)
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    proxy = ProfilingLibrary(emu_lib, sample=None)
+    moe.moe_grouped_gemm_metal(proxy, xs, offsets, w, fmt="e4m3fn")
+    (p,) = proxy.profiles
+    # K steps x 8-wide K blocks x (x fragments: 4 + 2) x (busy simdgroups: 4 + 3) x 4 weight fragments
+    mma = (K // moe.GEMM_BK) * (moe.GEMM_BK // 8) * (4 + 2) * (4 + 3) * 4
+    assert p.mma == mma
+    assert p.mma16 == (mma if sixteen_bit else 0)
+    blocks = (moe.GEMM_BK // 8) * (moe.GEMM_BM // 8)
+    pad = 8 // staged_bytes                  # an x block's pad: 8 bytes
+    assert p.threadgroup_bytes == (blocks * (64 + pad) + moe.GEMM_BN * moe.GEMM_BK) * staged_bytes + 4 * (4 + 3)
+    assert roofline.occupancy(p, chip("M4 Max")) == (6 if sixteen_bit else 3)
 
 
 @needs_clang
