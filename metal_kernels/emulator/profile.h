@@ -7,9 +7,12 @@
 //   * memory accesses (__emu_prof_readN/writeN from the rewritten IR, __tsan_* and simdgroup_load/store by
 //     return address): the k-th execution of a site by the lanes of one simdgroup is one SIMT instruction;
 //     per instruction the bytes requested, the distinct bytes, 32-byte sectors and 128-byte lines (device
-//     memory) or, for threadgroup memory, the most-hit of 32 four-byte banks (distinct words; one word read
-//     by several lanes is a broadcast);
-//   * unique bytes read / written per bound buffer (one bit per byte), the DRAM floor;
+//     memory: by the address the GPU sees, the offset into the buffer's storage, which starts a line as an
+//     MTLBuffer does, never the host address the CPU allocator chose, which aligns to 64 bytes only) or,
+//     for threadgroup memory, the most-hit of 32 four-byte banks (distinct words; one word read by several
+//     lanes is a broadcast);
+//   * unique bytes read / written per bound buffer (one bit per byte; sectors by the same GPU address),
+//     the DRAM floor;
 //   * SIMD collectives (per simdgroup instruction, from the resolvers), simdgroup_barrier, threadgroup
 //     barriers, simdgroup_matrix multiply-accumulates (per simdgroup: max over lanes of the lane's calls).
 // Sampled launches run only the listed threadgroups; every count is multiplied by the group's weight.
@@ -68,9 +71,10 @@ enum : int {
 
 struct ProfRegion {
   uintptr_t lo, hi;
+  uintptr_t base;          // host address of the GPU line the tensor starts in: lo - (lo - storage start) % 128
   uint32_t constant;
-  uint32_t* bits;          // one bit per byte (a word is one 32-byte sector): read, written (the launch), then
-  size_t words;            // read, written by the current threadgroup
+  uint32_t* bits;          // one bit per byte from base (a word is one 32-byte sector): read, written
+  size_t words;            // (the launch), then read, written by the current threadgroup
   PVec<size_t> touched[2]; // words of the current group's bitmaps that are set
   double group_sum[4];     // sum over groups of weight x (bytes read, written, sectors read, written)
 };
@@ -183,7 +187,7 @@ static void prof_access(uintptr_t a, uint32_t size, bool write, uint32_t site, u
       uint32_t* all = r.bits + (write ? r.words : 0);
       uint32_t* grp = r.bits + (write ? 3 : 2) * r.words;
       uintptr_t b0 = a < r.lo ? r.lo : a, b1 = a + size > r.hi ? r.hi : a + size;
-      for (uintptr_t b = b0 - r.lo; b < b1 - r.lo; b++) {
+      for (uintptr_t b = b0 - r.base; b < b1 - r.base; b++) {
         all[b >> 5] |= 1u << (b & 31);
         if (!grp[b >> 5]) r.touched[write].push_back(b >> 5);
         grp[b >> 5] |= 1u << (b & 31);
@@ -237,9 +241,14 @@ static void prof_instruction(size_t i, size_t j) {
     }
   }
   if (open) distinct += cur_hi - cur_lo;
+  // sectors and lines by the GPU's address: the region, and the offset from its storage's (line-aligned)
+  // start (biased: an access may begin a little before its region)
   s.clear();
-  for (size_t r = i; r < j; r++)
-    for (uintptr_t x = P.recs[r].addr >> 5; x <= (P.recs[r].addr + P.recs[r].size - 1) >> 5; x++) s.push_back(x);
+  for (size_t r = i; r < j; r++) {
+    const uint64_t reg = (uint64_t)P.recs[r].where << 48;
+    const uint64_t off = (uint64_t)(P.recs[r].addr - P.regions[P.recs[r].where].base) + (1ull << 40);
+    for (uint64_t x = off >> 5; x <= (off + P.recs[r].size - 1) >> 5; x++) s.push_back(reg | x);
+  }
   const size_t sectors = prof_unique(s);
   for (size_t q = 0; q < sectors; q++) s[q] >>= 2;
   s.resize(sectors);
@@ -443,8 +452,8 @@ extern "C" __attribute__((visibility("hidden"), used, no_sanitize("thread"))) vo
 // ---- the Python side's interface (profiler.py)
 extern "C" __attribute__((visibility("default"), no_sanitize("thread"))) void __emu_prof_end();
 extern "C" __attribute__((visibility("default"), no_sanitize("thread"))) int __emu_prof_begin(
-    uint32_t nregions, const uint64_t* lohi, const uint32_t* constant, uint64_t nsample, const uint64_t* groups,
-    const double* weights) {
+    uint32_t nregions, const uint64_t* lohi, const uint64_t* origin, const uint32_t* constant, uint64_t nsample,
+    const uint64_t* groups, const double* weights) {
   using namespace __emu;
   __emu_prof_end();
   g_prof = (Prof*)calloc(1, sizeof(Prof));  // every member is zero when empty
@@ -458,8 +467,9 @@ extern "C" __attribute__((visibility("default"), no_sanitize("thread"))) int __e
     ProfRegion r;
     memset(&r, 0, sizeof r);
     r.lo = (uintptr_t)lohi[2 * i], r.hi = (uintptr_t)lohi[2 * i + 1], r.constant = constant[i];
+    r.base = r.lo - (r.lo - (uintptr_t)origin[i]) % 128;
     if (r.hi > r.lo && !r.constant) {
-      r.words = (r.hi - r.lo + 31) / 32;
+      r.words = (r.hi - r.base + 31) / 32;
       void* a = mmap(nullptr, 4 * r.words * 4, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (a == MAP_FAILED) return 1;
       r.bits = (uint32_t*)a;

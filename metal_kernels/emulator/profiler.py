@@ -243,8 +243,8 @@ class ProfileBuild:
         self.symbols = {e["host"]: e["symbol"] for e in table}
         self.blocks = blocks
         self.sites = sites
-        for name, args in (("__emu_prof_begin", [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64,
-                                                 ctypes.c_void_p, ctypes.c_void_p]),
+        for name, args in (("__emu_prof_begin", [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                 ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p]),
                            ("__emu_prof_sizes", [ctypes.c_void_p]),
                            ("__emu_prof_read", [ctypes.c_void_p] * 7), ("__emu_prof_end", [])):
             f = getattr(dll, name)
@@ -350,6 +350,14 @@ def _describe(t: torch.Tensor) -> str:
     return f"tensor {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
 
 
+def _origin(t: torch.Tensor) -> int:
+    """Host address of the start of `t`'s storage: on the GPU that is the start of its MTLBuffer (a line
+    boundary), and `t` starts its storage offset after it. Sectors and lines count from there, so a count
+    never depends on where the CPU allocator put the storage (64-byte aligned only: host lines would split
+    differently from run to run, with whatever was allocated before)."""
+    return t.untyped_storage().data_ptr()
+
+
 def profile_launch(kernel, args, threads=None, group_size=None, arg_casts=None, sample=None) -> Profile:
     build = profile_build(kernel._lib)
     if kernel.name not in build.symbols:
@@ -360,25 +368,25 @@ def profile_launch(kernel, args, threads=None, group_size=None, arg_casts=None, 
     keep = []
     nbuf = max([len(args)] + [b + 1 for b in kernel.buffers])
     addrs = [0] * nbuf
-    regions = []                       # (lo, hi, constant, arg, description, tensor size)
+    regions = []                       # (lo, hi, constant, arg, description, origin: see _origin)
     for i, b in bound.items():
         if b[0] == "tensor":
             lo, hi = _tensor_span(b[1])
             addrs[i] = lo
-            regions.append((lo, hi, 0, i, _describe(b[1])))
+            regions.append((lo, hi, 0, i, _describe(b[1]), _origin(b[1])))
         elif b[0] == "tensors":
             for t in b[1]:
                 lo, hi = _tensor_span(t)
-                regions.append((lo, hi, 0, i, _describe(t)))
+                regions.append((lo, hi, 0, i, _describe(t), _origin(t)))
             arr = (ctypes.c_uint64 * len(b[1]))(*[_tensor_span(t)[0] for t in b[1]])
             keep.append(arr)
             addrs[i] = ctypes.addressof(arr)
-            regions.append((addrs[i], addrs[i] + 8 * len(b[1]), 1, i, f"tensor list[{len(b[1])}]"))
+            regions.append((addrs[i], addrs[i] + 8 * len(b[1]), 1, i, f"tensor list[{len(b[1])}]", addrs[i]))
         else:
             buf = ctypes.create_string_buffer(b[1], max(16, len(b[1])))
             keep.append(buf)
             addrs[i] = ctypes.addressof(buf)
-            regions.append((addrs[i], addrs[i] + len(b[1]), 1, i, b[2]))
+            regions.append((addrs[i], addrs[i] + len(b[1]), 1, i, b[2], addrs[i]))
     for j in range(nbuf):
         if not addrs[j]:
             buf = ctypes.create_string_buffer(64)
@@ -390,6 +398,7 @@ def profile_launch(kernel, args, threads=None, group_size=None, arg_casts=None, 
     kind, seed = _parse_schedule(get_schedule())
     err = ctypes.create_string_buffer(4096)
     lohi = (ctypes.c_uint64 * max(1, 2 * len(regions)))(*[x for r in regions for x in r[:2]])
+    origin = (ctypes.c_uint64 * max(1, len(regions)))(*[r[5] for r in regions])
     const = (ctypes.c_uint32 * max(1, len(regions)))(*[r[2] for r in regions])
     gbuf = (ctypes.c_uint64 * len(groups))(*groups)
     wbuf = (ctypes.c_double * len(weights))(*weights)
@@ -400,7 +409,7 @@ def profile_launch(kernel, args, threads=None, group_size=None, arg_casts=None, 
     with _launch_lock:
         race = checks_enabled() and sum(r[1] - r[0] for r in regions) <= RACE_MAX_BYTES
         build.configure(1 if race else 0, 0, len(regions), lohi, cnames)
-        if build.dll.__emu_prof_begin(len(regions), lohi, const, len(groups) if sampled else 0, gbuf, wbuf):
+        if build.dll.__emu_prof_begin(len(regions), lohi, origin, const, len(groups) if sampled else 0, gbuf, wbuf):
             raise EmulatorError("profiler: out of memory for the unique-byte bitmaps")
         try:
             rc = fn(bufs, dims, kind, seed, err, len(err))
@@ -462,15 +471,16 @@ def _assemble(name, build, grid3, group3, total, run, regions, blocks, sites, rd
         memory[kname].add(st)
         out_sites.append(st)
     buffers = []
-    for i, (lo, hi, constant, arg, desc) in enumerate(regions):
+    for i, (lo, hi, constant, arg, desc, origin) in enumerate(regions):
         if constant:
             continue
         size = hi - lo
+        spanned = ((lo - origin) % 32 + size + 31) // 32      # sectors the buffer spans on the GPU
         rb, wb, rs, ws = rdat[8 * i:8 * i + 4]
         if run < total:                # each group's own bytes times the groups it stands for, at most the buffer
             grb, gwb, grs, gws = rdat[8 * i + 4:8 * i + 8]
             rb, wb = min(size, grb), min(size, gwb)
-            rs, ws = min(-(-size // 32), grs), min(-(-size // 32), gws)
+            rs, ws = min(spanned, grs), min(spanned, gws)
         buffers.append(BufferStats(arg, desc, size, float(rb), float(wb), float(rs), float(ws)))
     collectives = dict(zip(COLLECTIVES, ev[:5]))
     return Profile(kernel=name, grid=tuple(grid3), group=tuple(group3), groups=total, groups_run=run,

@@ -185,3 +185,37 @@ def test_scaled_profile_multiplies_counts(lib):
 def test_instruction_classes(ir, want):
     from comfy_metal.metal_kernels.emulator.ir_mix import classify
     assert classify("  " + ir) == want
+
+
+def _storage_at(n: int, skew: int, keep: list, fill=None) -> torch.Tensor:
+    """A fresh float tensor (storage offset 0) whose storage starts `skew` bytes past a 128-byte boundary of
+    host memory."""
+    buf = (ctypes.c_char * (4 * n + 256))()
+    keep.append(buf)
+    t = torch.frombuffer(buf, dtype=torch.float32, count=n, offset=(-ctypes.addressof(buf)) % 128 + skew)
+    assert t.untyped_storage().data_ptr() % 128 == skew and t.storage_offset() == 0
+    if fill is not None:
+        t.copy_(fill)
+    return t
+
+
+def test_sectors_and_lines_do_not_depend_on_where_the_host_put_the_storage(lib):
+    """The GPU sees a tensor's storage at the start of its own buffer (line aligned): the counts are the
+    same wherever the CPU allocator put it (it aligns to 64 bytes only), and a view keeps its offset."""
+    keep, x = [], torch.randn(256 * 4)
+    counts = []
+    for skew in (0, 16, 64):
+        a, out = _storage_at(256 * 4, skew, keep, fill=x), _storage_at(256 * 4, (skew + 32) % 128, keep)
+        p = lib.copy4.profile(out, a, threads=256, group_size=64)
+        ld, st = p.memory["device_load"], p.memory["device_store"]
+        assert ld.sectors == st.sectors == 8 * 16 and ld.lines == st.lines == 8 * 4, skew
+        assert [b.read_sectors for b in p.buffers] == [0, 128] and [b.written_sectors for b in p.buffers] == [128, 0]
+        counts.append(_counts(p))
+    assert counts[0] == counts[1] == counts[2]
+    # a view 64 bytes into its storage straddles lines whatever the host address: 5 lines per 512 B
+    for skew in (0, 64):
+        base = _storage_at(256 * 4 + 16, skew, keep, fill=torch.randn(256 * 4 + 16))
+        p = lib.copy4.profile(_storage_at(256 * 4, 0, keep), base[16:], threads=256, group_size=64)
+        ld = p.memory["device_load"]
+        assert ld.sectors == 8 * 16 and ld.lines == 8 * 5, skew
+        assert p.buffers[1].read_sectors == 128
