@@ -188,16 +188,41 @@ def _splits(prog: Program, frames: int) -> bool:
     return not prog.encode and prog.version == "wan21" and frames > 2
 
 
-class CausalStages:
-    """Runs a Program over a whole latent (decode) or video (encode) per its CausalPlan."""
+class BandRunner:
+    """What the video VAEs' stage runners share (CausalStages here, hunyuan.HunyuanStages): the program, where
+    and in what it runs, and where a band's output goes."""
 
-    def __init__(self, prog: Program, device, dtype, workspace_factor: float = 1.0, prepare=None):
+    def __init__(self, prog, device, dtype, workspace_factor: float = 1.0, prepare=None):
         self.prog = prog
         self.device, self.dtype = torch.device(device), dtype
         self.workspace = workspace_factor
         self.prepare = prepare or (lambda t: t)
         self.bands_run = 0
         self.nonfinite = 0          # decode: NaN/inf values written to the output
+
+    def _deliver(self, sink, out, r0, r1, y):
+        """Band rows r0:r1 of a stage's output: into the decoded video (`sink`, the last stage), the stage's
+        buffer `out`, or, when there is neither (the stage runs as one band), returned as the stage's result."""
+        if sink is not None:
+            self._emit(sink, r0, r1, y)
+        elif out is None:
+            return y
+        else:
+            out.write(r0, r1, y)
+        return None
+
+    def _emit(self, sink, r0, r1, y):
+        """The decoder's last stage writes into the output (Wan 2.2: unpatchified to pixels)."""
+        p = getattr(self.prog, "patch", 1)
+        if p > 1:
+            y = _unpatchify(y, p)
+        f0 = self.sink_frame
+        self.nonfinite += int(y.isfinite().logical_not_().sum())
+        sink[:, :, f0:f0 + y.shape[2], r0 * p:r1 * p, :] = y.to(sink.device, sink.dtype)
+
+
+class CausalStages(BandRunner):
+    """Runs a Program over a whole latent (decode) or video (encode) per its CausalPlan."""
 
     # ---- planning
 
@@ -428,12 +453,7 @@ class CausalStages:
             if cache is not None:
                 cache.put(r0, r1, _new_history(hb, band)[..., r0 - a:r1 - a, :])
             del band, hb
-            if sink is not None:
-                self._emit(sink, r0, r1, y)
-            elif out is None:
-                result = y
-            else:
-                out.write(r0, r1, y)
+            result = self._deliver(sink, out, r0, r1, y)
             del y
             self.bands_run += 1
         if cache is not None:
@@ -486,15 +506,6 @@ class CausalStages:
                 w.flush()
         return out if out is not None else _writable(result)
 
-    def _emit(self, sink, r0, r1, y):
-        """The decoder's last stage writes into the output (Wan 2.2: unpatchified to pixels)."""
-        p = self.prog.patch
-        if p > 1:
-            y = _unpatchify(y, p)
-        f0 = self.sink_frame
-        self.nonfinite += int(y.isfinite().logical_not_().sum())
-        sink[:, :, f0:f0 + y.shape[2], r0 * p:r1 * p, :] = y.to(sink.device, sink.dtype)
-
     def _up(self, j, s: Up, x: _Buffer, first):
         n, ci, t, hh, ww = x.t.shape
         co = s.resample[1].out_channels
@@ -523,10 +534,7 @@ class CausalStages:
             y = y.unflatten(0, (n, tb)).transpose(1, 2)[..., 2 * (r0 - a):2 * (r1 - a), :]
             if kept is not None:
                 y = y + s.add(kept.t[..., r0:r1, :].to(self.dtype), first_chunk=first)
-            if out is None:
-                result = y
-            else:
-                out.write(2 * r0, 2 * r1, y)
+            result = self._deliver(None, out, 2 * r0, 2 * r1, y)
             del y
             self.bands_run += 1
         if cache is not None:

@@ -32,7 +32,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .causal import CACHE_T, CausalPlan, _Lagged, _query_chunk, _writable
+from .causal import CACHE_T, BandRunner, CausalPlan, _Lagged, _query_chunk, _writable
 from .shared_stats import GroupMoments, group_norm_with
 from .stagewise import _Buffer, _bands
 
@@ -287,16 +287,8 @@ def _up2(x, time: bool, first: bool):
     return x[:, :, :, :, None, :, None].expand(n, c, t, h, 2, w, 2).reshape(n, c, t, 2 * h, 2 * w)
 
 
-class HunyuanStages:
+class HunyuanStages(BandRunner):
     """Runs a HunyuanProgram over a whole latent (decode) or video (encode) per its CausalPlan."""
-
-    def __init__(self, prog: HunyuanProgram, device, dtype, workspace_factor: float = 1.0, prepare=None):
-        self.prog = prog
-        self.device, self.dtype = torch.device(device), dtype
-        self.workspace = workspace_factor
-        self.prepare = prepare or (lambda t: t)
-        self.bands_run = 0
-        self.nonfinite = 0
 
     # ---- planning
 
@@ -498,12 +490,7 @@ class HunyuanStages:
                 del sc
             if s.tanh:
                 y = torch.tanh(y)
-            if sink is not None:
-                self._emit(sink, r0, r1, y)
-            elif out is None:
-                result = y
-            else:
-                out.write(r0, r1, y)
+            result = self._deliver(sink, out, r0, r1, y)
             del y
             self.bands_run += 1
         if cache is not None:
@@ -533,10 +520,7 @@ class HunyuanStages:
                 cache.put(2 * q0, 2 * q1, _carry_rows(tin, 2 * q0 - u0 + top, 2 * q1 - u0 + top))
             y = F.conv3d(tin, *_weights(s.conv, tin))
             del tin
-            if out is None:
-                result = y
-            else:
-                out.write(2 * q0, 2 * q1, y)
+            result = self._deliver(None, out, 2 * q0, 2 * q1, y)
             del y
             self.bands_run += 1
         if cache is not None:
@@ -548,11 +532,6 @@ class HunyuanStages:
         def write(r0, r1, rows):
             target[..., r0:r1, :] = rows
         return write
-
-    def _emit(self, sink, r0, r1, y):
-        f0 = self.sink_frame
-        self.nonfinite += int(y.isfinite().logical_not_().sum())
-        sink[:, :, f0:f0 + y.shape[2], r0:r1, :] = y.to(sink.device, sink.dtype)
 
     def _attention(self, s: GAttn, x: _Buffer):
         blk = s.block

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from comfy_metal.nodes.common.quality import psnr
+from fake_mps_pads import record_pad_ranks
 from vae_weights import vae_state_dict
 
 CPU = torch.device("cpu")
@@ -279,29 +279,11 @@ def test_no_5d_pad_on_mps(wan21, wan22, emulator_backend, monkeypatch):
     """On MPS (faked: 5-D pads routed as on MPS, the Metal pad kernel run by the MSL emulator) the stages never
     call F.pad on a 5-D tensor -- the causal time padding and Wan 2.2's AvgDown3D included -- and give the same
     result as the CPU path."""
-    from comfy_metal.nodes.vae import causal
-
-    from comfy_metal.metal_kernels.vae import vae_pad
-
     torch.manual_seed(2)
     z21 = torch.randn(1, 16, 3, 3, 4)
     x22 = torch.rand(1, 3, 5, 32, 48) * 2 - 1
     want = [_run(wan21, z21, 1 << 30)[0], _run(wan22, x22, 1 << 30, encode=True)[0]]
-    vae_pad(torch.zeros(1, 1, 1, 2, 2), (0, 0, 0, 0, 1, 0))      # its one-time self-check pads with the reference
-    padded = []
-    real_pad, real_c_pad = F.pad, torch._C._nn.pad
-
-    def pad(x, *args, **kwargs):
-        padded.append(x.dim())
-        return real_pad(x, *args, **kwargs)
-
-    def c_pad(x, *args, **kwargs):
-        padded.append(x.dim())
-        return real_c_pad(x, *args, **kwargs)
-
-    monkeypatch.setattr(causal, "metal_pads", lambda device: True)
-    monkeypatch.setattr(F, "pad", pad)
-    monkeypatch.setattr(torch._C._nn, "pad", c_pad)
+    padded = record_pad_ranks(monkeypatch)
     got = [_run(wan21, z21, 1 << 30)[0], _run(wan22, x22, 1 << 30, encode=True)[0]]
     assert 5 not in padded, padded
     for a, b in zip(got, want):
