@@ -36,8 +36,6 @@ from .causal import CACHE_T, BandRunner, CausalPlan, _Lagged, _query_chunk, _wri
 from .shared_stats import GroupMoments, group_norm_with
 from .stagewise import _Buffer, _bands
 
-MOMENTS_PASS = 1.05      # the time model's share for reading each normalised input once more (its GroupNorm moments)
-
 
 # ---------------------------------------------------------------- stages
 
@@ -389,8 +387,7 @@ class HunyuanStages(BandRunner):
                     break
             if ok:
                 convert = 1.0 if store == self.dtype else 1.05
-                return CausalPlan(store, rows, int(peak), MOMENTS_PASS * convert * work / max(flops, 1.0), history,
-                                  int(tracked))
+                return CausalPlan(store, rows, int(peak), convert * work / max(flops, 1.0), history, int(tracked))
         return None
 
     # ---- running

@@ -9,6 +9,20 @@ from .tiles import Tile
 # ---------------------------------------------------------------- shared GroupNorm statistics
 
 
+def _piece_moments(x: torch.Tensor, groups: int):
+    """(mean, population variance) per (sample, group) of one piece, fp32 [N, groups]. On the CPU and CUDA through
+    torch's fused GroupNorm kernel (its statistics pass; with eps 0, var = 1 / rstd^2): one read of the piece,
+    ~10x faster on the CPU than the two-pass formula with its temporaries, which serves the other devices."""
+    if x.device.type in ("cpu", "cuda"):
+        v = x.float().contiguous()
+        n, c = v.shape[0], v.shape[1]
+        _, mean, rstd = torch.ops.aten.native_group_norm(v, None, None, n, c, v.numel() // max(1, n * c), groups, 0.0)
+        return mean.reshape(n, groups), rstd.reshape(n, groups).pow(-2)
+    v = x.reshape(x.shape[0], groups, -1).float()
+    mean = v.mean(-1)
+    return mean, ((v - mean[..., None]) ** 2).mean(-1)
+
+
 class GroupMoments:
     """Per-(sample, group) count / mean / M2 of an activation seen in pieces: each piece reduced in fp32,
     the pieces combined in float64 with Chan's formula (exact up to fp32 rounding inside a piece).
@@ -23,9 +37,8 @@ class GroupMoments:
         n_b = x.numel() // max(1, x.shape[0] * groups)
         if n_b == 0:
             return
-        v = x.reshape(x.shape[0], groups, -1).float()
-        mean_f = v.mean(-1)
-        m2_b = ((v - mean_f[..., None]) ** 2).sum(-1).cpu().double()     # (MPS has no float64)
+        mean_f, var_f = _piece_moments(x, groups)
+        m2_b = (var_f.cpu().double() * n_b)                              # (MPS has no float64)
         mean_b = mean_f.cpu().double()
         if self.stats is None:
             self.stats = [n_b, mean_b, m2_b]
