@@ -64,8 +64,9 @@ class Codec:
     # encode_input: the VAE's input transform for the pixels those stages read (the node sets process_input).
     encode_body_stages: list | None = None
     encode_input: Callable | None = None
-    # Causal 3-D video VAEs (Wan 2.1 / Qwen-Image, Wan 2.2): the decoder and the encoder as stage programs
-    # (causal_program.Program, run exact stage by stage over the whole frame), or why not (`programs_note`).
+    # Causal 3-D video VAEs (Wan 2.1 / Qwen-Image, Wan 2.2, HunyuanVideo 1.0): the decoder and the encoder as
+    # stage programs (causal_program.Program, hunyuan.HunyuanProgram: run exact stage by stage over the whole
+    # frame by `program.runner(...)`), or why not (`programs_note`).
     decode_program: object = None
     encode_program: object = None
     programs_note: str = ""
@@ -341,7 +342,8 @@ def _comfy_hunyuan_video_codec(vae, fsm, latent_dim, scale, device, dtype) -> Co
     the same order and yields each chunk's frames as soon as they are decoded, so per spatial tile only
     the latent-resolution mid activations hold all frames; the full-resolution work is flat in the
     frame count. Decoders without the carried path (VideoConv3d: attention at some resolution) decode
-    each spatial tile whole. The encoder chunks its input itself (`fsm.encode` per spatial tile)."""
+    each spatial tile whole. The encoder chunks its input itself (`fsm.encode` per spatial tile). The carried
+    decoder and encoder are also stage programs (hunyuan.py), which run exact over the whole frame."""
     dec, enc = getattr(fsm, "decoder", None), getattr(fsm, "encoder", None)
     if latent_dim != 3 or type(fsm).__name__ not in ("AutoencoderKL", "AutoencodingEngineLegacy") \
             or not type(fsm).__module__.endswith("models.autoencoder") or getattr(fsm, "bn", None) is not None:

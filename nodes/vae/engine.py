@@ -8,7 +8,7 @@ core is testable without ComfyUI.
 
 * Untiled: the codec's own decode/encode in one call.
 * Stages (exact, one pass): the whole input stage by stage in bands of rows (stagewise.py and
-  stagewise_encode.py for KL VAEs, causal.py for the causal 3-D video VAEs).
+  stagewise_encode.py for KL VAEs, causal.py and hunyuan.py for the causal 3-D video VAEs).
 * Tiles (one pass, feather): the latent is cut into overlapping tiles (tiles.py); each decoded tile is
   weighted by a separable feather mask whose weights sum to exactly 1 over every output pixel and added
   into an fp32 accumulator by the `vae_blend_accumulate` kernel (Metal on MPS).

@@ -32,7 +32,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .causal import CACHE_T, BandRunner, CausalPlan, _Lagged, _query_chunk, _writable
+from .causal import CACHE_T, BandRunner, CausalPlan, _Lagged, _query_chunk, _weights, _writable
 from .shared_stats import GroupMoments, group_norm_with
 from .stagewise import _Buffer, _bands
 
@@ -92,12 +92,10 @@ class HunyuanProgram:
     regularize: object             # encode: the posterior's mode
     latent_channels: int
     time_compress: int = 4
-    version = "hunyuan"
 
     def frames_used(self, frames: int) -> int:
         """Input frames the encoder reads (ComfyUI's drops frames past 1 + 4k)."""
-        tc = self.time_compress
-        return 1 + ((frames - 1) // tc) * tc if self.encode and frames > tc else 1 if self.encode else frames
+        return 1 + ((frames - 1) // self.time_compress) * self.time_compress if self.encode else frames
 
     def chunks(self, frames: int) -> list[tuple[int, int]]:
         """ComfyUI's chunks of the chunked part: (start, end) input frames."""
@@ -180,7 +178,6 @@ def program(fsm, encode: bool):
     levels = part.down if encode else part.up
     if any(len(lv.attn) for lv in levels):
         return "attention outside the mid block"
-    tc = getattr(part, "time_compress", 4) if encode else 4
     whole, chunked = [], []
     if encode:
         c = _inner(part.conv_in)
@@ -207,7 +204,7 @@ def program(fsm, encode: bool):
         if not isinstance(post, torch.nn.Conv3d) or tuple(post.kernel_size) != (1, 1, 1) or not callable(reg):
             return "quant_conv is not a 1x1x1 Conv3d"
         return HunyuanProgram(True, whole, chunked, None, post, reg, latent_channels=post.out_channels // 2,
-                              time_compress=tc)
+                              time_compress=2 ** sum(s.conv.stride[0] == 2 for s in chunked))
     c = _inner(part.conv_in)
     if c is None or c.stride != (1, 1, 1):
         return "conv_in is not a carried 3x3x3 convolution"
@@ -235,16 +232,11 @@ def program(fsm, encode: bool):
     pre = getattr(fsm, "post_quant_conv", None)
     if not isinstance(pre, torch.nn.Conv3d) or tuple(pre.kernel_size) != (1, 1, 1):
         return "post_quant_conv is not a 1x1x1 Conv3d"
-    return HunyuanProgram(False, whole, chunked, pre, None, None, latent_channels=pre.in_channels)
+    return HunyuanProgram(False, whole, chunked, pre, None, None, latent_channels=pre.in_channels,
+                          time_compress=2 ** sum(s.kind == "up" and s.time for s in chunked))
 
 
 # ---------------------------------------------------------------- the runner
-
-
-def _weights(conv, x):
-    w = conv.weight.to(device=x.device, dtype=x.dtype)
-    b = conv.bias.to(device=x.device, dtype=x.dtype) if conv.bias is not None else None
-    return w, b
 
 
 def _pointwise(conv, x):

@@ -12,8 +12,9 @@ Schemes, in the order auto tries them:
 * "stages": exact, one pass. Image KL VAEs: conv_in and the mid block once over the whole latent, then the
   up path stage by stage over the whole image in bands of rows with whole-image GroupNorm moments
   (stagewise.py); their encoders run the down path that way (stagewise_encode.py). Causal 3-D video VAEs
-  (Wan 2.1 / Qwen-Image, Wan 2.2): every stage over the whole frame in bands of rows, chunk by chunk in
-  time with the VAE's own chunking and a whole-frame causal cache per convolution (causal.py).
+  (Wan 2.1 / Qwen-Image, Wan 2.2, HunyuanVideo 1.0): every stage over the whole frame in bands of rows, chunk
+  by chunk in time with the VAE's own chunking and a whole-frame causal cache per convolution (causal.py;
+  hunyuan.py, whose GroupNorms take each chunk's moments).
 * "tiles": overlapping tiles, feather-blended (`exact=False`: each tile normalises itself) or in lock-step
   from one GroupNorm to the next with whole-image statistics (`exact=True`, shared_stats.py). Decode may
   run the head (conv_in + mid block) once over the whole latent first (`head`); encode may tile only the

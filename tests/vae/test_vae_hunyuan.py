@@ -133,6 +133,7 @@ def test_programs_are_comfyuis_modules(hy):
     assert sum(s.kind == "conv" and s.conv.stride[1] == 2 for s in enc.chunked) == 3
     assert [s.conv.stride[0] for s in enc.chunked if s.kind == "conv" and s.conv.stride[1] == 2] == [1, 2, 2]
     assert [s.time for s in dec.chunked if s.kind == "up"] == [False, True, True]
+    assert dec.time_compress == enc.time_compress == 4 and dec.out_frames(3) == 9 and enc.out_frames(11) == 3
     block = fsm.decoder.up[0].block[0]
     norm = block.norm2
     try:
