@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfy_metal.nodes.common.quality import psnr
 from fake_mps_pads import record_pad_ranks
+from video_vae_checks import banded_budget, check_exact, full_plan, run
 from vae_weights import vae_state_dict
 
 CPU = torch.device("cpu")
@@ -55,68 +55,6 @@ def wan22(comfyui):
     return _wan22(8, 8)
 
 
-def _run(vae, x, budget, encode=False, seam="exact"):
-    """Our run of `x` at `budget` bytes: (output, RunInfo, tracked peak bytes with the output excluded)."""
-    from comfy_metal.nodes import vae as vt
-
-    codec = vt.codec_from_comfy(vae)
-    eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=int(budget), seam=seam))
-    with vt.measure_peak(CPU) as m, torch.no_grad():
-        out = eng.encode(x) if encode else eng.decode(x)
-    return out, eng.info, m["peak"] - out.numel() * out.element_size()
-
-
-def _plan(vae, x, encode=False):
-    """The stage plan at an unlimited budget (full-frame bands) and the codec's program."""
-    from comfy_metal.nodes import vae as vt
-    from comfy_metal.nodes.vae.causal import CausalStages
-
-    codec = vt.codec_from_comfy(vae)
-    prog = codec.encode_program if encode else codec.decode_program
-    return CausalStages(prog, codec.device, codec.dtype).plan(tuple(x.shape), 1 << 50), prog
-
-
-def _budget(vae, x, encode, store=torch.float32):
-    """The largest budget under the unbanded plan whose plan has bands and buffers in `store`."""
-    from comfy_metal.nodes import vae as vt
-    from comfy_metal.nodes.vae.causal import CausalStages
-    from comfy_metal.nodes.vae.planner import CPU_WORKSPACE_FACTOR, HEADROOM
-
-    full, prog = _plan(vae, x, encode)
-    codec = vt.codec_from_comfy(vae)
-    runner = CausalStages(prog, codec.device, codec.dtype, CPU_WORKSPACE_FACTOR)
-    for share in (0.8, 0.65, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1):
-        budget = int(full.peak * CPU_WORKSPACE_FACTOR * share / HEADROOM)
-        p = runner.plan(tuple(x.shape), budget * HEADROOM)
-        if p is not None and p.store_dtype == store and p.work > 1.0:
-            return budget, p, prog
-    raise AssertionError(f"no banded plan with {store} buffers")
-
-
-def _check(vae, x, ref, encode, store=torch.float32):
-    """Stage by stage at a budget that needs bands: exact to fp32 rounding against ComfyUI's untiled run (fp32
-    buffers; fp16 ones: >= 60 dB), the measured peak within the budget and within 15% of the plan's prediction
-    (in the tracked bytes it predicts; its budget figure adds the CPU's convolution workspace), and the
-    budget used (the plan's peak at least 80% of it)."""
-    budget, plan, prog = _budget(vae, x, encode, store)
-    out, info, peak = _run(vae, x, budget, encode)
-    assert info.scheme == "stages" and info.mode == "exact (stage by stage)", info
-    assert plan.work > 1.0 and info.expected_peak == plan.peak, info          # banded (halo rows), this plan
-    assert out.shape == ref.shape
-    scale = float(ref.abs().max())
-    print(f"{'encode' if encode else 'decode'} {tuple(x.shape)}: {info.bands} bands, measured {peak / 2**20:.2f} MiB, "
-          f"predicted {plan.tracked / 2**20:.2f} MiB tracked ({plan.peak / 2**20:.2f} with the CPU workspace), "
-          f"budget {budget / 2**20:.2f} MiB, buffers {plan.store_dtype}, max diff {float((out - ref).abs().max()):.2e}")
-    if store == torch.float32:
-        torch.testing.assert_close(out, ref.float(), atol=2e-5 * max(1.0, scale), rtol=0)
-    else:
-        assert psnr(out, ref.float(), peak=2 * scale) >= 60
-    assert peak <= budget
-    assert abs(peak / plan.tracked - 1) <= 0.15, (peak, plan.tracked)
-    assert plan.peak >= 0.8 * budget
-    return out, info
-
-
 def test_programs_are_comfyuis_wan_modules(wan21, wan22):
     """Every WanVAE decoder and encoder of ComfyUI becomes a stage program; a module the stages do not know is
     named, and the codec says why it has no program."""
@@ -158,9 +96,9 @@ def test_decode_stage_by_stage_is_comfyuis_untiled(wan21, wan22, which, frames):
     with torch.no_grad():
         ref = vae.first_stage_model.decode(z)
     assert ref.shape == (1, 3, 1 + 4 * (frames - 1), h * f, w * f)
-    _check(vae, z, ref, encode=False)
+    check_exact(vae, z, ref, encode=False)
     if frames == 21:            # a smaller budget: 2-byte buffers
-        _check(vae, z, ref, encode=False, store=torch.float16)
+        check_exact(vae, z, ref, encode=False, store=torch.float16)
 
 
 @pytest.mark.parametrize("frames", [1, 17])
@@ -173,7 +111,7 @@ def test_encode_stage_by_stage_is_comfyuis_untiled(wan21, wan22, which, frames):
     with torch.no_grad():
         ref = vae.first_stage_model.encode(x)
     assert ref.shape[2] == 1 + (frames - 1) // 4
-    _check(vae, x, ref, encode=True)
+    check_exact(vae, x, ref, encode=True)
 
 
 @pytest.mark.heavy
@@ -187,12 +125,12 @@ def test_real_widths_stage_by_stage_are_comfyuis_untiled(comfyui):
             z = torch.randn(1, zc, frames, h, w)
             with torch.no_grad():
                 ref = vae.first_stage_model.decode(z)
-            _check(vae, z, ref, encode=False)
+            check_exact(vae, z, ref, encode=False)
         for frames in (1, 17):
             x = torch.rand(1, 3, frames, h * f, w * f) * 2 - 1
             with torch.no_grad():
                 ref = vae.first_stage_model.encode(x)
-            _check(vae, x, ref, encode=True)
+            check_exact(vae, x, ref, encode=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -207,8 +145,8 @@ def test_half_precision_within_the_formats_rounding(comfyui, dtype):
         comfy = half.first_stage_model.decode(z.to(dtype)).float()
     from comfy_metal.nodes.vae.planner import CPU_WORKSPACE_FACTOR, HEADROOM
 
-    full, _ = _plan(half, z)
-    out, info, _ = _run(half, z, full.peak * CPU_WORKSPACE_FACTOR * 0.6 / HEADROOM)
+    full, _ = full_plan(half, z)
+    out, info, _ = run(half, z, full.peak * CPU_WORKSPACE_FACTOR * 0.6 / HEADROOM)
     assert info.scheme == "stages" and out.dtype == torch.float32 and torch.isfinite(out).all()
     err, comfy_err = float((out - ref).abs().max()), float((comfy - ref).abs().max())
     print(dtype, "ours", err, "ComfyUI", comfy_err)
@@ -245,14 +183,14 @@ def test_untiled_when_it_fits_and_the_budget_used_when_it_does_not(wan21):
 
     torch.manual_seed(3)
     z = torch.randn(1, 16, 5, 5, 6)
-    full, prog = _plan(wan21, z)
+    full, prog = full_plan(wan21, z)
     budget = full.peak * CPU_WORKSPACE_FACTOR / HEADROOM * 1.01
-    _, info, peak = _run(wan21, z, budget, seam="auto")
+    _, info, peak = run(wan21, z, budget, seam="auto")
     n_chunks = len(prog.chunks(5))
     assert info.scheme == "stages" and info.auto.startswith("auto: exact"), info.auto
     assert info.bands <= n_chunks * 4 * len(prog.stages)            # one band per stage (and per piece)
-    budget, plan, _ = _budget(wan21, z, False)
-    _, small, _ = _run(wan21, z, budget, seam="auto")
+    budget, plan, _ = banded_budget(wan21, z, False)
+    _, small, _ = run(wan21, z, budget, seam="auto")
     assert small.scheme == "stages" and small.auto.startswith("auto: exact") and small.bands > info.bands
     assert small.expected_peak == plan.peak >= 0.8 * budget
 
@@ -269,7 +207,7 @@ def test_default_path_peak_within_1_1x_comfyuis_untiled(wan21):
         with vt.measure_peak(CPU) as m, torch.no_grad():
             ref = wan21.first_stage_model.decode(z)
         comfy = m["peak"]
-        out, info, ours = _run(wan21, z, vt.auto_budget(CPU), seam="auto")
+        out, info, ours = run(wan21, z, vt.auto_budget(CPU), seam="auto")
         ours += out.numel() * out.element_size()
         print(frames, "frame(s): ours", ours, "ComfyUI untiled", comfy, info.auto)
         assert info.scheme == "stages" and ours <= 1.1 * comfy
@@ -282,9 +220,9 @@ def test_no_5d_pad_on_mps(wan21, wan22, emulator_backend, monkeypatch):
     torch.manual_seed(2)
     z21 = torch.randn(1, 16, 3, 3, 4)
     x22 = torch.rand(1, 3, 5, 32, 48) * 2 - 1
-    want = [_run(wan21, z21, 1 << 30)[0], _run(wan22, x22, 1 << 30, encode=True)[0]]
+    want = [run(wan21, z21, 1 << 30)[0], run(wan22, x22, 1 << 30, encode=True)[0]]
     padded = record_pad_ranks(monkeypatch)
-    got = [_run(wan21, z21, 1 << 30)[0], _run(wan22, x22, 1 << 30, encode=True)[0]]
+    got = [run(wan21, z21, 1 << 30)[0], run(wan22, x22, 1 << 30, encode=True)[0]]
     assert 5 not in padded, padded
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
@@ -298,7 +236,7 @@ def test_auto_compares_with_feather_only_when_exact_is_predicted_clearly_slower(
     from comfy_metal.nodes.vae import planner
 
     z = torch.randn(1, 16, 3, 8, 10)
-    budget, plan, _ = _budget(wan21, z, False)
+    budget, plan, _ = banded_budget(wan21, z, False)
     assert plan.work > 1.0
     monkeypatch.setattr(planner, "comfy_tiled_work", lambda codec, shape, encode: plan.work / slower)
     calibrated = []
@@ -310,7 +248,7 @@ def test_auto_compares_with_feather_only_when_exact_is_predicted_clearly_slower(
 
     monkeypatch.setattr(planner.Planner, "tile_for_budget", tile_for_budget)
     monkeypatch.setattr(planner.Planner, "feather_work", lambda self, tile, h, w, exact=False: 1.0)
-    _, info, _ = _run(wan21, z, budget, seam="auto")
+    _, info, _ = run(wan21, z, budget, seam="auto")
     print(info.auto)
     if picks == "exact":
         assert info.scheme == "stages" and info.auto.startswith("auto: exact") and not calibrated

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfy_metal.nodes.common.quality import psnr
 from fake_mps_pads import record_pad_ranks
+from video_vae_checks import banded_budget, check_exact, run, runner
 from vae_weights import vae_state_dict
 
 CPU = torch.device("cpu")
@@ -43,59 +43,6 @@ def hy(comfyui):
     return _hunyuan()
 
 
-def _run(vae, x, budget, encode=False, seam="exact"):
-    from comfy_metal.nodes import vae as vt
-
-    codec = vt.codec_from_comfy(vae)
-    eng = vt.TiledVAE(codec, vt.TilingOptions(budget_bytes=int(budget), seam=seam))
-    with vt.measure_peak(CPU) as m, torch.no_grad():
-        out = eng.encode(x) if encode else eng.decode(x)
-    return out, eng.info, m["peak"] - out.numel() * out.element_size()
-
-
-def _runner(vae, encode, workspace=1.0):
-    from comfy_metal.nodes import vae as vt
-
-    codec = vt.codec_from_comfy(vae)
-    prog = codec.encode_program if encode else codec.decode_program
-    assert prog is not None, codec.programs_note
-    return prog.runner(codec.device, codec.dtype, workspace)
-
-
-def _budget(vae, x, encode, store=torch.float32):
-    """The largest budget under the unbanded plan whose plan has bands and buffers in `store`."""
-    from comfy_metal.nodes.vae.planner import CPU_WORKSPACE_FACTOR, HEADROOM
-
-    full = _runner(vae, encode).plan(tuple(x.shape), 1 << 50)
-    runner = _runner(vae, encode, CPU_WORKSPACE_FACTOR)
-    for share in (0.8, 0.65, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1):
-        budget = int(full.peak * CPU_WORKSPACE_FACTOR * share / HEADROOM)
-        p = runner.plan(tuple(x.shape), budget * HEADROOM)
-        if p is not None and p.store_dtype == store and p.work > full.work:        # banded: halo rows
-            return budget, p
-    raise AssertionError(f"no banded plan with {store} buffers")
-
-
-def _check(vae, x, ref, encode, store=torch.float32):
-    budget, plan = _budget(vae, x, encode, store)
-    out, info, peak = _run(vae, x, budget, encode)
-    assert info.scheme == "stages" and info.mode == "exact (stage by stage)", info
-    assert info.expected_peak == plan.peak, info
-    assert out.shape == ref.shape
-    scale = float(ref.abs().max())
-    print(f"{'encode' if encode else 'decode'} {tuple(x.shape)}: {info.bands} bands, measured {peak / 2**20:.2f} MiB, "
-          f"predicted {plan.tracked / 2**20:.2f} MiB tracked, budget {budget / 2**20:.2f} MiB, buffers "
-          f"{plan.store_dtype}, max diff {float((out - ref).abs().max()):.2e}")
-    if store == torch.float32:
-        torch.testing.assert_close(out, ref.float(), atol=2e-5 * max(1.0, scale), rtol=0)
-    else:
-        assert psnr(out, ref.float(), peak=2 * scale) >= 60
-    assert peak <= budget
-    assert abs(peak / plan.tracked - 1) <= 0.15, (peak, plan.tracked)
-    assert plan.peak >= 0.8 * budget
-    return out, info
-
-
 @pytest.mark.parametrize("frames", [1, 5, 21])
 def test_decode_stage_by_stage_is_comfyuis_untiled(hy, frames):
     torch.manual_seed(frames)
@@ -103,9 +50,9 @@ def test_decode_stage_by_stage_is_comfyuis_untiled(hy, frames):
     with torch.no_grad():
         ref = hy.first_stage_model.decode(z)
     assert ref.shape == (1, 3, 1 + 4 * (frames - 1), 40, 56)
-    _check(hy, z, ref, encode=False)
+    check_exact(hy, z, ref, encode=False)
     if frames == 5:
-        _check(hy, z, ref, encode=False, store=torch.float16)
+        check_exact(hy, z, ref, encode=False, store=torch.float16)
 
 
 @pytest.mark.parametrize("frames", [1, 3, 11, 17])
@@ -114,7 +61,7 @@ def test_encode_stage_by_stage_is_comfyuis_untiled(hy, frames):
     x = torch.rand(1, 3, frames, 40, 56) * 2 - 1
     with torch.no_grad():
         ref = hy.first_stage_model.encode(x)
-    _check(hy, x, ref, encode=True)
+    check_exact(hy, x, ref, encode=True)
 
 
 def test_programs_are_comfyuis_modules(hy):
@@ -154,11 +101,11 @@ def test_real_width_stage_by_stage_is_comfyuis_untiled(comfyui):
     z = torch.randn(1, 16, 5, 3, 4)
     with torch.no_grad():
         ref = vae.first_stage_model.decode(z)
-    _check(vae, z, ref, encode=False)
+    check_exact(vae, z, ref, encode=False)
     x = torch.rand(1, 3, 9, 24, 32) * 2 - 1
     with torch.no_grad():
         ref = vae.first_stage_model.encode(x)
-    _check(vae, x, ref, encode=True)
+    check_exact(vae, x, ref, encode=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -173,8 +120,8 @@ def test_half_precision_within_the_formats_rounding(comfyui, dtype):
         comfy = half.first_stage_model.decode(z.to(dtype)).float()
     from comfy_metal.nodes.vae.planner import CPU_WORKSPACE_FACTOR, HEADROOM
 
-    full = _runner(half, False).plan(tuple(z.shape), 1 << 50)
-    out, info, _ = _run(half, z, full.peak * CPU_WORKSPACE_FACTOR * 0.6 / HEADROOM)
+    full = runner(half, False).plan(tuple(z.shape), 1 << 50)
+    out, info, _ = run(half, z, full.peak * CPU_WORKSPACE_FACTOR * 0.6 / HEADROOM)
     assert info.scheme == "stages" and info.bands > 40 and out.dtype == torch.float32 and torch.isfinite(out).all()
     err, comfy_err = float((out - ref).abs().max()), float((comfy - ref).abs().max())
     print(dtype, "ours", err, "ComfyUI", comfy_err)
@@ -188,13 +135,13 @@ def test_untiled_when_it_fits_and_auto_picks_exact(hy):
 
     torch.manual_seed(3)
     z = torch.randn(1, 16, 3, 5, 6)
-    prog = _runner(hy, False).prog
-    full = _runner(hy, False, CPU_WORKSPACE_FACTOR).plan(tuple(z.shape), 1 << 50)
-    _, info, _ = _run(hy, z, full.peak / HEADROOM * 1.01, seam="auto")
+    prog = runner(hy, False).prog
+    full = runner(hy, False, CPU_WORKSPACE_FACTOR).plan(tuple(z.shape), 1 << 50)
+    _, info, _ = run(hy, z, full.peak / HEADROOM * 1.01, seam="auto")
     assert info.scheme == "stages" and info.auto.startswith("auto: exact"), info.auto
     assert info.bands == len(prog.whole) - 1 + len(prog.chunks(3)) * len(prog.chunked)    # the attention: no bands
-    budget, plan = _budget(hy, z, False)
-    _, small, _ = _run(hy, z, budget, seam="auto")
+    budget, plan, _ = banded_budget(hy, z, False)
+    _, small, _ = run(hy, z, budget, seam="auto")
     assert small.scheme == "stages" and small.auto.startswith("auto: exact") and small.bands > info.bands, small.auto
     assert small.expected_peak == plan.peak >= 0.8 * budget
 
@@ -210,7 +157,7 @@ def test_default_path_peak_within_1_1x_comfyuis_untiled(hy):
         with vt.measure_peak(CPU) as m, torch.no_grad():
             hy.first_stage_model.decode(z)
         comfy = m["peak"]
-        out, info, ours = _run(hy, z, vt.auto_budget(CPU), seam="auto")
+        out, info, ours = run(hy, z, vt.auto_budget(CPU), seam="auto")
         ours += out.numel() * out.element_size()
         print(frames, "frame(s): ours", ours, "ComfyUI untiled", comfy, info.auto)
         assert info.scheme == "stages" and ours <= 1.1 * comfy
@@ -223,9 +170,9 @@ def test_no_5d_pad_on_mps(hy, emulator_backend, monkeypatch):
     torch.manual_seed(2)
     z = torch.randn(1, 16, 3, 3, 4)
     x = torch.rand(1, 3, 5, 24, 32) * 2 - 1
-    want = [_run(hy, z, 1 << 30)[0], _run(hy, x, 1 << 30, encode=True)[0]]
+    want = [run(hy, z, 1 << 30)[0], run(hy, x, 1 << 30, encode=True)[0]]
     padded = record_pad_ranks(monkeypatch)
-    got = [_run(hy, z, 1 << 30)[0], _run(hy, x, 1 << 30, encode=True)[0]]
+    got = [run(hy, z, 1 << 30)[0], run(hy, x, 1 << 30, encode=True)[0]]
     assert 5 not in padded, padded
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
