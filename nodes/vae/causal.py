@@ -200,6 +200,23 @@ class BandRunner:
         self.bands_run = 0
         self.nonfinite = 0          # decode: NaN/inf values written to the output
 
+    def _out(self, shape, rows, rows_total, like):
+        """A stage's output buffer: none when it runs as one band (`rows` of `rows_total`) in the compute dtype
+        (its result is the buffer), else a whole-frame buffer in the plan's storage dtype."""
+        if rows >= rows_total and self.plan_.store_dtype == self.dtype:
+            return None
+        return _Buffer(shape, self.plan_.store_dtype, like.device)
+
+    @staticmethod
+    def _writer(target, lag):
+        """Band rows into `target` (a cache updated in place) `lag` rows late (_Lagged); None without a target."""
+        if target is None:
+            return None
+
+        def write(r0, r1, rows):
+            target[..., r0:r1, :] = rows
+        return _Lagged(write, lag)
+
     def _deliver(self, sink, out, r0, r1, y):
         """Band rows r0:r1 of a stage's output: into the decoded video (`sink`, the last stage), the stage's
         buffer `out`, or, when there is neither (the stage runs as one band), returned as the stage's result."""
@@ -408,13 +425,6 @@ class CausalStages(BandRunner):
     def _bands(self, j, rows_total):
         return _bands(rows_total, self.plan_.rows[j])
 
-    def _out(self, j, shape, rows_total, like):
-        """A stage's output buffer: none when it runs as one band in the compute dtype (its result is the
-        buffer), else a whole-frame buffer in the plan's storage dtype."""
-        if self.plan_.rows[j] >= rows_total and self.plan_.store_dtype == self.dtype:
-            return None
-        return _Buffer(shape, self.plan_.store_dtype, like.device)
-
     def _history(self, j, key, shape, new_frames):
         """(the cache of stage j, the tensor its band rows go to, lag): updated in place when it keeps its
         frame count (the next band still reads `lag` rows of the old one above its start), else a new one."""
@@ -428,20 +438,13 @@ class CausalStages(BandRunner):
         self.state[(j, key)] = new
         return old, new
 
-    def _writer(self, target, lag):
-        if target is None:
-            return None
-        def write(r0, r1, rows):
-            target[..., r0:r1, :] = rows
-        return _Lagged(write, lag)
-
     def _conv(self, j, s: Conv, x: _Buffer, sink):
         n, ci, t, hh, ww = x.t.shape
         co = s.conv.out_channels
         kt = s.conv.kernel_size[0]
         hist, new = self._history(j, "h", x.t.shape, t) if kt > 1 else (None, None)
         cache = self._writer(new, 1 if new is hist else 0)
-        out = None if sink is not None else self._out(j, (n, co, t, hh, ww), hh, x.t)
+        out = None if sink is not None else self._out((n, co, t, hh, ww), self.plan_.rows[j], hh, x.t)
         result = None
         for r0, r1 in self._bands(j, hh):
             a, b = max(0, r0 - 1), min(hh, r1 + 1)
@@ -514,7 +517,7 @@ class CausalStages(BandRunner):
         hist, new = self._history(j, "h", x.t.shape, t) if temporal else (None, None)
         cache = self._writer(new, 1 if new is hist else 0)
         kept = self.kept.pop() if s.add is not None else None
-        out = self._out(j, (n, co, to, 2 * hh, 2 * ww), hh, x.t)
+        out = self._out((n, co, to, 2 * hh, 2 * ww), self.plan_.rows[j], hh, x.t)
         result = None
         for r0, r1 in self._bands(j, hh):
             a, b = max(0, r0 - 1), min(hh, r1 + 1)

@@ -32,7 +32,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .causal import CACHE_T, BandRunner, CausalPlan, _Lagged, _query_chunk, _weights, _writable
+from .causal import CACHE_T, BandRunner, CausalPlan, _query_chunk, _weights, _writable
 from .shared_stats import GroupMoments, group_norm_with
 from .stagewise import _Buffer, _bands
 
@@ -298,17 +298,15 @@ class HunyuanStages(BandRunner):
                 c, t, h, w = o
             return out, (c, t, h, w)
 
+        big, single = max(b - a for a, b in chunks), len(chunks) == 1
         if prog.encode:
-            big = max(b - a for a, b in chunks)
-            ch, _ = walk(prog.chunked, c, big, h, w, len(chunks) == 1)
-            (_, first_out) = walk(prog.chunked, c, 1, h, w, True)
-            lat = (first_out[0], prog.out_frames(frames), first_out[2], first_out[3])
+            ch, (co, _, ho, wo) = walk(prog.chunked, c, big, h, w, single)
+            lat = (co, prog.out_frames(frames), ho, wo)        # every chunk's output, joined in time
             wh, _ = walk(prog.whole, *lat, True)
-            return [(ch, len(chunks) > 1, True), (wh, False, False)], lat
+            return [(ch, not single, True), (wh, False, False)], lat
         wh, mid = walk(prog.whole, prog.pre.out_channels, frames, h, w, True)
-        big = max(b - a for a, b in chunks)
-        ch, _ = walk(prog.chunked, mid[0], big, h, w, len(chunks) == 1)
-        return [(wh, False, False), (ch, len(chunks) > 1, True)], mid
+        ch, _ = walk(prog.chunked, mid[0], big, h, w, single)
+        return [(wh, False, False), (ch, not single, True)], mid
 
     def _stage_cost(self, s, inp, out, n, sb, esize):
         """(output buffer bytes, working bytes per band row, multiply-adds, band rows, carry bytes) of a stage on a
@@ -432,7 +430,8 @@ class HunyuanStages(BandRunner):
         return m.final()
 
     def _history(self, key, shape, carry):
-        """(the carry of this convolution from the last chunk, the tensor this chunk's carry goes to, lag)."""
+        """(the carry of this convolution from the last chunk, the tensor this chunk's carry goes to: the same one,
+        written in place, once it exists; None for the last chunk, whose carry nobody reads)."""
         old = self.state.get(key)
         if not carry:
             return old, None
@@ -441,11 +440,6 @@ class HunyuanStages(BandRunner):
         new = torch.empty(shape, dtype=self.plan_.store_dtype, device=self.device)
         self.state[key] = new
         return old, new
-
-    def _output(self, shape, rows, total, like):
-        if rows >= total and self.plan_.store_dtype == self.dtype:
-            return None
-        return _Buffer(shape, self.plan_.store_dtype, like.device)
 
     def _conv(self, j, s: GConv, x: _Buffer, rows, first, carry, sink):
         n, ci, t, hh, ww = x.t.shape
@@ -456,9 +450,9 @@ class HunyuanStages(BandRunner):
         if s.keep:
             self.kept.append(x)
         hist, new = self._history((j, "c"), (n, ci, CACHE_T, hh, ww), carry)
-        cache = _Lagged(self._write_rows(new), 1) if new is not None else None
+        cache = self._writer(new, 1)
         in_place = res is not None and s.shortcut is None and not res.readonly and tuple(res.t.shape) == (n, co, to, ho, wo)
-        out = None if sink is not None else res if in_place else self._output((n, co, to, ho, wo), rows, ho, x.t)
+        out = None if sink is not None else res if in_place else self._out((n, co, to, ho, wo), rows, ho, x.t)
         result = None
         for r0, r1 in _bands(ho, rows):
             i0, i1 = (r0 - 1, r1 + 1) if stride == 1 else (2 * r0 - 1, 2 * r1)
@@ -494,8 +488,8 @@ class HunyuanStages(BandRunner):
         co, to, ho, wo = s.out_shape(ci, t, hh, ww, first=first)
         tu = (to if s.time else t)
         hist, new = self._history((j, "c"), (n, ci, CACHE_T, ho, wo), carry)
-        cache = _Lagged(self._write_rows(new), 1) if new is not None else None
-        out = self._output((n, co, to, ho, wo), rows, hh, x.t)
+        cache = self._writer(new, 1)
+        out = self._out((n, co, to, ho, wo), rows, hh, x.t)
         result = None
         for q0, q1 in _bands(hh, rows):
             a, b = max(0, q0 - 1), min(hh, q1 + 1)
@@ -515,12 +509,6 @@ class HunyuanStages(BandRunner):
         if cache is not None:
             cache.flush()
         return out if out is not None else _writable(result)
-
-    @staticmethod
-    def _write_rows(target):
-        def write(r0, r1, rows):
-            target[..., r0:r1, :] = rows
-        return write
 
     def _attention(self, s: GAttn, x: _Buffer):
         blk = s.block
